@@ -1,0 +1,289 @@
+//! Wire types shared by memtrace's eBPF programs and its userspace loader.
+//!
+//! Everything here is `#[repr(C)]`, made of fixed-width integers with explicit
+//! padding, and size-checked at compile time, so both sides agree on layout
+//! byte for byte. Discriminants travel as plain integers and are decoded on
+//! the user side with `TryFrom`, never transmuted.
+#![no_std]
+
+/// Marker for "this argument slot is not used" in a [`ProbeSpec`].
+pub const ARG_NONE: u8 = 0xff;
+
+/// Value of [`WireEvent::stack_id`] when no stack was requested.
+pub const STACK_NONE: i32 = i32::MIN;
+
+/// [`WireEvent::flags`]: the new block of a reallocation is outside the sample.
+pub const FLAG_NEW_UNSAMPLED: u8 = 1;
+
+/// Maximum number of probe specs (one per attached function and library).
+pub const MAX_SPECS: u32 = 1024;
+
+/// What a probed function does to the live set.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpecKind {
+    /// Creates a block: its address comes from the return value or an out-parameter.
+    Alloc = 0,
+    /// Releases the block named by `ptr_arg`.
+    Free = 1,
+    /// `realloc`-like: releases `ptr_arg` and creates the returned block.
+    Realloc = 2,
+}
+
+/// How a probed function reports success.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetKind {
+    /// Returns the new pointer; NULL means failure.
+    Pointer = 0,
+    /// Returns a status code; `success_code` means success (the block comes from `out_arg`).
+    Status = 1,
+    /// `mmap`-like: returns the pointer; `MAP_FAILED` (-1) means failure.
+    MmapPointer = 2,
+    /// Returns nothing of interest (`free`): no return probe is needed.
+    Void = 3,
+}
+
+/// Special handling a few functions need beyond the generic argument model.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpecQuirk {
+    None = 0,
+    /// `mmap`: only anonymous mappings (flags in arg 3 carry `MAP_ANONYMOUS`) count.
+    AnonMmap = 1,
+    /// `munmap`: only addresses recorded by an `AnonMmap` probe count.
+    Munmap = 2,
+    /// The size is read through a `size_t*` out-parameter (`size_arg`) after the call
+    /// (e.g. `cudaMallocPitch`'s pitch) and multiplied by `count_arg`.
+    SizeOutParam = 3,
+    /// `cudaMalloc3D(cudaPitchedPtr*, cudaExtent)`: the pitched pointer struct is an
+    /// out-parameter whose first word is the pointer and second the pitch; the
+    /// extent (width, height, depth) is passed on the stack.
+    Malloc3D = 4,
+}
+
+/// Per-attach-point description of a probed function, stored in the `SPECS`
+/// array map and selected by the attach cookie.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeSpec {
+    /// Index of this spec (also its attach cookie).
+    pub index: u16,
+    /// [`SpecKind`] as `u8`.
+    pub kind: u8,
+    /// [`RetKind`] as `u8`.
+    pub ret: u8,
+    /// Argument holding the size, or [`ARG_NONE`].
+    pub size_arg: u8,
+    /// Argument multiplied with the size (`calloc`'s count), or [`ARG_NONE`].
+    pub count_arg: u8,
+    /// Argument holding the pointer to release, or [`ARG_NONE`].
+    pub ptr_arg: u8,
+    /// Argument holding a `void**` out-parameter for the new block, or [`ARG_NONE`].
+    pub out_arg: u8,
+    /// Family of this function: calls nested inside an in-flight call of the same
+    /// family on the same thread are not counted twice.
+    pub family: u8,
+    /// A second family whose in-flight call suppresses this one (the CUDA runtime
+    /// over the driver), or [`ARG_NONE`].
+    pub parent_family: u8,
+    /// [`SpecQuirk`] as `u8`.
+    pub quirk: u8,
+    pub _pad: [u8; 5],
+    /// Status value meaning success when `ret` is [`RetKind::Status`].
+    pub success_code: i64,
+}
+
+impl ProbeSpec {
+    pub const fn empty() -> Self {
+        ProbeSpec {
+            index: 0,
+            kind: SpecKind::Alloc as u8,
+            ret: RetKind::Pointer as u8,
+            size_arg: ARG_NONE,
+            count_arg: ARG_NONE,
+            ptr_arg: ARG_NONE,
+            out_arg: ARG_NONE,
+            family: 0,
+            parent_family: ARG_NONE,
+            quirk: SpecQuirk::None as u8,
+            _pad: [0; 5],
+            success_code: 0,
+        }
+    }
+}
+
+/// What happened, as sent through the ring buffer.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// A block was created: `addr`, `size`, `stack_id`.
+    Alloc = 0,
+    /// A block was released: `addr`.
+    Free = 1,
+    /// `aux` (old block) was released and `addr` created with `size`.
+    Realloc = 2,
+    /// The call failed: `aux` is the return code, `size` the requested size.
+    Failed = 3,
+}
+
+/// One event in the ring buffer: 48 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireEvent {
+    /// `bpf_ktime_get_ns()` at the event.
+    pub ts_ns: u64,
+    /// The block created or released.
+    pub addr: u64,
+    /// Bytes requested (allocations, failures).
+    pub size: u64,
+    /// Old block for reallocations, return code for failures.
+    pub aux: u64,
+    /// Thread group id (the process id).
+    pub pid: u32,
+    /// Thread id.
+    pub tid: u32,
+    /// Id in the `STACKS` map, a negative errno when capture failed, or [`STACK_NONE`].
+    pub stack_id: i32,
+    /// Index of the [`ProbeSpec`] that produced the event.
+    pub spec: u16,
+    /// [`EventKind`] as `u8`.
+    pub kind: u8,
+    /// Reserved.
+    pub flags: u8,
+}
+
+/// Key of the per-thread in-flight call table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PendingKey {
+    pub pid_tgid: u64,
+    pub family: u32,
+    pub _pad: u32,
+}
+
+/// An allocator call between its entry and its return.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PendingCall {
+    /// Stack pointer at entry: the return is recognised by `sp == entry_sp + 8`.
+    pub entry_sp: u64,
+    pub ts_ns: u64,
+    pub size: u64,
+    pub count: u64,
+    pub ptr: u64,
+    pub out: u64,
+    pub spec: u16,
+    pub _pad: [u8; 6],
+}
+
+/// Key of the live anonymous-mapping set (so `munmap` only reports what `mmap` traced).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmapKey {
+    pub addr: u64,
+    pub tgid: u32,
+    pub _pad: u32,
+}
+
+/// Kernel-side counters (a per-CPU array indexed by these values).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// `bpf_ringbuf_reserve` failed: the ring buffer was full and an event was lost.
+    RingbufFull = 0,
+    /// Stack capture failed: the walk faulted (`-EFAULT`).
+    StackFault = 1,
+    /// Stack capture failed: the stack-trace map bucket was taken by another stack (`-EEXIST`).
+    StackCollision = 2,
+    /// Stack capture failed: the stack-trace map was full (`-ENOMEM`) or another error.
+    StackOther = 3,
+    /// The in-flight call table was full: a call could not be tracked and was lost.
+    PendingFull = 4,
+    /// A return arrived without its entry (attached mid-call): harmless, counted.
+    UnpairedReturn = 5,
+    /// An in-flight call record was found stale and replaced.
+    StalePending = 6,
+    /// Reading an out-parameter after a successful call failed: the block was lost.
+    OutReadFailed = 7,
+    /// The live anonymous-mapping set was full: a mapping was not tracked.
+    MmapTableFull = 8,
+    /// Calls skipped because they ran inside another traced call of the same family.
+    Nested = 9,
+    /// Events skipped by sampling or size filters in the kernel.
+    Filtered = 10,
+}
+
+/// Number of [`Counter`] slots.
+pub const COUNTER_SLOTS: u32 = 16;
+
+impl Counter {
+    pub const ALL: [Counter; 11] = [
+        Counter::RingbufFull,
+        Counter::StackFault,
+        Counter::StackCollision,
+        Counter::StackOther,
+        Counter::PendingFull,
+        Counter::UnpairedReturn,
+        Counter::StalePending,
+        Counter::OutReadFailed,
+        Counter::MmapTableFull,
+        Counter::Nested,
+        Counter::Filtered,
+    ];
+}
+
+/// Error for an integer that names no variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnknownDiscriminant(pub u32);
+
+macro_rules! try_from_u8 {
+    ($ty:ident { $($variant:ident),+ $(,)? }) => {
+        impl TryFrom<u8> for $ty {
+            type Error = UnknownDiscriminant;
+            fn try_from(value: u8) -> Result<Self, Self::Error> {
+                $(if value == $ty::$variant as u8 { return Ok($ty::$variant); })+
+                Err(UnknownDiscriminant(u32::from(value)))
+            }
+        }
+    };
+}
+
+try_from_u8!(EventKind { Alloc, Free, Realloc, Failed });
+try_from_u8!(SpecKind { Alloc, Free, Realloc });
+try_from_u8!(RetKind { Pointer, Status, MmapPointer, Void });
+try_from_u8!(SpecQuirk { None, AnonMmap, Munmap, SizeOutParam, Malloc3D });
+
+const _: () = assert!(core::mem::size_of::<WireEvent>() == 48);
+const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 24);
+const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
+const _: () = assert!(core::mem::size_of::<MmapKey>() == 16);
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: these types are `#[repr(C)]`, made only of integers with explicit
+    // padding fields, so every bit pattern is valid and there is no uninit padding.
+    unsafe impl aya::Pod for super::ProbeSpec {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::WireEvent {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::PendingKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::PendingCall {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn discriminants_round_trip() {
+        for kind in [EventKind::Alloc, EventKind::Free, EventKind::Realloc, EventKind::Failed] {
+            assert_eq!(EventKind::try_from(kind as u8), Ok(kind));
+        }
+        assert_eq!(EventKind::try_from(9), Err(UnknownDiscriminant(9)));
+        assert_eq!(RetKind::try_from(3), Ok(RetKind::Void));
+        assert!(SpecQuirk::try_from(200).is_err());
+    }
+}

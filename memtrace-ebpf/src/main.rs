@@ -1,0 +1,470 @@
+//! memtrace's eBPF programs.
+//!
+//! Two generic programs serve every probed function: `call_enter` (a uprobe)
+//! and `call_exit` (a uretprobe). The loader attaches them once per function
+//! and library with an attach cookie naming a [`ProbeSpec`] in the `SPECS`
+//! map; the spec says which argument is the size, the pointer to release or
+//! the `void**` out-parameter, and how the function reports success. This one
+//! data-driven path serves libc's allocators, the CUDA runtime and driver,
+//! Ascend ACL and user-declared resource pairs alike.
+//!
+//! Per thread, `call_enter` saves the arguments of an allocating call keyed by
+//! (thread, allocator family) together with the stack pointer; `call_exit`
+//! recognises the matching return by `sp == entry_sp + 8`, checks success and
+//! emits one [`WireEvent`] through the `EVENTS` ring buffer with a stack id from
+//! the `STACKS` map. Calls made inside an in-flight call of the same family (or
+//! of its parent family) are nested implementation details and are skipped, so
+//! nothing is counted twice. Every loss is counted in `COUNTERS`.
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    bindings::{pt_regs, BPF_F_USER_STACK},
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
+    macros::{map, uprobe, uretprobe},
+    maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
+    programs::{ProbeContext, RetProbeContext},
+    EbpfContext, Global,
+};
+use aya_log_ebpf::debug;
+use memtrace_common::{
+    Counter, EventKind, MmapKey, PendingCall, PendingKey, ProbeSpec, RetKind, SpecKind,
+    SpecQuirk, WireEvent, ARG_NONE, COUNTER_SLOTS, MAX_SPECS, STACK_NONE,
+};
+
+/// 1: capture a user stack per allocation; 0: no stacks (`--stack-depth 0`).
+#[no_mangle]
+static STACKS_ENABLED: Global<u32> = Global::new(1);
+/// Trace one address in this many (`--sample-rate`); 1 traces everything.
+#[no_mangle]
+static SAMPLE_RATE: Global<u32> = Global::new(1);
+/// Allocations smaller than this are not reported (`--min-size`).
+#[no_mangle]
+static MIN_SIZE: Global<u64> = Global::new(0);
+/// Allocations larger than this are not reported (`--max-size`).
+#[no_mangle]
+static MAX_SIZE: Global<u64> = Global::new(u64::MAX);
+/// 1: every program returns at once (the empty-probe floor of `cargo xtask bench`).
+#[no_mangle]
+static NULL_MODE: Global<u32> = Global::new(0);
+/// Wake the reader only once this many bytes wait in the ring buffer (0: every event).
+#[no_mangle]
+static WAKEUP_BYTES: Global<u64> = Global::new(0);
+
+/// An in-flight record older than this is stale (its thread left the call abnormally).
+const STALE_NS: u64 = 10_000_000_000;
+const MAP_ANONYMOUS: u64 = 0x20;
+const EFAULT: i32 = 14;
+const EEXIST: i32 = 17;
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
+#[map]
+static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
+#[map]
+static SPECS: Array<ProbeSpec> = Array::with_max_entries(MAX_SPECS, 0);
+#[map]
+static PENDING: HashMap<PendingKey, PendingCall> = HashMap::with_max_entries(65536, 0);
+#[map]
+static MMAPS: HashMap<MmapKey, u64> = HashMap::with_max_entries(65536, 0);
+#[map]
+static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
+
+/// Entry of every probed function.
+#[uprobe]
+pub fn call_enter(ctx: ProbeContext) -> u32 {
+    if NULL_MODE.load() == 0 {
+        on_enter(&ctx);
+    }
+    0
+}
+
+/// Return of every probed function that has a result to check.
+#[uretprobe]
+pub fn call_exit(ctx: RetProbeContext) -> u32 {
+    if NULL_MODE.load() == 0 {
+        on_exit(&ctx);
+    }
+    0
+}
+
+#[inline(always)]
+fn bump(counter: Counter) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
+        // SAFETY: the slot is this CPU's own element of a per-CPU array, and the
+        // program runs with preemption disabled, so no one else writes it now.
+        unsafe { *slot += 1 };
+    }
+}
+
+#[inline(always)]
+fn cookie_spec<C: EbpfContext>(ctx: &C) -> Option<ProbeSpec> {
+    // SAFETY: the helper only reads the attach cookie of the running program.
+    let cookie = unsafe { aya_ebpf::helpers::bpf_get_attach_cookie(ctx.as_ptr()) };
+    SPECS.get(cookie as u32).copied()
+}
+
+#[inline(always)]
+fn stack_pointer<C: EbpfContext>(ctx: &C) -> u64 {
+    let regs = ctx.as_ptr() as *const pt_regs;
+    // SAFETY: for (ret)probe programs the context is the trapped task's pt_regs,
+    // which the verifier lets the program read directly.
+    unsafe { (*regs).rsp }
+}
+
+#[inline(always)]
+fn arg(ctx: &ProbeContext, n: u8) -> u64 {
+    if n == ARG_NONE {
+        return 0;
+    }
+    ctx.arg::<u64>(n as usize).unwrap_or(0)
+}
+
+/// Whether `addr` belongs to the sampled subset: a hash of the address, so the
+/// free of a sampled block is sampled too.
+#[inline(always)]
+fn sampled(addr: u64) -> bool {
+    let rate = SAMPLE_RATE.load() as u64;
+    if rate <= 1 {
+        return true;
+    }
+    let hash = (addr >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+    hash % rate == 0
+}
+
+/// `a * b`, saturating at `u64::MAX`. BPF has no 128-bit multiply, so LLVM's
+/// overflow intrinsics cannot be used: operands that both exceed 32 bits (a
+/// request no allocator could satisfy) saturate.
+#[inline(always)]
+fn mul_sat(a: u64, b: u64) -> u64 {
+    if a <= 1 || b <= 1 {
+        if a == 0 || b == 0 {
+            0
+        } else {
+            a.max(b)
+        }
+    } else if (a | b) >> 32 == 0 {
+        a * b
+    } else {
+        u64::MAX
+    }
+}
+
+#[inline(always)]
+fn emit(event: WireEvent) {
+    let threshold = WAKEUP_BYTES.load();
+    match EVENTS.reserve::<WireEvent>(0) {
+        Some(mut entry) => {
+            entry.write(event);
+            let flags = if threshold == 0 {
+                0
+            } else if EVENTS.query(BPF_RB_AVAIL_DATA) >= threshold {
+                BPF_RB_FORCE_WAKEUP
+            } else {
+                BPF_RB_NO_WAKEUP
+            };
+            entry.submit(flags);
+        }
+        None => bump(Counter::RingbufFull),
+    }
+}
+
+#[inline(always)]
+fn base_event(pid_tgid: u64, spec: u16, kind: EventKind) -> WireEvent {
+    WireEvent {
+        // SAFETY: reading the monotonic clock has no preconditions.
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        addr: 0,
+        size: 0,
+        aux: 0,
+        pid: (pid_tgid >> 32) as u32,
+        tid: pid_tgid as u32,
+        stack_id: STACK_NONE,
+        spec,
+        kind: kind as u8,
+        flags: 0,
+    }
+}
+
+/// Whether a call of `family` is in flight on this thread at a shallower stack
+/// level than `sp` (so the current call runs inside it).
+#[inline(always)]
+fn in_flight(pid_tgid: u64, family: u8, sp: u64, now: u64) -> bool {
+    let key = PendingKey {
+        pid_tgid,
+        family: family as u32,
+        _pad: 0,
+    };
+    // SAFETY: the value is copied out at once; a concurrent delete by this same
+    // thread is impossible while it runs this program.
+    match unsafe { PENDING.get(&key) } {
+        Some(outer) => sp <= outer.entry_sp && now.wrapping_sub(outer.ts_ns) < STALE_NS,
+        None => false,
+    }
+}
+
+fn on_enter(ctx: &ProbeContext) {
+    let Some(spec) = cookie_spec(ctx) else {
+        return;
+    };
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let sp = stack_pointer(ctx);
+    // SAFETY: reading the monotonic clock has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+
+    if spec.parent_family != ARG_NONE && in_flight(pid_tgid, spec.parent_family, sp, now) {
+        bump(Counter::Nested);
+        return;
+    }
+    if in_flight(pid_tgid, spec.family, sp, now) {
+        bump(Counter::Nested);
+        return;
+    }
+
+    if spec.ret == RetKind::Void as u8 {
+        release_now(ctx, &spec, pid_tgid);
+        return;
+    }
+    if spec.quirk == SpecQuirk::AnonMmap as u8 && arg(ctx, 3) & MAP_ANONYMOUS == 0 {
+        return;
+    }
+
+    let mut call = PendingCall {
+        entry_sp: sp,
+        ts_ns: now,
+        size: arg(ctx, spec.size_arg),
+        count: if spec.count_arg == ARG_NONE {
+            1
+        } else {
+            arg(ctx, spec.count_arg)
+        },
+        ptr: arg(ctx, spec.ptr_arg),
+        out: arg(ctx, spec.out_arg),
+        spec: spec.index,
+        _pad: [0; 6],
+    };
+    if spec.quirk == SpecQuirk::Malloc3D as u8 {
+        // cudaExtent {width, height, depth} is passed by value on the stack,
+        // just above the return address.
+        // SAFETY: bpf_probe_read_user checks the user address and fails cleanly.
+        let height = unsafe { bpf_probe_read_user((sp + 16) as *const u64) }.unwrap_or(0);
+        // SAFETY: as above.
+        let depth = unsafe { bpf_probe_read_user((sp + 24) as *const u64) }.unwrap_or(0);
+        call.count = mul_sat(height, depth);
+    }
+    let key = PendingKey {
+        pid_tgid,
+        family: spec.family as u32,
+        _pad: 0,
+    };
+    if PENDING.insert(&key, &call, 0).is_err() {
+        bump(Counter::PendingFull);
+    }
+}
+
+/// A release with no result to check (`free`, `munmap`): report it at entry.
+#[inline(always)]
+fn release_now(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) {
+    let ptr = arg(ctx, spec.ptr_arg);
+    if ptr == 0 {
+        return;
+    }
+    if spec.quirk == SpecQuirk::Munmap as u8 {
+        let key = MmapKey {
+            addr: ptr,
+            tgid: (pid_tgid >> 32) as u32,
+            _pad: 0,
+        };
+        if MMAPS.remove(&key).is_err() {
+            return;
+        }
+    }
+    if !sampled(ptr) {
+        bump(Counter::Filtered);
+        return;
+    }
+    let mut event = base_event(pid_tgid, spec.index, EventKind::Free);
+    event.addr = ptr;
+    emit(event);
+}
+
+fn on_exit(ctx: &RetProbeContext) {
+    let Some(exit_spec) = cookie_spec(ctx) else {
+        return;
+    };
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let key = PendingKey {
+        pid_tgid,
+        family: exit_spec.family as u32,
+        _pad: 0,
+    };
+    // SAFETY: copied out at once; only this thread touches its own key.
+    let Some(call) = (unsafe { PENDING.get(&key) }).copied() else {
+        bump(Counter::UnpairedReturn);
+        return;
+    };
+    let sp = stack_pointer(ctx);
+    let expected = call.entry_sp.wrapping_add(8);
+    if sp < expected {
+        // The return of a nested call that was skipped at its entry.
+        return;
+    }
+    let _ = PENDING.remove(&key);
+    if sp > expected {
+        bump(Counter::StalePending);
+        debug!(ctx, "stale in-flight call dropped (spec {})", call.spec);
+        return;
+    }
+    let Some(spec) = SPECS.get(call.spec as u32).copied() else {
+        return;
+    };
+    let ret: u64 = ctx.ret();
+    finish_call(ctx, &spec, &call, pid_tgid, ret);
+}
+
+/// Decides what a returned call did and emits its event.
+#[inline(always)]
+fn finish_call(ctx: &RetProbeContext, spec: &ProbeSpec, call: &PendingCall, pid_tgid: u64, ret: u64) {
+    let success = if spec.ret == RetKind::Status as u8 {
+        (ret as i32) as i64 == spec.success_code
+    } else if spec.ret == RetKind::MmapPointer as u8 {
+        ret != u64::MAX && ret != 0
+    } else {
+        ret != 0
+    };
+
+    if spec.kind == SpecKind::Free as u8 {
+        // A release whose result is checked (cudaFree, aclrtFree ...).
+        if call.ptr == 0 {
+            return;
+        }
+        let mut event = if success {
+            base_event(pid_tgid, spec.index, EventKind::Free)
+        } else {
+            let mut failed = base_event(pid_tgid, spec.index, EventKind::Failed);
+            failed.aux = ret;
+            failed
+        };
+        event.addr = call.ptr;
+        if success && !sampled(call.ptr) {
+            bump(Counter::Filtered);
+            return;
+        }
+        emit(event);
+        return;
+    }
+
+    if !success {
+        if spec.kind == SpecKind::Realloc as u8 && call.ptr != 0 && call.size == 0 {
+            // realloc(p, 0) frees p and returns NULL.
+            let mut event = base_event(pid_tgid, spec.index, EventKind::Free);
+            event.addr = call.ptr;
+            emit(event);
+            return;
+        }
+        let mut event = base_event(pid_tgid, spec.index, EventKind::Failed);
+        event.size = mul_sat(call.size, call.count);
+        event.aux = ret;
+        emit(event);
+        return;
+    }
+
+    let mut addr = ret;
+    let mut size = mul_sat(call.size, call.count);
+    if spec.out_arg != ARG_NONE {
+        // SAFETY: bpf_probe_read_user validates the user address and fails cleanly.
+        match unsafe { bpf_probe_read_user(call.out as *const u64) } {
+            Ok(value) => addr = value,
+            Err(_) => {
+                bump(Counter::OutReadFailed);
+                debug!(ctx, "out-parameter unreadable (spec {})", call.spec);
+                return;
+            }
+        }
+    }
+    if spec.quirk == SpecQuirk::SizeOutParam as u8 {
+        // SAFETY: as above.
+        let pitch = unsafe { bpf_probe_read_user(call.size as *const u64) }.unwrap_or(0);
+        size = mul_sat(pitch, call.count);
+    } else if spec.quirk == SpecQuirk::Malloc3D as u8 {
+        // SAFETY: as above; cudaPitchedPtr is {ptr, pitch, xsize, ysize}.
+        let pitch = unsafe { bpf_probe_read_user((call.out + 8) as *const u64) }.unwrap_or(0);
+        size = mul_sat(pitch, call.count);
+    } else if spec.quirk == SpecQuirk::AnonMmap as u8 {
+        let key = MmapKey {
+            addr,
+            tgid: (pid_tgid >> 32) as u32,
+            _pad: 0,
+        };
+        if MMAPS.insert(&key, &size, 0).is_err() {
+            bump(Counter::MmapTableFull);
+        }
+    }
+
+    let is_realloc = spec.kind == SpecKind::Realloc as u8;
+    let old = if is_realloc { call.ptr } else { 0 };
+    let new_sampled = sampled(addr);
+    let old_sampled = old != 0 && sampled(old);
+    if !new_sampled && !old_sampled {
+        bump(Counter::Filtered);
+        return;
+    }
+    if size < MIN_SIZE.load() || size > MAX_SIZE.load() {
+        bump(Counter::Filtered);
+        if old_sampled {
+            let mut event = base_event(pid_tgid, spec.index, EventKind::Free);
+            event.addr = old;
+            emit(event);
+        }
+        return;
+    }
+
+    let kind = if is_realloc {
+        EventKind::Realloc
+    } else {
+        EventKind::Alloc
+    };
+    let mut event = base_event(pid_tgid, spec.index, kind);
+    event.addr = addr;
+    event.size = size;
+    event.aux = if old_sampled { old } else { 0 };
+    if !new_sampled {
+        event.flags |= memtrace_common::FLAG_NEW_UNSAMPLED;
+    }
+    if STACKS_ENABLED.load() != 0 {
+        event.stack_id = match ctx.get_stackid_user() {
+            Ok(id) => id,
+            Err(err) => {
+                bump(match -err {
+                    EFAULT => Counter::StackFault,
+                    EEXIST => Counter::StackCollision,
+                    _ => Counter::StackOther,
+                });
+                err
+            }
+        };
+    }
+    emit(event);
+}
+
+trait UserStack {
+    fn get_stackid_user(&self) -> Result<i32, i32>;
+}
+
+impl UserStack for RetProbeContext {
+    #[inline(always)]
+    fn get_stackid_user(&self) -> Result<i32, i32> {
+        use aya_ebpf::programs::tracing::StackIdContext;
+        self.get_stackid(&STACKS, BPF_F_USER_STACK as u64)
+            .map(|id| id as i32)
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}

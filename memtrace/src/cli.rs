@@ -1,0 +1,116 @@
+//! Command-line definitions (clap). Parsing only: no behaviour lives here.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Find memory leaks in live processes, host and GPU/NPU, with eBPF uprobes.
+#[derive(Debug, Parser)]
+#[command(
+    name = "memtrace",
+    version,
+    about,
+    args_conflicts_with_subcommands = true,
+    after_help = "Examples:\n  sudo memtrace --pid 1234 --duration 30s\n  sudo memtrace -- ./my_app args\n  memtrace monitor --name smengine_demo --duration 8h --output mem.csv"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
+    #[command(flatten)]
+    pub trace: TraceArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Sample process, kernel and GPU memory over time and judge the curves (soak tests).
+    Monitor(crate::monitor::MonitorArgs),
+}
+
+/// Output formats of the trace report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Human-readable report.
+    Text,
+    /// Stable JSON contract.
+    Json,
+}
+
+/// Options of the tracer (the default command).
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// Attach to this running process.
+    #[arg(short, long, conflicts_with = "command")]
+    pub pid: Option<u32>,
+
+    /// Stop after this long (e.g. 5s, 2m); default: until Ctrl-C or the target exits.
+    #[arg(short, long, value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+
+    /// Print an interim report every DUR.
+    #[arg(short, long, value_parser = parse_duration)]
+    pub interval: Option<Duration>,
+
+    /// Hide allocations younger than DUR from the report.
+    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    pub min_age: Duration,
+
+    /// Show at most N sites.
+    #[arg(long, default_value_t = 20)]
+    pub top: usize,
+
+    /// Report format.
+    #[arg(short, long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+
+    /// Write the report to FILE instead of stdout.
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+
+    /// Frames kept per allocation stack (0: no stacks, cheapest).
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=127))]
+    pub stack_depth: u32,
+
+    /// Debug output (-v: attach plan and kernel log; -vv: more).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+
+    /// Command to launch and trace from its first instruction.
+    #[arg(last = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+/// Parses a human duration such as `500ms`, `5s`, `2m`, `1h30m`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|err| format!("invalid duration '{text}': {err} (examples: 500ms, 5s, 2m, 1h)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert!(parse_duration("five").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn pid_and_command_conflict() {
+        let parsed = Cli::try_parse_from(["memtrace", "--pid", "1", "--", "ls"]);
+        assert!(parsed.is_err());
+        let parsed = Cli::try_parse_from(["memtrace", "--", "ls", "-l"]).expect("launch form parses");
+        assert_eq!(parsed.trace.command, vec!["ls", "-l"]);
+    }
+}
