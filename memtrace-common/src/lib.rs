@@ -249,10 +249,30 @@ macro_rules! try_from_u8 {
     };
 }
 
-try_from_u8!(EventKind { Alloc, Free, Realloc, Failed });
-try_from_u8!(SpecKind { Alloc, Free, Realloc });
-try_from_u8!(RetKind { Pointer, Status, MmapPointer, Void });
-try_from_u8!(SpecQuirk { None, AnonMmap, Munmap, SizeOutParam, Malloc3D });
+try_from_u8!(EventKind {
+    Alloc,
+    Free,
+    Realloc,
+    Failed
+});
+try_from_u8!(SpecKind {
+    Alloc,
+    Free,
+    Realloc
+});
+try_from_u8!(RetKind {
+    Pointer,
+    Status,
+    MmapPointer,
+    Void
+});
+try_from_u8!(SpecQuirk {
+    None,
+    AnonMmap,
+    Munmap,
+    SizeOutParam,
+    Malloc3D
+});
 
 const _: () = assert!(core::mem::size_of::<WireEvent>() == 48);
 const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 24);
@@ -279,7 +299,12 @@ mod tests {
 
     #[test]
     fn discriminants_round_trip() {
-        for kind in [EventKind::Alloc, EventKind::Free, EventKind::Realloc, EventKind::Failed] {
+        for kind in [
+            EventKind::Alloc,
+            EventKind::Free,
+            EventKind::Realloc,
+            EventKind::Failed,
+        ] {
             assert_eq!(EventKind::try_from(kind as u8), Ok(kind));
         }
         assert_eq!(EventKind::try_from(9), Err(UnknownDiscriminant(9)));

@@ -28,8 +28,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use memtrace_common::{
-    Counter, EventKind, MmapKey, PendingCall, PendingKey, ProbeSpec, RetKind, SpecKind,
-    SpecQuirk, WireEvent, ARG_NONE, COUNTER_SLOTS, MAX_SPECS, STACK_NONE,
+    Counter, EventKind, MmapKey, PendingCall, PendingKey, ProbeSpec, RetKind, SpecKind, SpecQuirk,
+    WireEvent, ARG_NONE, COUNTER_SLOTS, MAX_SPECS, STACK_NONE,
 };
 
 /// 1: capture a user stack per allocation; 0: no stacks (`--stack-depth 0`).
@@ -115,12 +115,42 @@ fn stack_pointer<C: EbpfContext>(ctx: &C) -> u64 {
     unsafe { (*regs).rsp }
 }
 
-#[inline(always)]
-fn arg(ctx: &ProbeContext, n: u8) -> u64 {
-    if n == ARG_NONE {
-        return 0;
+/// The six integer argument registers, read once at constant context offsets
+/// (the verifier rejects context reads at computed offsets).
+struct Args([u64; 6]);
+
+impl Args {
+    #[inline(always)]
+    fn read(ctx: &ProbeContext) -> Self {
+        let regs = ctx.as_ptr() as *const pt_regs;
+        // SAFETY: the context is the trapped task's pt_regs; each field is read
+        // at its fixed offset, which the verifier allows. Volatile keeps the
+        // loads from being merged into a computed-offset load.
+        unsafe {
+            Args([
+                core::ptr::read_volatile(&(*regs).rdi),
+                core::ptr::read_volatile(&(*regs).rsi),
+                core::ptr::read_volatile(&(*regs).rdx),
+                core::ptr::read_volatile(&(*regs).rcx),
+                core::ptr::read_volatile(&(*regs).r8),
+                core::ptr::read_volatile(&(*regs).r9),
+            ])
+        }
     }
-    ctx.arg::<u64>(n as usize).unwrap_or(0)
+
+    /// Argument `n`, or 0 for [`ARG_NONE`].
+    #[inline(always)]
+    fn get(&self, n: u8) -> u64 {
+        match n {
+            0 => self.0[0],
+            1 => self.0[1],
+            2 => self.0[2],
+            3 => self.0[3],
+            4 => self.0[4],
+            5 => self.0[5],
+            _ => 0,
+        }
+    }
 }
 
 /// Whether `addr` belongs to the sampled subset: a hash of the address, so the
@@ -224,25 +254,26 @@ fn on_enter(ctx: &ProbeContext) {
         return;
     }
 
+    let args = Args::read(ctx);
     if spec.ret == RetKind::Void as u8 {
-        release_now(ctx, &spec, pid_tgid);
+        release_now(&args, &spec, pid_tgid);
         return;
     }
-    if spec.quirk == SpecQuirk::AnonMmap as u8 && arg(ctx, 3) & MAP_ANONYMOUS == 0 {
+    if spec.quirk == SpecQuirk::AnonMmap as u8 && args.get(3) & MAP_ANONYMOUS == 0 {
         return;
     }
 
     let mut call = PendingCall {
         entry_sp: sp,
         ts_ns: now,
-        size: arg(ctx, spec.size_arg),
+        size: args.get(spec.size_arg),
         count: if spec.count_arg == ARG_NONE {
             1
         } else {
-            arg(ctx, spec.count_arg)
+            args.get(spec.count_arg)
         },
-        ptr: arg(ctx, spec.ptr_arg),
-        out: arg(ctx, spec.out_arg),
+        ptr: args.get(spec.ptr_arg),
+        out: args.get(spec.out_arg),
         spec: spec.index,
         _pad: [0; 6],
     };
@@ -267,8 +298,8 @@ fn on_enter(ctx: &ProbeContext) {
 
 /// A release with no result to check (`free`, `munmap`): report it at entry.
 #[inline(always)]
-fn release_now(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) {
-    let ptr = arg(ctx, spec.ptr_arg);
+fn release_now(args: &Args, spec: &ProbeSpec, pid_tgid: u64) {
+    let ptr = args.get(spec.ptr_arg);
     if ptr == 0 {
         return;
     }
@@ -327,7 +358,13 @@ fn on_exit(ctx: &RetProbeContext) {
 
 /// Decides what a returned call did and emits its event.
 #[inline(always)]
-fn finish_call(ctx: &RetProbeContext, spec: &ProbeSpec, call: &PendingCall, pid_tgid: u64, ret: u64) {
+fn finish_call(
+    ctx: &RetProbeContext,
+    spec: &ProbeSpec,
+    call: &PendingCall,
+    pid_tgid: u64,
+    ret: u64,
+) {
     let success = if spec.ret == RetKind::Status as u8 {
         (ret as i32) as i64 == spec.success_code
     } else if spec.ret == RetKind::MmapPointer as u8 {

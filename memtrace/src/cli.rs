@@ -110,7 +110,8 @@ mod tests {
     fn pid_and_command_conflict() {
         let parsed = Cli::try_parse_from(["memtrace", "--pid", "1", "--", "ls"]);
         assert!(parsed.is_err());
-        let parsed = Cli::try_parse_from(["memtrace", "--", "ls", "-l"]).expect("launch form parses");
+        let parsed =
+            Cli::try_parse_from(["memtrace", "--", "ls", "-l"]).expect("launch form parses");
         assert_eq!(parsed.trace.command, vec!["ls", "-l"]);
     }
 }

@@ -1,0 +1,71 @@
+//! The failures a user sees, each with its documented exit code:
+//! 1 runtime failure, 2 bad input or usage, 4 insufficient privilege.
+
+use std::process::ExitCode;
+
+/// An error carrying the exit code it maps to.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    pub code: u8,
+    pub message: String,
+}
+
+pub const EXIT_RUNTIME: u8 = 1;
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_PERMISSION: u8 = 4;
+
+impl Failure {
+    pub fn usage(message: impl Into<String>) -> Self {
+        Failure {
+            code: EXIT_USAGE,
+            message: message.into(),
+        }
+    }
+
+    pub fn permission(message: impl Into<String>) -> Self {
+        Failure {
+            code: EXIT_PERMISSION,
+            message: message.into(),
+        }
+    }
+
+    pub fn runtime(message: impl Into<String>) -> Self {
+        Failure {
+            code: EXIT_RUNTIME,
+            message: message.into(),
+        }
+    }
+}
+
+/// Prints an error as one line on stderr and picks its exit code.
+pub fn report(err: &anyhow::Error) -> ExitCode {
+    let code = err
+        .downcast_ref::<Failure>()
+        .map_or(EXIT_RUNTIME, |failure| failure.code);
+    eprintln!("memtrace: {err:#}");
+    ExitCode::from(code)
+}
+
+/// Whether this process may load eBPF programs and open uprobe perf events:
+/// root, or CAP_BPF and CAP_PERFMON in the effective set.
+pub fn check_privilege() -> Result<(), Failure> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return Ok(());
+    }
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let effective = status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    const CAP_PERFMON: u64 = 38;
+    const CAP_BPF: u64 = 39;
+    if effective & (1 << CAP_BPF) != 0 && effective & (1 << CAP_PERFMON) != 0 {
+        return Ok(());
+    }
+    Err(Failure::permission(
+        "permission denied: memtrace needs root, or CAP_BPF and CAP_PERFMON (run it with sudo)",
+    ))
+}

@@ -1,0 +1,196 @@
+//! Decoding: ring-buffer bytes to [`WireEvent`] to the rich [`Event`] the
+//! rest of the pipeline works with.
+
+use memtrace_common::{EventKind, WireEvent, FLAG_NEW_UNSAMPLED, STACK_NONE};
+
+/// A captured stack: an id in the kernel's stack map, or why there is none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StackRef {
+    Id(u32),
+    /// Stacks were not requested (`--stack-depth 0`).
+    NotRequested,
+    /// Capture failed with this errno.
+    Failed(i32),
+}
+
+impl StackRef {
+    pub fn from_wire(stack_id: i32) -> Self {
+        if stack_id == STACK_NONE {
+            StackRef::NotRequested
+        } else if stack_id < 0 {
+            StackRef::Failed(-stack_id)
+        } else {
+            StackRef::Id(stack_id as u32)
+        }
+    }
+}
+
+/// One decoded event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    /// Index of the probe spec that produced it.
+    pub spec: u16,
+    pub action: Action,
+}
+
+/// What an event did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    Alloc {
+        addr: u64,
+        size: u64,
+        stack: StackRef,
+    },
+    Free {
+        addr: u64,
+    },
+    /// `old` (0: none) was released and `new` created; `track_new` is false
+    /// when the new block is outside the sample.
+    Realloc {
+        old: u64,
+        new: u64,
+        size: u64,
+        stack: StackRef,
+        track_new: bool,
+    },
+    Failed {
+        size: u64,
+        code: i64,
+    },
+}
+
+/// Why bytes could not be decoded.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("event record of {0} bytes, expected {expected}", expected = std::mem::size_of::<WireEvent>())]
+    Size(usize),
+    #[error("unknown event kind {0}")]
+    Kind(u32),
+}
+
+/// Decodes one ring-buffer record.
+pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
+    if bytes.len() < std::mem::size_of::<WireEvent>() {
+        return Err(DecodeError::Size(bytes.len()));
+    }
+    // SAFETY: the length was checked above, `WireEvent` is plain old data
+    // (integers only, every bit pattern valid) and the read is unaligned.
+    let wire: WireEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    from_wire(&wire)
+}
+
+/// Lifts a wire record into an [`Event`].
+pub fn from_wire(wire: &WireEvent) -> Result<Event, DecodeError> {
+    let kind = EventKind::try_from(wire.kind).map_err(|e| DecodeError::Kind(e.0))?;
+    let stack = StackRef::from_wire(wire.stack_id);
+    let action = match kind {
+        EventKind::Alloc => Action::Alloc {
+            addr: wire.addr,
+            size: wire.size,
+            stack,
+        },
+        EventKind::Free => Action::Free { addr: wire.addr },
+        EventKind::Realloc => Action::Realloc {
+            old: wire.aux,
+            new: wire.addr,
+            size: wire.size,
+            stack,
+            track_new: wire.flags & FLAG_NEW_UNSAMPLED == 0,
+        },
+        EventKind::Failed => Action::Failed {
+            size: wire.size,
+            code: i64::from(wire.aux as i32),
+        },
+    };
+    Ok(Event {
+        ts_ns: wire.ts_ns,
+        pid: wire.pid,
+        tid: wire.tid,
+        spec: wire.spec,
+        action,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire(kind: EventKind) -> WireEvent {
+        WireEvent {
+            ts_ns: 5,
+            addr: 0x1000,
+            size: 64,
+            aux: 0x2000,
+            pid: 10,
+            tid: 11,
+            stack_id: 7,
+            spec: 3,
+            kind: kind as u8,
+            flags: 0,
+        }
+    }
+
+    fn bytes(event: &WireEvent) -> Vec<u8> {
+        // SAFETY: WireEvent is repr(C) plain data without uninitialized padding.
+        unsafe {
+            std::slice::from_raw_parts(
+                (event as *const WireEvent).cast::<u8>(),
+                std::mem::size_of::<WireEvent>(),
+            )
+        }
+        .to_vec()
+    }
+
+    #[test]
+    fn decodes_each_kind() {
+        let alloc = decode(&bytes(&wire(EventKind::Alloc))).expect("alloc");
+        assert_eq!(
+            alloc.action,
+            Action::Alloc {
+                addr: 0x1000,
+                size: 64,
+                stack: StackRef::Id(7)
+            }
+        );
+        assert_eq!((alloc.pid, alloc.tid, alloc.spec), (10, 11, 3));
+        let free = decode(&bytes(&wire(EventKind::Free))).expect("free");
+        assert_eq!(free.action, Action::Free { addr: 0x1000 });
+        let mut re = wire(EventKind::Realloc);
+        re.flags = FLAG_NEW_UNSAMPLED;
+        match decode(&bytes(&re)).expect("realloc").action {
+            Action::Realloc {
+                old,
+                new,
+                track_new,
+                ..
+            } => {
+                assert_eq!((old, new, track_new), (0x2000, 0x1000, false))
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut failed = wire(EventKind::Failed);
+        failed.aux = 2;
+        assert_eq!(
+            decode(&bytes(&failed)).expect("failed").action,
+            Action::Failed { size: 64, code: 2 }
+        );
+    }
+
+    #[test]
+    fn rejects_bad_records() {
+        assert_eq!(decode(&[0u8; 10]), Err(DecodeError::Size(10)));
+        let mut bad = wire(EventKind::Alloc);
+        bad.kind = 42;
+        assert_eq!(decode(&bytes(&bad)), Err(DecodeError::Kind(42)));
+    }
+
+    #[test]
+    fn stack_refs() {
+        assert_eq!(StackRef::from_wire(STACK_NONE), StackRef::NotRequested);
+        assert_eq!(StackRef::from_wire(-14), StackRef::Failed(14));
+        assert_eq!(StackRef::from_wire(0), StackRef::Id(0));
+    }
+}

@@ -1,0 +1,351 @@
+//! The catalogue of functions memtrace knows how to probe: their C prototypes,
+//! which allocator and kind of memory they belong to, and the [`ProbeSpec`]
+//! that tells the generic eBPF programs where to find size, pointer and result.
+
+use memtrace_common::{ProbeSpec, RetKind, SpecKind, SpecQuirk, ARG_NONE};
+use serde::Serialize;
+
+/// An allocator family as reported to users.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Allocator {
+    /// The C library's heap (`malloc` and friends), whichever library defines it.
+    Libc,
+    /// Anonymous `mmap`/`munmap`.
+    Mmap,
+    /// CUDA runtime (`cudaMalloc` ...).
+    Cuda,
+    /// CUDA driver (`cuMemAlloc_v2` ...).
+    CudaDriver,
+    /// Ascend ACL (`aclrtMalloc` ...).
+    Acl,
+}
+
+impl Allocator {
+    pub fn name(self) -> &'static str {
+        match self {
+            Allocator::Libc => "libc",
+            Allocator::Mmap => "mmap",
+            Allocator::Cuda => "cuda",
+            Allocator::CudaDriver => "cuda-driver",
+            Allocator::Acl => "acl",
+        }
+    }
+
+    /// Nesting family used by the eBPF programs (see [`ProbeSpec::family`]).
+    pub fn family(self) -> u8 {
+        match self {
+            Allocator::Libc => 0,
+            Allocator::Mmap => 1,
+            Allocator::Cuda => 2,
+            Allocator::CudaDriver => 3,
+            Allocator::Acl => 4,
+        }
+    }
+
+    /// The family whose in-flight call makes a call of this one an internal detail.
+    fn parent_family(self) -> u8 {
+        match self {
+            Allocator::Mmap => Allocator::Libc.family(),
+            Allocator::CudaDriver => Allocator::Cuda.family(),
+            _ => ARG_NONE,
+        }
+    }
+}
+
+/// Which memory a block lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Memory {
+    Host,
+    Device,
+    Pinned,
+    Managed,
+}
+
+impl Memory {
+    pub fn name(self) -> &'static str {
+        match self {
+            Memory::Host => "host",
+            Memory::Device => "device",
+            Memory::Pinned => "pinned",
+            Memory::Managed => "managed",
+        }
+    }
+}
+
+/// Address space in which a block's address is unique: blocks are matched to
+/// their release within one domain only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Domain {
+    Heap,
+    Mapping,
+    CudaMemory,
+    CudaVmmHandle,
+    AclMemory,
+}
+
+/// One probed function.
+#[derive(Clone, Copy, Debug)]
+pub struct FuncDef {
+    pub name: &'static str,
+    pub allocator: Allocator,
+    pub memory: Memory,
+    pub domain: Domain,
+    pub kind: SpecKind,
+    pub ret: RetKind,
+    pub size_arg: u8,
+    pub count_arg: u8,
+    pub ptr_arg: u8,
+    pub out_arg: u8,
+    pub quirk: SpecQuirk,
+}
+
+const N: u8 = ARG_NONE;
+
+impl FuncDef {
+    const fn new(name: &'static str, allocator: Allocator, memory: Memory, domain: Domain) -> Self {
+        FuncDef {
+            name,
+            allocator,
+            memory,
+            domain,
+            kind: SpecKind::Alloc,
+            ret: RetKind::Pointer,
+            size_arg: N,
+            count_arg: N,
+            ptr_arg: N,
+            out_arg: N,
+            quirk: SpecQuirk::None,
+        }
+    }
+
+    /// `void *f(..., size_t size @ size_arg, ...)`
+    const fn returns_ptr(mut self, size_arg: u8) -> Self {
+        self.size_arg = size_arg;
+        self
+    }
+
+    /// `status f(void **out @ out_arg, size_t size @ size_arg, ...)`
+    const fn out_status(mut self, out_arg: u8, size_arg: u8) -> Self {
+        self.ret = RetKind::Status;
+        self.out_arg = out_arg;
+        self.size_arg = size_arg;
+        self
+    }
+
+    const fn count(mut self, count_arg: u8) -> Self {
+        self.count_arg = count_arg;
+        self
+    }
+
+    const fn quirk(mut self, quirk: SpecQuirk) -> Self {
+        self.quirk = quirk;
+        self
+    }
+
+    /// `void f(void *ptr @ ptr_arg)`: released at entry, no result to check.
+    const fn release(mut self, ptr_arg: u8) -> Self {
+        self.kind = SpecKind::Free;
+        self.ret = RetKind::Void;
+        self.ptr_arg = ptr_arg;
+        self
+    }
+
+    /// `status f(void *ptr @ ptr_arg)`: released only when the call succeeds.
+    const fn release_checked(mut self, ptr_arg: u8) -> Self {
+        self.kind = SpecKind::Free;
+        self.ret = RetKind::Status;
+        self.ptr_arg = ptr_arg;
+        self
+    }
+
+    /// `void *f(void *old @ ptr_arg, size_t size @ size_arg)`
+    const fn realloc(mut self, ptr_arg: u8, size_arg: u8) -> Self {
+        self.kind = SpecKind::Realloc;
+        self.ptr_arg = ptr_arg;
+        self.size_arg = size_arg;
+        self
+    }
+
+    /// Whether the function needs a return probe.
+    pub fn needs_return_probe(&self) -> bool {
+        self.ret != RetKind::Void
+    }
+
+    /// Whether only the pointer argument matters at entry, so the probe may be
+    /// placed past a leading NULL check.
+    pub fn is_plain_release(&self) -> bool {
+        self.kind == SpecKind::Free && self.ret == RetKind::Void
+    }
+
+    /// The eBPF-side description of this function, stored at `index`.
+    pub fn spec(&self, index: u16) -> ProbeSpec {
+        let mut spec = ProbeSpec::empty();
+        spec.index = index;
+        spec.kind = self.kind as u8;
+        spec.ret = self.ret as u8;
+        spec.size_arg = self.size_arg;
+        spec.count_arg = self.count_arg;
+        spec.ptr_arg = self.ptr_arg;
+        spec.out_arg = self.out_arg;
+        spec.family = self.allocator.family();
+        spec.parent_family = self.allocator.parent_family();
+        spec.quirk = self.quirk as u8;
+        spec.success_code = 0;
+        spec
+    }
+}
+
+use Allocator::{Acl, Cuda, CudaDriver, Libc, Mmap};
+use Domain::{AclMemory, CudaMemory, CudaVmmHandle, Heap, Mapping};
+use Memory::{Device, Host, Managed, Pinned};
+
+/// Every function memtrace probes, in attach-plan order.
+pub static CATALOG: &[FuncDef] = &[
+    // ---- C library heap ----
+    // `void *malloc(size_t size)`
+    FuncDef::new("malloc", Libc, Host, Heap).returns_ptr(0),
+    // `void *calloc(size_t nmemb, size_t size)`
+    FuncDef::new("calloc", Libc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    // `void *realloc(void *ptr, size_t size)`
+    FuncDef::new("realloc", Libc, Host, Heap).realloc(0, 1),
+    // `void *reallocarray(void *ptr, size_t nmemb, size_t size)`
+    FuncDef::new("reallocarray", Libc, Host, Heap)
+        .realloc(0, 2)
+        .count(1),
+    // `int posix_memalign(void **memptr, size_t alignment, size_t size)`
+    FuncDef::new("posix_memalign", Libc, Host, Heap).out_status(0, 2),
+    // `void *aligned_alloc(size_t alignment, size_t size)`
+    FuncDef::new("aligned_alloc", Libc, Host, Heap).returns_ptr(1),
+    // `void *memalign(size_t alignment, size_t size)`
+    FuncDef::new("memalign", Libc, Host, Heap).returns_ptr(1),
+    // `void *valloc(size_t size)`
+    FuncDef::new("valloc", Libc, Host, Heap).returns_ptr(0),
+    // `void *pvalloc(size_t size)`
+    FuncDef::new("pvalloc", Libc, Host, Heap).returns_ptr(0),
+    // `void free(void *ptr)`
+    FuncDef::new("free", Libc, Host, Heap).release(0),
+    // ---- anonymous mappings ----
+    // `void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset)`
+    FuncDef::new("mmap", Mmap, Host, Mapping)
+        .returns_ptr(1)
+        .quirk(SpecQuirk::AnonMmap)
+        .mmap_ret(),
+    // `int munmap(void *addr, size_t length)`
+    FuncDef::new("munmap", Mmap, Host, Mapping)
+        .release(0)
+        .quirk(SpecQuirk::Munmap),
+    // ---- CUDA runtime ----
+    // `cudaError_t cudaMalloc(void **devPtr, size_t size)`
+    FuncDef::new("cudaMalloc", Cuda, Device, CudaMemory).out_status(0, 1),
+    // `cudaError_t cudaMallocManaged(void **devPtr, size_t size, unsigned int flags)`
+    FuncDef::new("cudaMallocManaged", Cuda, Managed, CudaMemory).out_status(0, 1),
+    // `cudaError_t cudaMallocHost(void **ptr, size_t size)`
+    FuncDef::new("cudaMallocHost", Cuda, Pinned, CudaMemory).out_status(0, 1),
+    // `cudaError_t cudaHostAlloc(void **pHost, size_t size, unsigned int flags)`
+    FuncDef::new("cudaHostAlloc", Cuda, Pinned, CudaMemory).out_status(0, 1),
+    // `cudaError_t cudaMallocPitch(void **devPtr, size_t *pitch, size_t width, size_t height)`
+    FuncDef::new("cudaMallocPitch", Cuda, Device, CudaMemory)
+        .out_status(0, 1)
+        .count(3)
+        .quirk(SpecQuirk::SizeOutParam),
+    // `cudaError_t cudaMalloc3D(cudaPitchedPtr *pitchedDevPtr, cudaExtent extent)`
+    FuncDef::new("cudaMalloc3D", Cuda, Device, CudaMemory)
+        .out_status(0, N)
+        .quirk(SpecQuirk::Malloc3D),
+    // `cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t stream)`
+    FuncDef::new("cudaMallocAsync", Cuda, Device, CudaMemory).out_status(0, 1),
+    // `cudaError_t cudaMallocFromPoolAsync(void **ptr, size_t size, cudaMemPool_t pool, cudaStream_t stream)`
+    FuncDef::new("cudaMallocFromPoolAsync", Cuda, Device, CudaMemory).out_status(0, 1),
+    // `cudaError_t cudaFree(void *devPtr)`
+    FuncDef::new("cudaFree", Cuda, Device, CudaMemory).release_checked(0),
+    // `cudaError_t cudaFreeHost(void *ptr)`
+    FuncDef::new("cudaFreeHost", Cuda, Pinned, CudaMemory).release_checked(0),
+    // `cudaError_t cudaFreeAsync(void *devPtr, cudaStream_t hStream)`
+    FuncDef::new("cudaFreeAsync", Cuda, Device, CudaMemory).release_checked(0),
+    // ---- CUDA driver ----
+    // `CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)`
+    FuncDef::new("cuMemAlloc_v2", CudaDriver, Device, CudaMemory).out_status(0, 1),
+    // `CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)`
+    FuncDef::new("cuMemAllocManaged", CudaDriver, Managed, CudaMemory).out_status(0, 1),
+    // `CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height, unsigned int ElementSizeBytes)`
+    FuncDef::new("cuMemAllocPitch_v2", CudaDriver, Device, CudaMemory)
+        .out_status(0, 1)
+        .count(3)
+        .quirk(SpecQuirk::SizeOutParam),
+    // `CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)`
+    FuncDef::new("cuMemAllocHost_v2", CudaDriver, Pinned, CudaMemory).out_status(0, 1),
+    // `CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)`
+    FuncDef::new("cuMemHostAlloc", CudaDriver, Pinned, CudaMemory).out_status(0, 1),
+    // `CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)`
+    FuncDef::new("cuMemAllocAsync", CudaDriver, Device, CudaMemory).out_status(0, 1),
+    // `CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)`
+    FuncDef::new("cuMemAllocFromPoolAsync", CudaDriver, Device, CudaMemory).out_status(0, 1),
+    // `CUresult cuMemFree_v2(CUdeviceptr dptr)`
+    FuncDef::new("cuMemFree_v2", CudaDriver, Device, CudaMemory).release_checked(0),
+    // `CUresult cuMemFreeHost(void *p)`
+    FuncDef::new("cuMemFreeHost", CudaDriver, Pinned, CudaMemory).release_checked(0),
+    // `CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)`
+    FuncDef::new("cuMemFreeAsync", CudaDriver, Device, CudaMemory).release_checked(0),
+    // `CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop, unsigned long long flags)`
+    FuncDef::new("cuMemCreate", CudaDriver, Device, CudaVmmHandle).out_status(0, 1),
+    // `CUresult cuMemRelease(CUmemGenericAllocationHandle handle)`
+    FuncDef::new("cuMemRelease", CudaDriver, Device, CudaVmmHandle).release_checked(0),
+    // ---- Ascend ACL ----
+    // `aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)`
+    FuncDef::new("aclrtMalloc", Acl, Device, AclMemory).out_status(0, 1),
+    // `aclError aclrtMallocCached(void **devPtr, size_t size, aclrtMemMallocPolicy policy)`
+    FuncDef::new("aclrtMallocCached", Acl, Device, AclMemory).out_status(0, 1),
+    // `aclError aclrtMallocAlign32(void **devPtr, size_t size, aclrtMemMallocPolicy policy)`
+    FuncDef::new("aclrtMallocAlign32", Acl, Device, AclMemory).out_status(0, 1),
+    // `aclError aclrtMallocHost(void **hostPtr, size_t size)`
+    FuncDef::new("aclrtMallocHost", Acl, Pinned, AclMemory).out_status(0, 1),
+    // `aclError aclrtFree(void *devPtr)`
+    FuncDef::new("aclrtFree", Acl, Device, AclMemory).release_checked(0),
+    // `aclError aclrtFreeHost(void *hostPtr)`
+    FuncDef::new("aclrtFreeHost", Acl, Pinned, AclMemory).release_checked(0),
+];
+
+impl FuncDef {
+    const fn mmap_ret(mut self) -> Self {
+        self.ret = RetKind::MmapPointer;
+        self
+    }
+}
+
+/// Looks a function up by name.
+pub fn find(name: &str) -> Option<&'static FuncDef> {
+    CATALOG.iter().find(|def| def.name == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique() {
+        for (i, a) in CATALOG.iter().enumerate() {
+            for b in &CATALOG[i + 1..] {
+                assert_ne!(a.name, b.name);
+            }
+        }
+    }
+
+    #[test]
+    fn specs_describe_the_prototypes() {
+        let calloc = find("calloc").expect("calloc").spec(3);
+        assert_eq!((calloc.size_arg, calloc.count_arg, calloc.index), (1, 0, 3));
+        let free = find("free").expect("free");
+        assert!(free.is_plain_release() && !free.needs_return_probe());
+        let cuda_free = find("cudaFree").expect("cudaFree");
+        assert!(cuda_free.needs_return_probe() && !cuda_free.is_plain_release());
+        let driver = find("cuMemAlloc_v2").expect("driver").spec(0);
+        assert_eq!(driver.parent_family, Allocator::Cuda.family());
+        let mmap = find("mmap").expect("mmap").spec(0);
+        assert_eq!(mmap.ret, RetKind::MmapPointer as u8);
+        assert_eq!(mmap.parent_family, Allocator::Libc.family());
+    }
+}

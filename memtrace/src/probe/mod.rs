@@ -1,0 +1,30 @@
+//! What to probe and where: the function catalogue, `/proc/PID/maps`, ELF
+//! symbol lookup, probe placement and the attach plan.
+
+pub mod catalog;
+pub mod elf;
+pub mod maps;
+pub mod placement;
+pub mod plan;
+
+use catalog::{Allocator, Domain, FuncDef, Memory};
+
+/// What the user side knows of one attached spec (indexed like the `SPECS` map).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpecEntry {
+    pub function: &'static str,
+    pub allocator: Allocator,
+    pub memory: Memory,
+    pub domain: Domain,
+}
+
+impl From<&FuncDef> for SpecEntry {
+    fn from(def: &FuncDef) -> Self {
+        SpecEntry {
+            function: def.name,
+            allocator: def.allocator,
+            memory: def.memory,
+            domain: def.domain,
+        }
+    }
+}

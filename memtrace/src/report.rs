@@ -1,0 +1,522 @@
+//! The report model (serde) and how it is built from the live table, the
+//! stack store and the counters. Sinks render it; nothing here prints.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde::Serialize;
+
+use crate::event::StackRef;
+use crate::probe::catalog::{Allocator, Memory};
+use crate::probe::maps::FileAddr;
+use crate::probe::plan::LibraryPlan;
+use crate::probe::SpecEntry;
+use crate::stacks::StackStore;
+use crate::symbolize::Symbolize;
+use crate::table::LiveTable;
+
+/// The whole report; field names are a stable JSON contract (add, never rename).
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub target: TargetInfo,
+    pub duration_ms: u64,
+    /// False when events were lost: the live table may then be wrong.
+    pub complete: bool,
+    pub events: EventCounts,
+    pub lost_by_cause: BTreeMap<String, u64>,
+    pub stack_failures_by_cause: BTreeMap<String, u64>,
+    pub totals: Vec<Total>,
+    pub sites: Vec<Site>,
+    pub failed_calls: Vec<FailedCall>,
+    pub libraries: Vec<LibraryPlan>,
+    pub missing_functions: Vec<String>,
+    pub settings: Settings,
+    pub kernel_counters: BTreeMap<String, u64>,
+    pub notes: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct TargetInfo {
+    pub pid: u32,
+    pub comm: String,
+    pub exe: String,
+}
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct EventCounts {
+    pub allocs: u64,
+    pub frees: u64,
+    /// Events that never reached memtrace (every cause in `lost_by_cause`).
+    pub lost: u64,
+    pub unmatched_frees: u64,
+    pub stack_failures: u64,
+    pub failed_calls: u64,
+    /// Allocations not tracked because the live table was at its cap.
+    pub table_full: u64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Total {
+    pub allocator: Allocator,
+    pub memory: Memory,
+    pub live_bytes: u64,
+    pub live_count: u64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Site {
+    pub allocator: Allocator,
+    pub memory: Memory,
+    pub live_bytes: u64,
+    pub live_count: u64,
+    pub oldest_age_ms: u64,
+    /// The probed functions that made these blocks.
+    pub functions: Vec<String>,
+    /// Allocating thread ids.
+    pub threads: Vec<u32>,
+    /// Why there are no frames, when there are none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stack_note: Option<String>,
+    /// `frames[0]` is the function that called the allocator.
+    pub frames: Vec<Frame>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Frame {
+    pub addr: String,
+    pub symbol: Option<String>,
+    pub module: Option<String>,
+    pub file: Option<String>,
+    pub line: Option<u32>,
+    /// Offset of the return address in `module`.
+    pub offset: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct FailedCall {
+    pub function: String,
+    pub allocator: Allocator,
+    pub code: i64,
+    pub count: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Settings {
+    pub stack_depth: u32,
+    pub min_age_ms: u64,
+    pub top: usize,
+    pub sample_rate: u32,
+}
+
+/// Everything the builder reads.
+pub struct ReportInput<'a> {
+    pub target: TargetInfo,
+    pub duration_ms: u64,
+    pub now_ns: u64,
+    pub table: &'a LiveTable,
+    pub specs: &'a [SpecEntry],
+    pub stacks: &'a StackStore,
+    pub kernel_counters: BTreeMap<String, u64>,
+    pub libraries: Vec<LibraryPlan>,
+    pub missing_functions: Vec<String>,
+    pub settings: Settings,
+    pub notes: Vec<String>,
+}
+
+/// Kernel counters that mean events were lost.
+pub const LOST_CAUSES: &[&str] = &[
+    "ringbuf_full",
+    "pending_full",
+    "out_read_failed",
+    "mmap_table_full",
+];
+/// Kernel counters that mean a stack could not be captured.
+pub const STACK_CAUSES: &[&str] = &["stack_fault", "stack_collision", "stack_other"];
+
+#[derive(Default)]
+struct SiteAcc {
+    live_bytes: u64,
+    live_count: u64,
+    oldest_ts: u64,
+    functions: BTreeSet<&'static str>,
+    threads: BTreeSet<u32>,
+}
+
+/// Builds the report, symbolizing the frames of the sites shown.
+pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
+    let spec = |index: u16| input.specs.get(usize::from(index));
+    let min_age_ns = input.settings.min_age_ms.saturating_mul(1_000_000);
+
+    let mut totals: BTreeMap<(Allocator, Memory), (u64, u64)> = BTreeMap::new();
+    let mut sites: HashMap<(Allocator, Memory, StackRef), SiteAcc> = HashMap::new();
+    for (_, _, block) in input.table.blocks() {
+        let Some(entry) = spec(block.spec) else {
+            continue;
+        };
+        let total = totals
+            .entry((entry.allocator, entry.memory))
+            .or_insert((0, 0));
+        total.0 += block.size;
+        total.1 += 1;
+        if input.now_ns.saturating_sub(block.ts_ns) < min_age_ns {
+            continue;
+        }
+        let site = sites
+            .entry((entry.allocator, entry.memory, block.stack))
+            .or_insert_with(|| SiteAcc {
+                oldest_ts: u64::MAX,
+                ..SiteAcc::default()
+            });
+        site.live_bytes += block.size;
+        site.live_count += 1;
+        site.oldest_ts = site.oldest_ts.min(block.ts_ns);
+        site.functions.insert(entry.function);
+        site.threads.insert(block.tid);
+    }
+
+    let mut ranked: Vec<((Allocator, Memory, StackRef), SiteAcc)> = sites.into_iter().collect();
+    ranked.sort_by(|a, b| {
+        b.1.live_bytes
+            .cmp(&a.1.live_bytes)
+            .then(b.1.live_count.cmp(&a.1.live_count))
+            .then(a.0.cmp(&b.0))
+    });
+    ranked.truncate(input.settings.top);
+
+    let depth = input.settings.stack_depth as usize;
+    let wanted: Vec<FileAddr> = ranked
+        .iter()
+        .filter_map(|((_, _, stack), _)| match stack {
+            StackRef::Id(id) => input.stacks.get(*id),
+            _ => None,
+        })
+        .flat_map(|frames| frames.iter().take(depth).filter_map(|f| f.file.clone()))
+        .collect();
+    let symbols: HashMap<FileAddr, crate::symbolize::SymInfo> = wanted
+        .iter()
+        .cloned()
+        .zip(symbolizer.symbolize(&wanted))
+        .collect();
+
+    let sites = ranked
+        .into_iter()
+        .map(|((allocator, memory, stack), acc)| {
+            let (frames, stack_note) = site_frames(stack, input.stacks, depth, &symbols);
+            Site {
+                allocator,
+                memory,
+                live_bytes: acc.live_bytes,
+                live_count: acc.live_count,
+                oldest_age_ms: input.now_ns.saturating_sub(acc.oldest_ts) / 1_000_000,
+                functions: acc.functions.into_iter().map(str::to_string).collect(),
+                threads: acc.threads.into_iter().collect(),
+                stack_note,
+                frames,
+            }
+        })
+        .collect();
+
+    let counts = input.table.counts();
+    let failed_calls: Vec<FailedCall> = counts
+        .failed
+        .iter()
+        .filter_map(|(&(index, code), &count)| {
+            let entry = spec(index)?;
+            Some(FailedCall {
+                function: entry.function.to_string(),
+                allocator: entry.allocator,
+                code,
+                count,
+            })
+        })
+        .collect();
+    let pick = |causes: &[&str]| -> BTreeMap<String, u64> {
+        causes
+            .iter()
+            .map(|c| {
+                (
+                    c.to_string(),
+                    input.kernel_counters.get(*c).copied().unwrap_or(0),
+                )
+            })
+            .collect()
+    };
+    let lost_by_cause = pick(LOST_CAUSES);
+    let stack_failures_by_cause = pick(STACK_CAUSES);
+    let lost: u64 = lost_by_cause.values().sum();
+    let events = EventCounts {
+        allocs: counts.allocs,
+        frees: counts.frees,
+        lost,
+        unmatched_frees: counts.unmatched_frees,
+        stack_failures: stack_failures_by_cause.values().sum(),
+        failed_calls: failed_calls.iter().map(|f| f.count).sum(),
+        table_full: counts.table_full,
+    };
+    let mut notes = input.notes;
+    if lost > 0 {
+        notes.push(format!(
+            "{lost} events were lost: the live table is incomplete (see lost_by_cause)"
+        ));
+    }
+    Report {
+        target: input.target,
+        duration_ms: input.duration_ms,
+        complete: lost == 0 && counts.table_full == 0,
+        events,
+        lost_by_cause,
+        stack_failures_by_cause,
+        totals: totals
+            .into_iter()
+            .map(|((allocator, memory), (live_bytes, live_count))| Total {
+                allocator,
+                memory,
+                live_bytes,
+                live_count,
+            })
+            .collect(),
+        sites,
+        failed_calls,
+        libraries: input.libraries,
+        missing_functions: input.missing_functions,
+        settings: input.settings,
+        kernel_counters: input.kernel_counters,
+        notes,
+    }
+}
+
+fn site_frames(
+    stack: StackRef,
+    stacks: &StackStore,
+    depth: usize,
+    symbols: &HashMap<FileAddr, crate::symbolize::SymInfo>,
+) -> (Vec<Frame>, Option<String>) {
+    match stack {
+        StackRef::NotRequested => (
+            Vec::new(),
+            Some("stacks not requested (--stack-depth 0)".into()),
+        ),
+        StackRef::Failed(errno) => (
+            Vec::new(),
+            Some(format!("stack capture failed: {}", errno_name(errno))),
+        ),
+        StackRef::Id(id) => match stacks.get(id) {
+            None => (Vec::new(), Some(format!("stack {id} could not be read"))),
+            Some(raw) => (
+                raw.iter()
+                    .take(depth)
+                    .map(|frame| {
+                        let info = frame.file.as_ref().and_then(|f| symbols.get(f));
+                        Frame {
+                            addr: format!("{:#x}", frame.addr),
+                            symbol: info.and_then(|i| i.symbol.clone()),
+                            module: frame.file.as_ref().map(|f| f.module.display().to_string()),
+                            file: info.and_then(|i| i.file.clone()),
+                            line: info.and_then(|i| i.line),
+                            offset: frame.file.as_ref().map(|f| format!("{:#x}", f.file_offset)),
+                        }
+                    })
+                    .collect(),
+                None,
+            ),
+        },
+    }
+}
+
+fn errno_name(errno: i32) -> String {
+    match errno {
+        14 => "EFAULT (frame walk faulted)".into(),
+        17 => "EEXIST (stack map bucket collision)".into(),
+        12 => "ENOMEM (stack map full)".into(),
+        other => format!("errno {other}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Action, Event};
+    use crate::probe::catalog::Domain;
+    use crate::probe::maps::{parse, AddressSpace};
+    use crate::symbolize::{SymInfo, Symbolize};
+
+    struct FakeSymbols;
+    impl Symbolize for FakeSymbols {
+        fn symbolize(&mut self, addrs: &[FileAddr]) -> Vec<SymInfo> {
+            addrs
+                .iter()
+                .map(|a| SymInfo {
+                    symbol: Some(format!("fn_{:x}", a.file_offset)),
+                    file: Some("app.c".into()),
+                    line: Some(a.file_offset as u32),
+                })
+                .collect()
+        }
+    }
+
+    fn specs() -> Vec<SpecEntry> {
+        vec![
+            SpecEntry {
+                function: "malloc",
+                allocator: Allocator::Libc,
+                memory: Memory::Host,
+                domain: Domain::Heap,
+            },
+            SpecEntry {
+                function: "cudaMalloc",
+                allocator: Allocator::Cuda,
+                memory: Memory::Device,
+                domain: Domain::CudaMemory,
+            },
+        ]
+    }
+
+    fn alloc(spec: u16, addr: u64, size: u64, stack: u32, ts_ns: u64) -> Event {
+        Event {
+            ts_ns,
+            pid: 1,
+            tid: 7,
+            spec,
+            action: Action::Alloc {
+                addr,
+                size,
+                stack: StackRef::Id(stack),
+            },
+        }
+    }
+
+    fn sample() -> Report {
+        let specs = specs();
+        let mut table = LiveTable::new(1000);
+        for i in 0..3 {
+            table.apply(&alloc(0, 0x100 + i, 100, 1, 1_000_000), Domain::Heap);
+        }
+        table.apply(&alloc(0, 0x200, 50, 2, 2_000_000_000), Domain::Heap);
+        table.apply(&alloc(1, 0x100, 4096, 3, 0), Domain::CudaMemory);
+        let space = AddressSpace::new(parse("1000-9000 r-xp 00000000 fe:01 5 /bin/app\n"));
+        let mut stacks = StackStore::default();
+        stacks.insert(1, &[0x1100, 0x1200, 0x1300], &space);
+        stacks.insert(2, &[0x1500], &space);
+        stacks.insert(3, &[0x1600], &space);
+        let input = ReportInput {
+            target: TargetInfo {
+                pid: 1,
+                comm: "app".into(),
+                exe: "/bin/app".into(),
+            },
+            duration_ms: 5000,
+            now_ns: 2_500_000_000,
+            table: &table,
+            specs: &specs,
+            stacks: &stacks,
+            kernel_counters: [("ringbuf_full".to_string(), 0)].into_iter().collect(),
+            libraries: Vec::new(),
+            missing_functions: Vec::new(),
+            settings: Settings {
+                stack_depth: 2,
+                min_age_ms: 1000,
+                top: 10,
+                sample_rate: 1,
+            },
+            notes: Vec::new(),
+        };
+        build(input, &mut FakeSymbols)
+    }
+
+    #[test]
+    fn sites_sorted_by_bytes_with_min_age_applied() {
+        let report = sample();
+        // The 50-byte block is 0.5 s old: hidden by --min-age 1s, but in the totals.
+        assert_eq!(report.sites.len(), 2);
+        assert_eq!(report.sites[0].live_bytes, 4096);
+        assert_eq!(report.sites[0].memory, Memory::Device);
+        assert_eq!(report.sites[1].live_bytes, 300);
+        assert_eq!(report.sites[1].live_count, 3);
+        assert_eq!(report.sites[1].oldest_age_ms, 2499);
+        let libc_total = report
+            .totals
+            .iter()
+            .find(|t| t.allocator == Allocator::Libc)
+            .expect("libc total");
+        assert_eq!((libc_total.live_bytes, libc_total.live_count), (350, 4));
+    }
+
+    #[test]
+    fn frames_symbolized_and_truncated_to_depth() {
+        let report = sample();
+        let frames = &report.sites[1].frames;
+        assert_eq!(frames.len(), 2);
+        assert_eq!(frames[0].addr, "0x1100");
+        assert_eq!(frames[0].symbol.as_deref(), Some("fn_100"));
+        assert_eq!(frames[0].module.as_deref(), Some("/bin/app"));
+        assert_eq!(frames[0].offset.as_deref(), Some("0x100"));
+    }
+
+    #[test]
+    fn json_has_the_contract_keys() {
+        let value = serde_json::to_value(sample()).expect("serializes");
+        for key in ["target", "duration_ms", "events", "totals", "sites"] {
+            assert!(value.get(key).is_some(), "missing {key}");
+        }
+        for key in [
+            "allocs",
+            "frees",
+            "lost",
+            "unmatched_frees",
+            "stack_failures",
+        ] {
+            assert!(value["events"].get(key).is_some(), "missing events.{key}");
+        }
+        let site = &value["sites"][0];
+        for key in [
+            "allocator",
+            "live_bytes",
+            "live_count",
+            "oldest_age_ms",
+            "frames",
+        ] {
+            assert!(site.get(key).is_some(), "missing sites[].{key}");
+        }
+        assert_eq!(site["allocator"], "cuda");
+        assert_eq!(site["memory"], "device");
+        for key in ["addr", "symbol", "module", "file", "line"] {
+            assert!(
+                site["frames"][0].get(key).is_some(),
+                "missing frames[].{key}"
+            );
+        }
+        assert_eq!(value["target"]["comm"], "app");
+    }
+
+    #[test]
+    fn lost_events_mark_the_report_incomplete() {
+        let specs = specs();
+        let table = LiveTable::new(10);
+        let stacks = StackStore::default();
+        let input = ReportInput {
+            target: TargetInfo::default(),
+            duration_ms: 1,
+            now_ns: 1,
+            table: &table,
+            specs: &specs,
+            stacks: &stacks,
+            kernel_counters: [
+                ("ringbuf_full".to_string(), 5),
+                ("stack_fault".to_string(), 2),
+            ]
+            .into_iter()
+            .collect(),
+            libraries: Vec::new(),
+            missing_functions: Vec::new(),
+            settings: Settings::default(),
+            notes: Vec::new(),
+        };
+        let report = build(input, &mut FakeSymbols);
+        assert!(!report.complete);
+        assert_eq!(report.events.lost, 5);
+        assert_eq!(report.events.stack_failures, 2);
+        assert!(report
+            .notes
+            .iter()
+            .any(|n| n.contains("5 events were lost")));
+    }
+}

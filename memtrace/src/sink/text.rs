@@ -1,0 +1,98 @@
+//! Text sink: what a person reads — totals, then each site with its bytes,
+//! count, oldest age and symbolized frames.
+
+use std::io::Write;
+
+use super::{human_bytes, Sink};
+use crate::report::{Frame, Report};
+
+pub struct TextSink;
+
+impl Sink for TextSink {
+    fn write(&self, report: &Report, interim: bool, out: &mut dyn Write) -> std::io::Result<()> {
+        let target = &report.target;
+        let kind = if interim { "interim report" } else { "report" };
+        writeln!(
+            out,
+            "memtrace {kind}: pid {} ({}) {} — traced {:.1}s",
+            target.pid,
+            target.comm,
+            target.exe,
+            report.duration_ms as f64 / 1000.0
+        )?;
+        let e = &report.events;
+        writeln!(
+            out,
+            "events: {} allocs, {} frees, {} lost, {} unmatched frees, {} stack failures, {} failed calls",
+            e.allocs, e.frees, e.lost, e.unmatched_frees, e.stack_failures, e.failed_calls
+        )?;
+        if report.totals.is_empty() {
+            writeln!(out, "live: nothing outstanding")?;
+        }
+        for total in &report.totals {
+            writeln!(
+                out,
+                "live: {:<12} {:<8} {:>12} in {} blocks",
+                total.allocator.name(),
+                total.memory.name(),
+                human_bytes(total.live_bytes),
+                total.live_count
+            )?;
+        }
+        for note in &report.notes {
+            writeln!(out, "note: {note}")?;
+        }
+        for failed in &report.failed_calls {
+            writeln!(
+                out,
+                "failed: {} returned {} x{}",
+                failed.function, failed.code, failed.count
+            )?;
+        }
+        writeln!(out)?;
+        for (rank, site) in report.sites.iter().enumerate() {
+            writeln!(
+                out,
+                "#{} {} ({} bytes) in {} blocks — {} {} via {} — oldest {:.1}s — threads {}",
+                rank + 1,
+                human_bytes(site.live_bytes),
+                site.live_bytes,
+                site.live_count,
+                site.allocator.name(),
+                site.memory.name(),
+                site.functions.join(","),
+                site.oldest_age_ms as f64 / 1000.0,
+                site.threads
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )?;
+            if let Some(note) = &site.stack_note {
+                writeln!(out, "    ({note})")?;
+            }
+            for (depth, frame) in site.frames.iter().enumerate() {
+                writeln!(out, "    {depth:>2} {}", frame_line(frame))?;
+            }
+        }
+        if report.sites.is_empty() {
+            writeln!(out, "no outstanding allocation sites")?;
+        }
+        Ok(())
+    }
+}
+
+fn frame_line(frame: &Frame) -> String {
+    let mut line = format!("{} {}", frame.addr, frame.symbol.as_deref().unwrap_or("??"));
+    if let (Some(file), Some(number)) = (&frame.file, frame.line) {
+        line.push_str(&format!(" at {file}:{number}"));
+    }
+    if let Some(module) = &frame.module {
+        let name = module.rsplit('/').next().unwrap_or(module);
+        line.push_str(&format!(
+            " [{name}+{}]",
+            frame.offset.as_deref().unwrap_or("?")
+        ));
+    }
+    line
+}

@@ -1,0 +1,243 @@
+//! The live-allocation table: every block created and not yet released,
+//! keyed by (address domain, address), with the counters of what happened.
+//!
+//! Semantics: `realloc(p, n)` releases `p` and creates the new block;
+//! `realloc(NULL, n)` is an allocation; a release of an address the table does
+//! not hold (allocated before attach) is counted in `unmatched_frees`.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::event::{Action, Event, StackRef};
+use crate::probe::catalog::Domain;
+
+/// A block that is still live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LiveBlock {
+    pub size: u64,
+    pub spec: u16,
+    pub ts_ns: u64,
+    pub tid: u32,
+    pub stack: StackRef,
+}
+
+/// What the table has seen.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub allocs: u64,
+    pub frees: u64,
+    pub unmatched_frees: u64,
+    /// Allocations not tracked because the table was at its cap.
+    pub table_full: u64,
+    /// Failed calls by (spec, return code).
+    pub failed: BTreeMap<(u16, i64), u64>,
+}
+
+/// Live blocks and counters.
+pub struct LiveTable {
+    blocks: HashMap<(Domain, u64), LiveBlock>,
+    counts: Counts,
+    max_blocks: usize,
+}
+
+impl LiveTable {
+    pub fn new(max_blocks: usize) -> Self {
+        LiveTable {
+            blocks: HashMap::new(),
+            counts: Counts::default(),
+            max_blocks,
+        }
+    }
+
+    /// Applies one event; `domain` maps the event's spec to its address domain.
+    pub fn apply(&mut self, event: &Event, domain: Domain) {
+        match event.action {
+            Action::Alloc { addr, size, stack } => {
+                self.counts.allocs += 1;
+                self.insert(domain, addr, size, event, stack);
+            }
+            Action::Free { addr } => self.release(domain, addr),
+            Action::Realloc {
+                old,
+                new,
+                size,
+                stack,
+                track_new,
+            } => {
+                if old != 0 {
+                    self.release(domain, old);
+                }
+                if track_new {
+                    self.counts.allocs += 1;
+                    self.insert(domain, new, size, event, stack);
+                }
+            }
+            Action::Failed { code, .. } => {
+                *self.counts.failed.entry((event.spec, code)).or_insert(0) += 1;
+            }
+        }
+    }
+
+    fn insert(&mut self, domain: Domain, addr: u64, size: u64, event: &Event, stack: StackRef) {
+        let block = LiveBlock {
+            size,
+            spec: event.spec,
+            ts_ns: event.ts_ns,
+            tid: event.tid,
+            stack,
+        };
+        if self.blocks.len() >= self.max_blocks && !self.blocks.contains_key(&(domain, addr)) {
+            self.counts.table_full += 1;
+            return;
+        }
+        // An address handed out again without a release we saw (released
+        // through an untraced path): the new block replaces the old one.
+        self.blocks.insert((domain, addr), block);
+    }
+
+    fn release(&mut self, domain: Domain, addr: u64) {
+        if self.blocks.remove(&(domain, addr)).is_some() {
+            self.counts.frees += 1;
+        } else {
+            self.counts.unmatched_frees += 1;
+        }
+    }
+
+    pub fn counts(&self) -> &Counts {
+        &self.counts
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn live_bytes(&self) -> u64 {
+        self.blocks.values().map(|b| b.size).sum()
+    }
+
+    /// Every live block with its domain and address.
+    pub fn blocks(&self) -> impl Iterator<Item = (Domain, u64, &LiveBlock)> {
+        self.blocks
+            .iter()
+            .map(|(&(domain, addr), block)| (domain, addr, block))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(action: Action) -> Event {
+        Event {
+            ts_ns: 1,
+            pid: 1,
+            tid: 2,
+            spec: 0,
+            action,
+        }
+    }
+
+    fn alloc(addr: u64, size: u64) -> Event {
+        event(Action::Alloc {
+            addr,
+            size,
+            stack: StackRef::Id(1),
+        })
+    }
+
+    fn realloc(old: u64, new: u64, size: u64) -> Event {
+        event(Action::Realloc {
+            old,
+            new,
+            size,
+            stack: StackRef::Id(2),
+            track_new: true,
+        })
+    }
+
+    #[test]
+    fn alloc_then_free() {
+        let mut table = LiveTable::new(100);
+        table.apply(&alloc(0x10, 48), Domain::Heap);
+        table.apply(&alloc(0x20, 16), Domain::Heap);
+        assert_eq!((table.len(), table.live_bytes()), (2, 64));
+        table.apply(&event(Action::Free { addr: 0x10 }), Domain::Heap);
+        assert_eq!((table.len(), table.live_bytes()), (1, 16));
+        assert_eq!(table.counts().frees, 1);
+    }
+
+    #[test]
+    fn unknown_free_is_counted_not_an_error() {
+        let mut table = LiveTable::new(100);
+        table.apply(&event(Action::Free { addr: 0x99 }), Domain::Heap);
+        assert_eq!(table.counts().unmatched_frees, 1);
+        assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn realloc_semantics() {
+        let mut table = LiveTable::new(100);
+        // realloc(NULL, n) = malloc
+        table.apply(&realloc(0, 0x10, 10), Domain::Heap);
+        assert_eq!(table.live_bytes(), 10);
+        // realloc(p, n) = free p + alloc
+        table.apply(&realloc(0x10, 0x20, 30), Domain::Heap);
+        assert_eq!((table.len(), table.live_bytes()), (1, 30));
+        // in place
+        table.apply(&realloc(0x20, 0x20, 40), Domain::Heap);
+        assert_eq!((table.len(), table.live_bytes()), (1, 40));
+        // realloc(p, 0) arrives as a free
+        table.apply(&event(Action::Free { addr: 0x20 }), Domain::Heap);
+        assert_eq!(table.len(), 0);
+        assert_eq!(table.counts().unmatched_frees, 0);
+        assert_eq!(table.counts().allocs, 3);
+    }
+
+    #[test]
+    fn unsampled_realloc_target_is_not_tracked() {
+        let mut table = LiveTable::new(100);
+        table.apply(&alloc(0x10, 8), Domain::Heap);
+        table.apply(
+            &event(Action::Realloc {
+                old: 0x10,
+                new: 0x30,
+                size: 9,
+                stack: StackRef::Id(1),
+                track_new: false,
+            }),
+            Domain::Heap,
+        );
+        assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn domains_do_not_mix() {
+        let mut table = LiveTable::new(100);
+        table.apply(&alloc(0x10, 8), Domain::Heap);
+        table.apply(&alloc(0x10, 1 << 20), Domain::CudaMemory);
+        table.apply(&event(Action::Free { addr: 0x10 }), Domain::CudaMemory);
+        assert_eq!((table.len(), table.live_bytes()), (1, 8));
+    }
+
+    #[test]
+    fn failures_counted_per_code() {
+        let mut table = LiveTable::new(100);
+        table.apply(
+            &event(Action::Failed { size: 0, code: 2 }),
+            Domain::CudaMemory,
+        );
+        table.apply(
+            &event(Action::Failed { size: 0, code: 2 }),
+            Domain::CudaMemory,
+        );
+        assert_eq!(table.counts().failed.get(&(0, 2)), Some(&2));
+        assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn cap_is_counted() {
+        let mut table = LiveTable::new(1);
+        table.apply(&alloc(0x10, 8), Domain::Heap);
+        table.apply(&alloc(0x20, 8), Domain::Heap);
+        assert_eq!((table.len(), table.counts().table_full), (1, 1));
+    }
+}

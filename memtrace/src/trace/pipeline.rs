@@ -1,0 +1,113 @@
+//! The event pipeline: ring-buffer records decoded into events, applied to
+//! the live table, with each new stack read once and normalized.
+
+use std::time::{Duration, Instant};
+
+use aya::maps::{MapData, RingBuf};
+
+use crate::event::{self, Action, Event, StackRef};
+use crate::probe::maps::{self, AddressSpace};
+use crate::stacks::StackStore;
+use crate::table::LiveTable;
+use crate::trace::loader::Probes;
+
+/// Most live blocks tracked before new ones are counted as `table_full`.
+const MAX_LIVE_BLOCKS: usize = 50_000_000;
+/// Mappings are re-read at most this often when a stack has unknown frames.
+const MAPS_REFRESH: Duration = Duration::from_millis(200);
+
+pub struct Pipeline {
+    pid: u32,
+    table: LiveTable,
+    stacks: StackStore,
+    space: AddressSpace,
+    space_read: Option<Instant>,
+    pub decode_errors: u64,
+}
+
+impl Pipeline {
+    pub fn new(pid: u32) -> Self {
+        Pipeline {
+            pid,
+            table: LiveTable::new(MAX_LIVE_BLOCKS),
+            stacks: StackStore::default(),
+            space: AddressSpace::default(),
+            space_read: None,
+            decode_errors: 0,
+        }
+    }
+
+    pub fn table(&self) -> &LiveTable {
+        &self.table
+    }
+
+    pub fn stacks(&self) -> &StackStore {
+        &self.stacks
+    }
+
+    /// Drains every record waiting in the ring buffer.
+    pub fn drain(&mut self, ring: &mut RingBuf<MapData>, probes: &Probes) {
+        while let Some(record) = ring.next() {
+            match event::decode(&record) {
+                Ok(event) => self.handle(&event, probes),
+                Err(err) => {
+                    self.decode_errors += 1;
+                    log::debug!("undecodable event: {err}");
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, event: &Event, probes: &Probes) {
+        let Some(spec) = probes.specs().get(usize::from(event.spec)) else {
+            self.decode_errors += 1;
+            return;
+        };
+        if let Action::Alloc {
+            stack: StackRef::Id(id),
+            ..
+        }
+        | Action::Realloc {
+            stack: StackRef::Id(id),
+            ..
+        } = event.action
+        {
+            self.learn_stack(id, probes);
+        }
+        self.table.apply(event, spec.domain);
+    }
+
+    fn learn_stack(&mut self, id: u32, probes: &Probes) {
+        if self.stacks.contains(id) {
+            return;
+        }
+        let Some(ips) = probes.stack(id) else {
+            return;
+        };
+        if self.space.is_empty() {
+            self.refresh_space();
+        }
+        self.stacks.insert(id, &ips, &self.space);
+        if self.stacks.has_unresolved(id) && self.refresh_space() {
+            self.stacks.insert(id, &ips, &self.space);
+        }
+    }
+
+    /// Re-reads the target's mappings (rate-limited); true when it did.
+    fn refresh_space(&mut self) -> bool {
+        if self
+            .space_read
+            .is_some_and(|at| at.elapsed() < MAPS_REFRESH)
+        {
+            return false;
+        }
+        self.space_read = Some(Instant::now());
+        match maps::read(self.pid) {
+            Ok(mappings) => {
+                self.space = AddressSpace::new(mappings);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
