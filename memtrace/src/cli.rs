@@ -72,6 +72,31 @@ pub struct TraceArgs {
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=127))]
     pub stack_depth: u32,
 
+    /// Trace one allocation in N (chosen by address, so the matching free is
+    /// sampled too); totals are then estimates. Applied in the kernel.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub sample_rate: u32,
+
+    /// Ignore allocations smaller than this many bytes (applied in the kernel).
+    #[arg(long, default_value_t = 0)]
+    pub min_size: u64,
+
+    /// Ignore allocations larger than this many bytes (applied in the kernel).
+    #[arg(long)]
+    pub max_size: Option<u64>,
+
+    /// Ring-buffer size in MiB (a power of two).
+    #[arg(long, default_value_t = 8, value_parser = parse_ring_mib)]
+    pub ring_mib: u32,
+
+    /// Benchmark floor: attach empty probes that record nothing.
+    #[arg(long, hide = true)]
+    pub null_probes: bool,
+
+    /// Benchmark floor: put every probe at its function's entry (no placement).
+    #[arg(long, hide = true)]
+    pub entry_probes: bool,
+
     /// Debug output (-v: attach plan and kernel log; -vv: more).
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
@@ -79,6 +104,17 @@ pub struct TraceArgs {
     /// Command to launch and trace from its first instruction.
     #[arg(last = true, value_name = "CMD")]
     pub command: Vec<String>,
+}
+
+/// Parses a ring-buffer size in MiB: a power of two from 1 to 1024.
+fn parse_ring_mib(text: &str) -> Result<u32, String> {
+    let mib: u32 = text
+        .parse()
+        .map_err(|_| format!("invalid ring size '{text}': expected MiB as a number"))?;
+    if mib == 0 || mib > 1024 || !mib.is_power_of_two() {
+        return Err(format!("invalid ring size {mib}: a power of two from 1 to 1024 MiB"));
+    }
+    Ok(mib)
 }
 
 /// Parses a human duration such as `500ms`, `5s`, `2m`, `1h30m`.

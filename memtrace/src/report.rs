@@ -32,6 +32,19 @@ pub struct Report {
     pub settings: Settings,
     pub kernel_counters: BTreeMap<String, u64>,
     pub notes: Vec<String>,
+    /// Live bytes per allocator at each interval (`--interval`), oldest first.
+    pub timeline: Vec<TimelineSample>,
+}
+
+/// Live bytes and blocks of one allocator and memory kind at one moment.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct TimelineSample {
+    /// Milliseconds since tracing started.
+    pub t_ms: u64,
+    pub allocator: Allocator,
+    pub memory: Memory,
+    pub live_bytes: u64,
+    pub live_count: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -120,6 +133,7 @@ pub struct ReportInput<'a> {
     pub missing_functions: Vec<String>,
     pub settings: Settings,
     pub notes: Vec<String>,
+    pub timeline: Vec<TimelineSample>,
 }
 
 /// Kernel counters that mean events were lost.
@@ -281,6 +295,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         settings: input.settings,
         kernel_counters: input.kernel_counters,
         notes,
+        timeline: input.timeline,
     }
 }
 
@@ -411,6 +426,7 @@ mod tests {
             kernel_counters: [("ringbuf_full".to_string(), 0)].into_iter().collect(),
             libraries: Vec::new(),
             missing_functions: Vec::new(),
+            timeline: Vec::new(),
             settings: Settings {
                 stack_depth: 2,
                 min_age_ms: 1000,
@@ -509,6 +525,7 @@ mod tests {
             missing_functions: Vec::new(),
             settings: Settings::default(),
             notes: Vec::new(),
+            timeline: Vec::new(),
         };
         let report = build(input, &mut FakeSymbols);
         assert!(!report.complete);

@@ -48,10 +48,6 @@ impl StackStore {
         self.get(id)
             .is_some_and(|frames| frames.iter().any(|f| f.file.is_none()))
     }
-
-    pub fn len(&self) -> usize {
-        self.stacks.len()
-    }
 }
 
 #[cfg(test)]

@@ -103,17 +103,6 @@ impl Symbolize for BlazeSymbolizer {
     }
 }
 
-/// A symbolizer that knows nothing (used when symbolization is not wanted).
-#[cfg(test)]
-pub struct NoSymbols;
-
-#[cfg(test)]
-impl Symbolize for NoSymbols {
-    fn symbolize(&mut self, addrs: &[FileAddr]) -> Vec<SymInfo> {
-        vec![SymInfo::default(); addrs.len()]
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,7 +114,7 @@ mod tests {
         let maps = crate::probe::maps::read(std::process::id()).expect("own maps");
         let space = crate::probe::maps::AddressSpace::new(maps);
         // A return address just past the start of this function's code.
-        let addr = finds_a_function_in_an_elf_file as usize as u64 + 1;
+        let addr = finds_a_function_in_an_elf_file as *const () as u64 + 1;
         let normalized = space.normalize(addr).expect("own code is file-backed");
         assert_eq!(
             std::fs::canonicalize(&normalized.module).ok(),

@@ -106,6 +106,7 @@ impl LiveTable {
         &self.counts
     }
 
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.blocks.len()
     }

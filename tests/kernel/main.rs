@@ -1,1 +1,9 @@
-//! placeholder
+//! The privileged kernel suite: the real memtrace binary attaches real eBPF
+//! uprobes to real C fixture processes, and the JSON report is checked against
+//! what each fixture is known to leak. Needs root (see `support::privileged`).
+
+mod support;
+
+mod core_host;
+mod gpu;
+mod bad_input;

@@ -1,1 +1,170 @@
-fn main() {}
+//! memtrace's build tasks: `cargo xtask build-ebpf | build | fixtures | test | demo | bench`.
+//!
+//! Each task installs what it needs first (nightly rust-src, bpf-linker built
+//! against rustc's own LLVM) and is idempotent: cheap when already done.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "memtrace build tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Build the eBPF object (installs rust-src and bpf-linker when missing).
+    BuildEbpf,
+    /// Build the eBPF object and the release memtrace binary that embeds it.
+    Build,
+    /// Build the C fixtures and stub GPU libraries into target/fixtures.
+    Fixtures,
+    /// Run every test: unit tests and the privileged kernel suite (needs root).
+    Test {
+        /// Extra arguments for `cargo test` (after --).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Build everything and trace the bundled leaky demo program.
+    Demo,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().task {
+        Task::BuildEbpf => build_ebpf(),
+        Task::Build => build_release(),
+        Task::Fixtures => fixtures().map(|_| ()),
+        Task::Test { args } => test(&args),
+        Task::Demo => demo(),
+    }
+}
+
+/// The workspace root (the parent of this crate).
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Runs a command, failing with its command line when it fails.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+/// A cargo command free of the outer cargo's toolchain settings.
+fn clean_cargo(toolchain: &str) -> Command {
+    let mut cmd = Command::new("cargo");
+    cmd.arg(format!("+{toolchain}"));
+    for var in [
+        "RUSTUP_TOOLCHAIN",
+        "RUSTC",
+        "RUSTC_WRAPPER",
+        "RUSTFLAGS",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_BUILD_TARGET",
+        "CARGO_TARGET_DIR",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+fn ensure_rust_src() -> Result<()> {
+    let out = Command::new("rustup")
+        .args(["component", "list", "--installed", "--toolchain", "nightly"])
+        .output()
+        .context("rustup is needed to build the eBPF programs")?;
+    if !String::from_utf8_lossy(&out.stdout).contains("rust-src") {
+        eprintln!("xtask: installing rust-src for the nightly toolchain");
+        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+    }
+    Ok(())
+}
+
+fn ensure_bpf_linker() -> Result<()> {
+    if Command::new("bpf-linker").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        return Ok(());
+    }
+    eprintln!("xtask: installing bpf-linker (linked against rustc's own LLVM)");
+    let sysroot = Command::new("rustc")
+        .args(["+nightly", "--print", "sysroot"])
+        .output()
+        .context("rustc +nightly --print sysroot")?;
+    let sysroot = PathBuf::from(String::from_utf8_lossy(&sysroot.stdout).trim());
+    let lib = sysroot.join("lib");
+    let llvm = std::fs::read_dir(&lib)
+        .with_context(|| format!("reading {}", lib.display()))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("libLLVM.so.") && n.to_string_lossy().contains("-rust-"))
+        })
+        .context("the nightly toolchain ships no libLLVM.so.*-rust-*")?;
+    let link = lib.join("libLLVM.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&llvm, &link).with_context(|| format!("linking {}", link.display()))?;
+    run(clean_cargo("stable")
+        .args(["install", "bpf-linker", "--version", "0.13.0", "--locked", "--no-default-features", "--features", "llvm-22"])
+        .env("LLVM_PREFIX", &sysroot))
+}
+
+fn build_ebpf() -> Result<()> {
+    ensure_rust_src()?;
+    ensure_bpf_linker()?;
+    run(clean_cargo("nightly")
+        .current_dir(root().join("memtrace-ebpf"))
+        .args(["build", "--release"]))
+}
+
+fn build_release() -> Result<()> {
+    build_ebpf()?;
+    run(Command::new("cargo")
+        .current_dir(root())
+        .args(["build", "--release", "-p", "memtrace"]))
+}
+
+/// Builds the fixtures; returns their directory.
+pub fn fixtures() -> Result<PathBuf> {
+    let out = root().join("target/fixtures");
+    run(Command::new("make")
+        .args(["-s", "-C"])
+        .arg(root().join("tests/fixtures"))
+        .arg(format!("OUT={}", out.display()))
+        .arg("all"))?;
+    Ok(out)
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    build_ebpf()?;
+    let fixtures = fixtures()?;
+    run(Command::new("cargo")
+        .current_dir(root())
+        .args(["test", "--workspace"])
+        .args(extra)
+        .env("MEMTRACE_FIXTURES", &fixtures)
+        .env("MEMTRACE_REQUIRE_KERNEL_TESTS", "1"))
+}
+
+fn demo() -> Result<()> {
+    build_release()?;
+    let fixtures = fixtures()?;
+    let memtrace = root().join("target/release/memtrace");
+    eprintln!("xtask: tracing the bundled demo (a request loop that leaks every 4th response)");
+    run(Command::new(&memtrace)
+        .args(["--top", "5", "--"])
+        .arg(fixtures.join("leaky_demo"))
+        .arg("400"))
+}

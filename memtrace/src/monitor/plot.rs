@@ -97,8 +97,7 @@ fn font_ready() -> bool {
             if let Ok(bytes) = std::fs::read(&path) {
                 // The font table needs 'static bytes; this is done once.
                 let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
-                {
+                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
                     return true;
                 }
             }
@@ -141,9 +140,10 @@ fn panels<'a>(rec: &'a Recording, verdicts: &'a [Verdict]) -> Vec<Panel<'a>> {
             }
         };
         out[idx].series.push(s);
-        if let Some(v) = verdicts.iter().find(|v| {
-            v.family == s.family && v.metric == s.metric && v.segment == s.segment
-        }) {
+        if let Some(v) = verdicts
+            .iter()
+            .find(|v| v.family == s.family && v.metric == s.metric && v.segment == s.segment)
+        {
             out[idx].verdicts.push(v);
         }
     }
@@ -289,7 +289,11 @@ pub fn plot(
     let size = (PANEL_W * COLUMNS as u32, PANEL_H * rows);
     let text = font_ready();
     match kind {
-        PlotKind::Svg => draw_all(SVGBackend::new(path, size).into_drawing_area(), &panels, text),
+        PlotKind::Svg => draw_all(
+            SVGBackend::new(path, size).into_drawing_area(),
+            &panels,
+            text,
+        ),
         PlotKind::Png => draw_all(
             BitMapBackend::new(path, size).into_drawing_area(),
             &panels,
@@ -297,5 +301,6 @@ pub fn plot(
         ),
     }
     .map_err(err)?;
-    Ok((!text).then(|| "no TrueType font found (set MEMTRACE_FONT): plot drawn without text".into()))
+    Ok((!text)
+        .then(|| "no TrueType font found (set MEMTRACE_FONT): plot drawn without text".into()))
 }

@@ -131,9 +131,9 @@ mod tests {
             let runs_done = ((t - 1.0) / 3.0).floor().max(-1.0) + 1.0;
             let in_run = t >= 1.0 && ((t - 1.0) % 3.0) < 1.0;
             let shmem = 10.0 * mib + 64.0 * mib * (runs_done - if in_run { 1.0 } else { 0.0 });
-            rec.record(Family::System, "Shmem", Unit::Bytes, 0, None, t, shmem);
-            rec.record(Family::System, "MemUsed", Unit::Bytes, 0, None, t, 500.0 * mib);
-            rec.record(Family::System, "Cached", Unit::Bytes, 0, None, t, 900.0 * mib);
+            rec.record(Family::System, "Shmem", Unit::Bytes, 0, t, shmem);
+            rec.record(Family::System, "MemUsed", Unit::Bytes, 0, t, 500.0 * mib);
+            rec.record(Family::System, "Cached", Unit::Bytes, 0, t, 900.0 * mib);
         }
         rec.runs = vec![run(1, 1.0, 2.0), run(2, 4.0, 5.0), run(3, 7.0, 8.0)];
         let report = check(&rec, 32.0 * mib).expect("report");

@@ -102,16 +102,6 @@ impl Series {
             .filter(|(t, _)| *t >= from_t)
             .unzip()
     }
-
-    /// Time of the first valid point.
-    pub fn first_t(&self) -> Option<f64> {
-        self.points.iter().find(|(_, v)| v.is_some()).map(|(t, _)| *t)
-    }
-
-    /// A display name: `VmRSS`, or `VmRSS#2` for process segments after the first.
-    pub fn display_name(&self) -> String {
-        self.metric.clone()
-    }
 }
 
 /// One lifetime of a watched process.
@@ -212,17 +202,21 @@ impl Recording {
             .collect();
     }
 
-    /// Adds one sample.
+    /// Adds one sample (the pid comes from the segment; none for segment 0).
     pub fn record(
         &mut self,
         family: Family,
         metric: &str,
         unit: Unit,
         segment: u32,
-        pid: Option<u32>,
         t: f64,
         value: f64,
     ) {
+        let pid = self
+            .segments
+            .iter()
+            .find(|s| s.segment == segment)
+            .map(|s| s.pid);
         let key = (family, metric.to_string(), segment);
         let idx = match self.index.get(&key) {
             Some(i) => *i,
@@ -334,7 +328,7 @@ mod tests {
     #[test]
     fn missing_metrics_become_one_gap() {
         let mut rec = Recording::new(Meta::default());
-        rec.record(Family::Gpu, "card0.vram_used", Unit::Bytes, 0, None, 0.0, 1.0);
+        rec.record(Family::Gpu, "card0.vram_used", Unit::Bytes, 0, 0.0, 1.0);
         rec.close_missing(Family::Gpu, 0, 1.0, "source error");
         rec.close_missing(Family::Gpu, 0, 2.0, "source error");
         let s = &rec.series[0];
@@ -348,7 +342,7 @@ mod tests {
         let mut rec = Recording::new(Meta::default());
         assert_eq!(rec.open_segment(10, "a", 0.0), 1);
         assert_eq!(rec.open_segment(11, "a", 1.0), 2);
-        rec.record(Family::Process, "VmRSS", Unit::Bytes, 1, Some(10), 0.5, 4.0);
+        rec.record(Family::Process, "VmRSS", Unit::Bytes, 1, 0.5, 4.0);
         rec.close_segment(1, 0.9, "process exited");
         assert_eq!(rec.segments[0].end_s, Some(0.9));
         assert_eq!(rec.series[0].gaps[0].note, "process exited");

@@ -239,7 +239,10 @@ fn load_csv(path: &Path, text: &str) -> Result<Recording, MonitorError> {
             )
         })?;
         let unit = Unit::parse(&row.unit).ok_or_else(|| {
-            read_err(path, format!("row {}: unknown unit '{}'", line + 1, row.unit))
+            read_err(
+                path,
+                format!("row {}: unknown unit '{}'", line + 1, row.unit),
+            )
         })?;
         let key = (family, row.metric.clone(), row.segment);
         let idx = *index.entry(key).or_insert_with(|| {
@@ -285,8 +288,8 @@ mod tests {
         });
         let seg = rec.open_segment(1, "x, \"quoted\"", 0.0);
         for i in 0..5 {
-            rec.record(Family::Process, "VmRSS", Unit::Bytes, seg, Some(1), i as f64, 1e6);
-            rec.record(Family::System, "Shmem", Unit::Bytes, 0, None, i as f64, 2e6);
+            rec.record(Family::Process, "VmRSS", Unit::Bytes, seg, i as f64, 1e6);
+            rec.record(Family::System, "Shmem", Unit::Bytes, 0, i as f64, 2e6);
         }
         rec.close_segment(seg, 5.0, "process exited, status 1");
         rec

@@ -11,10 +11,8 @@ pub struct TempDir(PathBuf);
 impl TempDir {
     pub fn new() -> TempDir {
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let path = std::env::temp_dir().join(format!(
-            "memtrace-monitor-unit-{}-{n}",
-            std::process::id()
-        ));
+        let path =
+            std::env::temp_dir().join(format!("memtrace-monitor-unit-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).expect("create temp dir");
         TempDir(path)

@@ -131,10 +131,11 @@ pub fn median(xs: &mut [f64]) -> f64 {
     if xs.is_empty() {
         return 0.0;
     }
-    let mid = xs.len() / 2;
+    let len = xs.len();
+    let mid = len / 2;
     let (lower, m, _) = xs.select_nth_unstable_by(mid, f64::total_cmp);
     let m = *m;
-    if xs.len() % 2 == 1 {
+    if len % 2 == 1 {
         m
     } else {
         let lo = lower.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -154,7 +155,7 @@ pub fn robust_sigma(xs: &[f64]) -> f64 {
 pub fn theil_sen(t: &[f64], v: &[f64]) -> (f64, f64) {
     let n = t.len().min(v.len());
     let mut slopes = Vec::new();
-    let mut push = |i: usize, j: usize, slopes: &mut Vec<f64>| {
+    let push = |i: usize, j: usize, slopes: &mut Vec<f64>| {
         let dt = t[j] - t[i];
         if dt > 0.0 {
             slopes.push((v[j] - v[i]) / dt);
@@ -294,9 +295,7 @@ pub fn judge(series: &Series, from_t: f64, th: &Thresholds) -> Verdict {
     verdict.jitter_rel = if level > 0.0 { noise / level } else { 0.0 };
 
     find_steps(&t, &v, floor, th.jump_k, 0, &mut verdict.steps);
-    verdict
-        .steps
-        .sort_by(|a, b| a.t_s.total_cmp(&b.t_s));
+    verdict.steps.sort_by(|a, b| a.t_s.total_cmp(&b.t_s));
 
     // The trend must show in robust thirds too (rules out sawtooth artefacts).
     let third = (n / 3).max(1);
@@ -306,8 +305,7 @@ pub fn judge(series: &Series, from_t: f64, th: &Thresholds) -> Verdict {
     let tl = median(&mut t[n - third..].to_vec());
     let expected = slope * (tl - tf);
     let observed = last - first;
-    let consistent =
-        observed.signum() == slope.signum() && observed.abs() >= 0.5 * expected.abs();
+    let consistent = observed.signum() == slope.signum() && observed.abs() >= 0.5 * expected.abs();
     let significant =
         slope != 0.0 && change.abs() >= floor && change.abs() >= th.noise_k * noise && consistent;
     let jitter = verdict.jitter_rel >= th.jitter_rel && noise >= floor / 2.0;
@@ -343,7 +341,9 @@ mod tests {
 
     /// Deterministic noise in [-1, 1].
     fn noise(i: usize) -> f64 {
-        let x = (i as u64).wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let x = (i as u64)
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((x >> 33) % 2001) as f64 / 1000.0 - 1.0
     }
 
@@ -354,7 +354,9 @@ mod tests {
             unit: Unit::Bytes,
             segment: 1,
             pid: Some(1),
-            points: (0..n).map(|i| (i as f64 * dt, Some(f(i as f64 * dt, i)))).collect(),
+            points: (0..n)
+                .map(|i| (i as f64 * dt, Some(f(i as f64 * dt, i))))
+                .collect(),
             gaps: Vec::new(),
         }
     }
@@ -377,7 +379,11 @@ mod tests {
     #[test]
     fn theil_sen_samples_pairs_on_long_series() {
         let t: Vec<f64> = (0..5000).map(|i| i as f64).collect();
-        let v: Vec<f64> = t.iter().enumerate().map(|(i, t)| 2.0 * t + noise(i)).collect();
+        let v: Vec<f64> = t
+            .iter()
+            .enumerate()
+            .map(|(i, t)| 2.0 * t + noise(i))
+            .collect();
         let (b, _) = theil_sen(&t, &v);
         assert!((b - 2.0).abs() < 0.01, "{b}");
     }
@@ -390,10 +396,18 @@ mod tests {
 
     #[test]
     fn one_mib_per_minute_is_growth() {
-        let s = series(|t, i| 100.0 * MIB + MIB * t / 60.0 + 64.0 * 1024.0 * noise(i), 600, 1.0);
+        let s = series(
+            |t, i| 100.0 * MIB + MIB * t / 60.0 + 64.0 * 1024.0 * noise(i),
+            600,
+            1.0,
+        );
         let v = judge(&s, 0.0, &Thresholds::default());
         assert_eq!(v.label, Label::Growth);
-        assert!((v.slope_per_hour / MIB - 60.0).abs() < 2.0, "{}", v.slope_per_hour);
+        assert!(
+            (v.slope_per_hour / MIB - 60.0).abs() < 2.0,
+            "{}",
+            v.slope_per_hour
+        );
     }
 
     #[test]
@@ -410,7 +424,9 @@ mod tests {
     #[test]
     fn one_step_is_jump() {
         let s = series(
-            |t, i| 100.0 * MIB + if t >= 300.0 { 50.0 * MIB } else { 0.0 } + 32.0 * 1024.0 * noise(i),
+            |t, i| {
+                100.0 * MIB + if t >= 300.0 { 50.0 * MIB } else { 0.0 } + 32.0 * 1024.0 * noise(i)
+            },
             600,
             1.0,
         );
@@ -425,7 +441,9 @@ mod tests {
     fn sawtooth_with_flat_trend_is_jitter() {
         for period in [37.0, 60.0, 150.0, 200.0] {
             let s = series(
-                |t, i| 100.0 * MIB + 20.0 * MIB * ((t % period) / period) + 16.0 * 1024.0 * noise(i),
+                |t, i| {
+                    100.0 * MIB + 20.0 * MIB * ((t % period) / period) + 16.0 * 1024.0 * noise(i)
+                },
                 600,
                 1.0,
             );
@@ -437,13 +455,21 @@ mod tests {
     #[test]
     fn staircase_leak_is_growth_not_jump() {
         // 4 MiB every 20 s: a leak sampled finer than it happens.
-        let s = series(|t, _| 100.0 * MIB + 4.0 * MIB * (t / 20.0).floor(), 600, 1.0);
+        let s = series(
+            |t, _| 100.0 * MIB + 4.0 * MIB * (t / 20.0).floor(),
+            600,
+            1.0,
+        );
         assert_eq!(label(&s), Label::Growth);
     }
 
     #[test]
     fn step_down_and_decrease_are_not_leaks() {
-        let s = series(|t, _| if t < 300.0 { 200.0 * MIB } else { 100.0 * MIB }, 600, 1.0);
+        let s = series(
+            |t, _| if t < 300.0 { 200.0 * MIB } else { 100.0 * MIB },
+            600,
+            1.0,
+        );
         let v = judge(&s, 0.0, &Thresholds::default());
         assert_ne!(v.label, Label::Jump);
         assert_eq!(v.steps.len(), 1);
@@ -464,7 +490,11 @@ mod tests {
 
     #[test]
     fn warmup_points_are_ignored() {
-        let s = series(|t, _| if t < 10.0 { t * MIB } else { 100.0 * MIB }, 100, 1.0);
+        let s = series(
+            |t, _| if t < 10.0 { t * MIB } else { 100.0 * MIB },
+            100,
+            1.0,
+        );
         assert_eq!(judge(&s, 10.0, &Thresholds::default()).label, Label::Stable);
     }
 }

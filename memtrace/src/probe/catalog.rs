@@ -317,6 +317,7 @@ impl FuncDef {
 }
 
 /// Looks a function up by name.
+#[cfg(test)]
 pub fn find(name: &str) -> Option<&'static FuncDef> {
     CATALOG.iter().find(|def| def.name == name)
 }

@@ -28,7 +28,7 @@ pub struct DefinedFunction {
     pub name: String,
     /// Offset of its first instruction in the file.
     pub file_offset: u64,
-    /// Up to 64 bytes of its code from the entry.
+    /// Up to [`super::placement::WINDOW`] bytes of its code from the entry.
     pub code: Vec<u8>,
 }
 
@@ -73,7 +73,7 @@ pub fn defined_functions(path: &Path, wanted: &[&str]) -> Result<Vec<DefinedFunc
         }
         let file_offset = section_offset + delta;
         let start = usize::try_from(file_offset).unwrap_or(usize::MAX);
-        let end = start.saturating_add(64).min(data.len());
+        let end = start.saturating_add(super::placement::WINDOW).min(data.len());
         let code = data.get(start..end).unwrap_or(&[]).to_vec();
         found.insert(
             name.to_string(),

@@ -109,6 +109,20 @@ pub struct Placement {
 }
 
 impl Placement {
+    /// The function's entry, whatever the chooser said (placement disabled).
+    pub fn at_entry(self) -> Self {
+        if self.offset == 0 {
+            return self;
+        }
+        Placement {
+            offset: 0,
+            reason: PlacementReason::Stay {
+                entry: None,
+                why: "placement disabled".to_string(),
+            },
+        }
+    }
+
     /// Whether the probed instruction is one the kernel emulates (fast path).
     pub fn is_emulated(&self) -> bool {
         !matches!(self.reason, PlacementReason::Stay { .. })
@@ -237,6 +251,7 @@ pub fn choose(code: &[u8], role: ProbeRole) -> Placement {
     }
 }
 
+#[cfg(test)]
 /// Whether the kernel's x86-64 uprobe code emulates the instruction at the
 /// start of `insn` (no second trap). `false` when it does not decode.
 pub fn is_emulated(insn: &[u8]) -> bool {

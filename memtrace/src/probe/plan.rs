@@ -25,6 +25,8 @@ pub struct PlannedProbe {
     pub probe_offset: u64,
     /// Why the probe sits there.
     pub placement: String,
+    /// Whether the kernel emulates the probed instruction (no single-step).
+    pub emulated: bool,
 }
 
 /// One object file and the functions probed in it.
@@ -43,6 +45,7 @@ pub fn plan_library(
     path: &Path,
     open_path: &Path,
     catalog: &'static [FuncDef],
+    place: bool,
 ) -> Result<Option<LibraryPlan>, ElfError> {
     let names: Vec<&str> = catalog.iter().map(|def| def.name).collect();
     let defined = elf::defined_functions(open_path, &names)?;
@@ -62,7 +65,11 @@ pub fn plan_library(
             Some(ptr_reg) if def.is_plain_release() => ProbeRole::ReleasePointer { ptr_reg },
             _ => ProbeRole::Entry,
         };
-        let placed = placement::choose(&found.code, role);
+        let placed = if place {
+            placement::choose(&found.code, role)
+        } else {
+            placement::choose(&found.code, ProbeRole::Entry).at_entry()
+        };
         functions.push(PlannedProbe {
             def,
             function: def.name,
@@ -70,6 +77,7 @@ pub fn plan_library(
             file_offset: found.file_offset,
             probe_offset: placed.offset,
             placement: placed.reason.to_string(),
+            emulated: placed.is_emulated(),
         });
     }
     if functions.is_empty() {
@@ -88,8 +96,12 @@ pub fn plan_library(
 }
 
 /// Plans one object with the whole built-in catalogue.
-pub fn plan_builtin(path: &Path, open_path: &Path) -> Result<Option<LibraryPlan>, ElfError> {
-    plan_library(path, open_path, CATALOG)
+pub fn plan_builtin(
+    path: &Path,
+    open_path: &Path,
+    place: bool,
+) -> Result<Option<LibraryPlan>, ElfError> {
+    plan_library(path, open_path, CATALOG, place)
 }
 
 #[cfg(test)]
@@ -103,7 +115,7 @@ mod tests {
             .into_iter()
             .find(|p| p.to_string_lossy().contains("libc.so"))
             .expect("libc mapped");
-        let plan = plan_builtin(&libc, &libc)
+        let plan = plan_builtin(&libc, &libc, true)
             .expect("readable")
             .expect("libc has allocators");
         let names: Vec<&str> = plan.functions.iter().map(|p| p.function).collect();

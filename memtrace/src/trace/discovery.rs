@@ -16,6 +16,7 @@ pub struct Discovery {
     pid: u32,
     considered: HashSet<PathBuf>,
     exclude: Option<PathBuf>,
+    place: bool,
     pub libraries: Vec<LibraryPlan>,
     /// Objects that could not be read or attached, with why.
     pub problems: Vec<String>,
@@ -24,11 +25,13 @@ pub struct Discovery {
 impl Discovery {
     /// `exclude` is an object never to probe (memtrace's own executable, seen
     /// in a launched child before it execs).
-    pub fn new(pid: u32, exclude: Option<PathBuf>) -> Self {
+    /// `place`: move probes to cheaper spots where safe (see `probe::placement`).
+    pub fn new(pid: u32, exclude: Option<PathBuf>, place: bool) -> Self {
         Discovery {
             pid,
             considered: HashSet::new(),
             exclude,
+            place,
             libraries: Vec::new(),
             problems: Vec::new(),
         }
@@ -45,7 +48,7 @@ impl Discovery {
                 continue;
             }
             let open_path = maps::path_in_target_root(self.pid, &path);
-            match plan::plan_builtin(&path, &open_path) {
+            match plan::plan_builtin(&path, &open_path, self.place) {
                 Ok(Some(mut library)) => match probes.attach_library(&mut library) {
                     Ok(count) => {
                         attached += count;

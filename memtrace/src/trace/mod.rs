@@ -53,11 +53,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
 
     let options = LoadOptions {
         stacks: args.stack_depth > 0,
-        sample_rate: 1,
-        min_size: 0,
-        max_size: u64::MAX,
-        null_mode: false,
-        ring_bytes: 8 << 20,
+        sample_rate: args.sample_rate,
+        min_size: args.min_size,
+        max_size: args.max_size.unwrap_or(u64::MAX),
+        null_mode: args.null_probes,
+        ring_bytes: args.ring_mib << 20,
         stack_entries: 16384,
         wakeup_bytes: 0,
     };
@@ -75,7 +75,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         Some(child) => (own_exe, child.program.iter().cloned().collect()),
         None => (None, Vec::new()),
     };
-    let mut discovery = Discovery::new(pid, exclude);
+    let mut discovery = Discovery::new(pid, exclude, !args.entry_probes);
     discovery
         .scan(&mut probes, &extra)
         .with_context(|| format!("cannot read the mappings of pid {pid}"))?;
@@ -116,6 +116,12 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         None => target::inspect(pid)?,
     };
 
+    let probed: usize = discovery.libraries.iter().map(|l| l.functions.len()).sum();
+    eprintln!(
+        "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
+        target_info.comm,
+        discovery.libraries.len()
+    );
     let mut ring = register(probes.events.take().context("ring buffer already taken")?)?;
     let mut pipeline = Pipeline::new(pid);
     let started = Instant::now();
@@ -259,9 +265,10 @@ fn build_report(
             stack_depth: args.stack_depth,
             min_age_ms: u64::try_from(args.min_age.as_millis()).unwrap_or(u64::MAX),
             top: args.top,
-            sample_rate: 1,
+            sample_rate: args.sample_rate,
         },
         notes,
+        timeline: Vec::new(),
     };
     report::build(input, &mut symbolizer)
 }

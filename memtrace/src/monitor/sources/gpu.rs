@@ -157,7 +157,11 @@ fn normalize_key(key: &str) -> Option<(String, Option<f64>)> {
 }
 
 fn device_header(line: &str) -> Option<String> {
-    let lower = line.trim().trim_start_matches('|').trim().to_ascii_lowercase();
+    let lower = line
+        .trim()
+        .trim_start_matches('|')
+        .trim()
+        .to_ascii_lowercase();
     for word in ["gpu", "npu", "device", "card"] {
         if let Some(rest) = lower.strip_prefix(word) {
             let rest = rest.trim_start_matches([' ', '#', ':']);
@@ -188,7 +192,7 @@ fn wanted_key(key: &str) -> bool {
 pub fn parse_smi_output(text: &str) -> Vec<(String, f64)> {
     let mut out: Vec<(String, f64)> = Vec::new();
     let mut prefix = String::new();
-    let mut push = |name: String, v: f64, out: &mut Vec<(String, f64)>| {
+    let push = |name: String, v: f64, out: &mut Vec<(String, f64)>| {
         let mut unique = name.clone();
         let mut n = 1;
         while out.iter().any(|(k, _)| *k == unique) {
@@ -229,7 +233,11 @@ pub fn parse_smi_output(text: &str) -> Vec<(String, f64)> {
                     parse_value_unit(v)
                 };
                 if let Some(val) = value {
-                    push(format!("{prefix}{key}"), val * key_unit.unwrap_or(1.0), &mut out);
+                    push(
+                        format!("{prefix}{key}"),
+                        val * key_unit.unwrap_or(1.0),
+                        &mut out,
+                    );
                 }
             }
         } else if let Some((k, v)) = line.split_once(':') {
@@ -240,7 +248,11 @@ pub fn parse_smi_output(text: &str) -> Vec<(String, f64)> {
                 continue;
             }
             if let Some(val) = parse_value_unit(v) {
-                push(format!("{prefix}{key}"), val * key_unit.unwrap_or(1.0), &mut out);
+                push(
+                    format!("{prefix}{key}"),
+                    val * key_unit.unwrap_or(1.0),
+                    &mut out,
+                );
             }
         }
     }

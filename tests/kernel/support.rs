@@ -1,0 +1,226 @@
+//! Shared helpers of the privileged kernel suite: building the C fixtures,
+//! starting fixture processes, running the real memtrace binary against them
+//! and reading its JSON report.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStderr, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub const MEMTRACE: &str = env!("CARGO_BIN_EXE_memtrace");
+
+/// Whether this suite can run: it attaches real eBPF programs, so it needs root.
+/// Under `cargo xtask test` (and CI) a missing privilege is a failure, not a skip.
+pub fn privileged() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        if std::env::var_os("MEMTRACE_REQUIRE_KERNEL_TESTS").is_some() {
+            panic!("the kernel suite needs root (run `sudo cargo xtask test`)");
+        }
+        eprintln!("SKIPPED: the kernel suite needs root (run `sudo cargo xtask test`)");
+    }
+    root
+}
+
+/// The built fixtures (`make -C tests/fixtures`), once per test binary.
+pub fn fixtures() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let out = std::env::var_os("MEMTRACE_FIXTURES")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target/fixtures"));
+        let status = Command::new("make")
+            .args(["-s", "-C"])
+            .arg(root.join("tests/fixtures"))
+            .arg(format!("OUT={}", out.display()))
+            .arg("all")
+            .status()
+            .expect("make runs");
+        assert!(status.success(), "building the fixtures failed");
+        out
+    })
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    fixtures().join(name)
+}
+
+/// A fixture process following the ready/go/done protocol.
+pub struct Fixture {
+    pub child: Child,
+    pub pid: u32,
+    stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl Fixture {
+    /// Starts `name` with `args` and waits for its `ready <pid>` line.
+    pub fn start(name: &str, args: &[&str]) -> Fixture {
+        let mut child = Command::new(fixture(name))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|err| panic!("cannot start fixture {name}: {err}"));
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout piped"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("ready line");
+        let pid = line
+            .strip_prefix("ready ")
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("fixture {name} said {line:?}"));
+        Fixture { child, pid, stdout }
+    }
+
+    /// Lets the fixture do its work and waits for its `done` line.
+    pub fn go(&mut self) {
+        let stdin = self.child.stdin.as_mut().expect("stdin piped");
+        stdin.write_all(b"\n").expect("go");
+        stdin.flush().expect("flush");
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.stdout.read_line(&mut line).expect("fixture output");
+            assert!(n > 0, "fixture exited before `done`");
+            if line.trim() == "done" {
+                return;
+            }
+        }
+    }
+
+    pub fn wait(mut self) {
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A memtrace process running in the background.
+pub struct Tracer {
+    pub child: Child,
+    stderr: Option<ChildStderr>,
+    pub stderr_text: String,
+}
+
+impl Tracer {
+    /// Starts memtrace with `args` and waits until it says it is tracing.
+    pub fn attach(args: &[&str]) -> Tracer {
+        let mut child = Command::new(MEMTRACE)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("memtrace starts");
+        let mut stderr = child.stderr.take().expect("stderr piped");
+        let mut seen = String::new();
+        let mut byte = [0u8; 1];
+        while !seen.contains("memtrace: tracing") {
+            match stderr.read(&mut byte) {
+                Ok(1) => seen.push(byte[0] as char),
+                _ => {
+                    let _ = child.wait();
+                    panic!("memtrace ended before attaching: {seen}");
+                }
+            }
+        }
+        while !seen.ends_with('\n') {
+            match stderr.read(&mut byte) {
+                Ok(1) => seen.push(byte[0] as char),
+                _ => break,
+            }
+        }
+        Tracer {
+            child,
+            stderr: Some(stderr),
+            stderr_text: seen,
+        }
+    }
+
+    /// Waits for memtrace to end (bounded, as a safety net) and parses its JSON report.
+    pub fn report(mut self) -> (Value, String) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "memtrace did not end");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut stdout = String::new();
+        if let Some(mut out) = self.child.stdout.take() {
+            out.read_to_string(&mut stdout).expect("stdout");
+        }
+        if let Some(mut err) = self.stderr.take() {
+            let _ = err.read_to_string(&mut self.stderr_text);
+        }
+        assert!(
+            status.success(),
+            "memtrace failed: {status}\nstderr: {}",
+            self.stderr_text
+        );
+        let report: Value = serde_json::from_str(&stdout)
+            .unwrap_or_else(|err| panic!("bad JSON ({err}): {stdout}"));
+        (report, self.stderr_text)
+    }
+
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill with a valid pid of our own child and a valid signal.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+}
+
+/// Runs memtrace to completion (launch mode) and parses its JSON report.
+pub fn run_json(args: &[&str]) -> Value {
+    let out = Command::new(MEMTRACE).args(args).output().expect("memtrace runs");
+    assert!(
+        out.status.success(),
+        "memtrace failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|err| panic!("bad JSON ({err}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// The sites whose first frame is `symbol`.
+pub fn sites_of<'a>(report: &'a Value, symbol: &str) -> Vec<&'a Value> {
+    report["sites"]
+        .as_array()
+        .map(|sites| {
+            sites
+                .iter()
+                .filter(|site| site["frames"][0]["symbol"].as_str() == Some(symbol))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// (live bytes, live count) summed over the sites whose first frame is `symbol`.
+pub fn site_totals(report: &Value, symbol: &str) -> (u64, u64) {
+    sites_of(report, symbol).iter().fold((0, 0), |(bytes, count), site| {
+        (
+            bytes + site["live_bytes"].as_u64().unwrap_or(0),
+            count + site["live_count"].as_u64().unwrap_or(0),
+        )
+    })
+}
+
+pub fn total_for(report: &Value, allocator: &str) -> (u64, u64) {
+    report["totals"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|t| t["allocator"] == allocator)
+        .fold((0, 0), |(b, c), t| {
+            (b + t["live_bytes"].as_u64().unwrap_or(0), c + t["live_count"].as_u64().unwrap_or(0))
+        })
+}
