@@ -35,6 +35,14 @@ pub enum Format {
     Text,
     /// Stable JSON contract.
     Json,
+    /// Collapsed stacks weighted by live bytes (for flamegraph tools).
+    Folded,
+    /// Flame graph of live bytes by allocation site (SVG).
+    Flamegraph,
+    /// Gzipped pprof profile (`go tool pprof`): in-use space and objects.
+    Pprof,
+    /// Chrome trace-event JSON of live bytes over time (Perfetto, chrome://tracing).
+    Timeline,
 }
 
 /// Options of the tracer (the default command).
@@ -112,7 +120,9 @@ fn parse_ring_mib(text: &str) -> Result<u32, String> {
         .parse()
         .map_err(|_| format!("invalid ring size '{text}': expected MiB as a number"))?;
     if mib == 0 || mib > 1024 || !mib.is_power_of_two() {
-        return Err(format!("invalid ring size {mib}: a power of two from 1 to 1024 MiB"));
+        return Err(format!(
+            "invalid ring size {mib}: a power of two from 1 to 1024 MiB"
+        ));
     }
     Ok(mib)
 }

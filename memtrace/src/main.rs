@@ -3,12 +3,14 @@
 //! Thin entry point: parse the command line, dispatch, and turn errors into
 //! one line on stderr with a documented exit code (see `error`).
 
+mod analysis;
 mod cli;
 mod error;
 mod event;
 mod monitor;
 mod output;
 mod probe;
+mod prometheus;
 mod report;
 mod sink;
 mod stacks;

@@ -1,8 +1,9 @@
 //! The traced process: checking that a pid can be traced, describing it, and
 //! launching a command held before `exec` until the probes are attached.
 
-use std::ffi::OsString;
+use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
 use crate::error::Failure;
@@ -80,19 +81,44 @@ pub fn inspect(pid: u32) -> Result<TargetInfo, Failure> {
 
 /// A launched command, stopped before `exec` until [`HeldChild::release`].
 pub struct HeldChild {
-    pub child: tokio::process::Child,
     pub pid: u32,
     /// The program that will be executed, resolved through `PATH`.
     pub program: Option<PathBuf>,
     release: Option<OwnedFd>,
+    events: tokio::sync::mpsc::UnboundedReceiver<ChildEvent>,
+}
+
+/// What the supervisor of a launched command reports.
+pub enum ChildEvent {
+    /// The command is about to exit, its mappings still in place; it stays
+    /// stopped until the sender is answered (or dropped).
+    Exiting(std::sync::mpsc::Sender<()>),
+    /// The command ended, described the way a shell would.
+    Exited(String),
 }
 
 impl HeldChild {
-    /// Forks `command`; the child waits on a pipe before it execs.
+    /// Forks `command`; the child waits on a pipe before it execs, so probes
+    /// attached to its pid see even its first instruction.
     pub fn spawn(command: &[String]) -> Result<Self, Failure> {
-        let Some((program, args)) = command.split_first() else {
+        let Some(program) = command.first() else {
             return Err(Failure::usage("no command given after --"));
         };
+        let Some(resolved) = resolve_program(program) else {
+            return Err(Failure::usage(format!(
+                "cannot run '{program}': no such executable"
+            )));
+        };
+        let to_c = |text: &str| {
+            CString::new(text)
+                .map_err(|_| Failure::usage(format!("argument {text:?} contains a NUL byte")))
+        };
+        let path = CString::new(resolved.as_os_str().as_bytes())
+            .map_err(|_| Failure::usage("program path contains a NUL byte"))?;
+        let args: Vec<CString> = command.iter().map(|a| to_c(a)).collect::<Result<_, _>>()?;
+        let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+        argv.push(std::ptr::null());
+
         let mut fds = [0; 2];
         // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -104,43 +130,49 @@ impl HeldChild {
         // SAFETY: pipe2 succeeded, so both descriptors are open and ours alone.
         let (read_end, write_end) =
             unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        let read_fd = read_end.as_raw_fd();
-        let write_fd = write_end.as_raw_fd();
-        let mut cmd = tokio::process::Command::new(program);
-        cmd.args(args).kill_on_drop(false);
-        // SAFETY: the closure runs in the forked child before exec and only
-        // makes async-signal-safe calls (close, read) on inherited descriptors.
-        unsafe {
-            cmd.pre_exec(move || {
-                libc::close(write_fd);
+        // SAFETY: after fork the child only makes async-signal-safe calls
+        // (close, read, execv, _exit) on memory prepared before the fork.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(Failure::runtime(format!(
+                "cannot fork: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        if pid == 0 {
+            // SAFETY: see above; the child never returns from this block.
+            unsafe {
+                libc::close(write_end.as_raw_fd());
                 let mut byte = 0u8;
                 loop {
-                    let n = libc::read(read_fd, (&mut byte as *mut u8).cast(), 1);
+                    let n = libc::read(read_end.as_raw_fd(), (&mut byte as *mut u8).cast(), 1);
                     if n == 1 {
-                        return Ok(());
+                        break;
                     }
-                    if n == 0 {
-                        return Err(std::io::Error::other("memtrace went away before release"));
-                    }
-                    let err = std::io::Error::last_os_error();
-                    if err.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(err);
+                    if n == 0 || *libc::__errno_location() != libc::EINTR {
+                        libc::_exit(126);
                     }
                 }
-            });
+                libc::execv(path.as_ptr(), argv.as_ptr());
+                libc::_exit(127);
+            }
         }
-        let child = cmd
-            .spawn()
-            .map_err(|err| Failure::usage(format!("cannot run '{program}': {err}")))?;
         drop(read_end);
-        let pid = child
-            .id()
-            .ok_or_else(|| Failure::runtime("the launched command exited at once"))?;
+        let pid = pid as u32;
+        let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
+        let (seized_tx, seized) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("memtrace-child".into())
+            .spawn(move || supervise(pid, &seized_tx, &events_tx))
+            .map_err(|err| Failure::runtime(format!("cannot start the child supervisor: {err}")))?;
+        if seized.recv().is_err() {
+            return Err(Failure::runtime("the child supervisor ended early"));
+        }
         Ok(HeldChild {
-            child,
             pid,
-            program: resolve_program(program),
+            program: Some(resolved),
             release: Some(write_end),
+            events,
         })
     }
 
@@ -159,6 +191,101 @@ impl HeldChild {
             }
         }
         Ok(())
+    }
+
+    /// The next thing the command did (about to exit, exited).
+    pub async fn next_event(&mut self) -> ChildEvent {
+        match self.events.recv().await {
+            Some(event) => event,
+            None => ChildEvent::Exited("wait failed".to_string()),
+        }
+    }
+}
+
+impl Drop for HeldChild {
+    fn drop(&mut self) {
+        // A child never released (memtrace failed before attaching) must not
+        // run untraced: closing the pipe makes it exit without exec.
+        self.release = None;
+    }
+}
+
+/// Supervises a launched command from its own thread (ptrace requests belong
+/// to the thread that made them): it is seized with `PTRACE_O_TRACEEXIT` so
+/// that it stops just before exiting, while its mappings can still be read;
+/// every other stop is resumed at once with its signal, so the command runs
+/// as it would untraced. Only its main thread is seized.
+fn supervise(
+    pid: u32,
+    seized: &std::sync::mpsc::Sender<bool>,
+    events: &tokio::sync::mpsc::UnboundedSender<ChildEvent>,
+) {
+    let pid = pid as libc::pid_t;
+    // SAFETY: PTRACE_SEIZE on our own child; the options word is passed as data.
+    let traced = unsafe {
+        libc::ptrace(
+            libc::PTRACE_SEIZE,
+            pid,
+            std::ptr::null_mut::<libc::c_void>(),
+            libc::PTRACE_O_TRACEEXIT as usize as *mut libc::c_void,
+        )
+    } == 0;
+    let _ = seized.send(traced);
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid on our own child with a valid status pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::__WALL) };
+        if r != pid {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            let _ = events.send(ChildEvent::Exited("wait failed".to_string()));
+            return;
+        }
+        if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+            let _ = events.send(ChildEvent::Exited(describe_status(status)));
+            return;
+        }
+        if !libc::WIFSTOPPED(status) {
+            continue;
+        }
+        let event = (status >> 16) & 0xff;
+        let (request, signal) = if event == libc::PTRACE_EVENT_EXIT {
+            let (ack, answered) = std::sync::mpsc::channel();
+            if events.send(ChildEvent::Exiting(ack)).is_ok() {
+                let _ = answered.recv_timeout(std::time::Duration::from_secs(10));
+            }
+            (libc::PTRACE_CONT, 0)
+        } else if event == libc::PTRACE_EVENT_STOP {
+            (libc::PTRACE_LISTEN, 0)
+        } else {
+            (libc::PTRACE_CONT, libc::WSTOPSIG(status))
+        };
+        // SAFETY: resuming our own stopped tracee; the signal is passed as data.
+        unsafe {
+            libc::ptrace(
+                request,
+                pid,
+                std::ptr::null_mut::<libc::c_void>(),
+                signal as usize as *mut libc::c_void,
+            )
+        };
+    }
+}
+
+/// Describes a `waitpid` status the way a shell would.
+pub fn describe_status(status: i32) -> String {
+    if libc::WIFEXITED(status) {
+        format!("exit status {}", libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        let core = if libc::WCOREDUMP(status) {
+            " (core dumped)"
+        } else {
+            ""
+        };
+        format!("killed by signal {}{core}", libc::WTERMSIG(status))
+    } else {
+        format!("status {status:#x}")
     }
 }
 

@@ -6,15 +6,24 @@ use std::process::{Command, Output};
 use crate::support::{privileged, MEMTRACE};
 
 fn memtrace(args: &[&str]) -> Output {
-    Command::new(MEMTRACE).args(args).output().expect("memtrace runs")
+    Command::new(MEMTRACE)
+        .args(args)
+        .output()
+        .expect("memtrace runs")
 }
 
 fn assert_one_clear_line(out: &Output, code: i32, needle: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(code), "exit code; stderr: {stderr}");
-    assert!(stderr.contains(needle), "stderr mentions {needle:?}: {stderr}");
+    assert!(
+        stderr.contains(needle),
+        "stderr mentions {needle:?}: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "no panic: {stderr}");
-    assert!(!stderr.contains("stack backtrace"), "no backtrace: {stderr}");
+    assert!(
+        !stderr.contains("stack backtrace"),
+        "no backtrace: {stderr}"
+    );
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert!(lines.len() <= 2, "at most a line or two: {stderr}");
 }
@@ -61,7 +70,12 @@ fn unwritable_output_is_refused_before_attaching() {
     if !privileged() {
         return;
     }
-    let out = memtrace(&["--pid", &std::process::id().to_string(), "--output", "/proc/version/report.json"]);
+    let out = memtrace(&[
+        "--pid",
+        &std::process::id().to_string(),
+        "--output",
+        "/proc/version/report.json",
+    ]);
     assert_one_clear_line(&out, 2, "cannot write");
 }
 
@@ -72,7 +86,12 @@ fn running_without_privilege_says_so() {
     }
     // Drop to `nobody` for this one run.
     let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"])
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+        ])
         .arg(MEMTRACE)
         .args(["--pid", &std::process::id().to_string(), "--duration", "1s"])
         .output()

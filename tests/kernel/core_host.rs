@@ -1,12 +1,23 @@
 //! Host allocators (libc heap, anonymous mmap) on the real eBPF path.
 
-use crate::support::{self, privileged, run_json, site_totals, sites_of, total_for, Fixture, Tracer};
+use crate::support::{
+    self, privileged, run_json, site_totals, sites_of, total_for, Fixture, Tracer,
+};
 
 /// Attaches to a running `leak_sites`, lets it work, and returns the report.
 fn trace_leak_sites(fixture_name: &str) -> serde_json::Value {
     let mut fixture = Fixture::start(fixture_name, &["30", "30"]);
     let pid = fixture.pid.to_string();
-    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--top", "200", "--duration", "4s"]);
+    let tracer = Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--format",
+        "json",
+        "--top",
+        "200",
+        "--duration",
+        "4s",
+    ]);
     fixture.go();
     let (report, _) = tracer.report();
     report
@@ -20,12 +31,31 @@ fn attach_to_running_process_finds_each_leak_exactly() {
     let report = trace_leak_sites("leak_sites");
     assert_eq!(site_totals(&report, "leak_a"), (4800, 100), "leak_a");
     assert_eq!(site_totals(&report, "leak_b"), (10000, 10), "leak_b");
-    assert_eq!(site_totals(&report, "leak_calloc"), (1000, 5), "calloc = n*size");
-    assert_eq!(site_totals(&report, "leak_memalign"), (768, 3), "posix_memalign");
-    assert_eq!(site_totals(&report, "realloc_chain"), (4096, 1), "realloc chain keeps only the last block");
-    assert_eq!(site_totals(&report, "leak_mmap"), (131072, 2), "anonymous mmap");
+    assert_eq!(
+        site_totals(&report, "leak_calloc"),
+        (1000, 5),
+        "calloc = n*size"
+    );
+    assert_eq!(
+        site_totals(&report, "leak_memalign"),
+        (768, 3),
+        "posix_memalign"
+    );
+    assert_eq!(
+        site_totals(&report, "realloc_chain"),
+        (4096, 1),
+        "realloc chain keeps only the last block"
+    );
+    assert_eq!(
+        site_totals(&report, "leak_mmap"),
+        (131072, 2),
+        "anonymous mmap"
+    );
     for freed in ["balanced", "realloc_to_zero", "mmap_balanced"] {
-        assert!(sites_of(&report, freed).is_empty(), "{freed} freed everything but was reported");
+        assert!(
+            sites_of(&report, freed).is_empty(),
+            "{freed} freed everything but was reported"
+        );
     }
     // Several threads leaking: every block found, attributed to the worker threads.
     assert_eq!(site_totals(&report, "leak_in_thread"), (4096, 32));
@@ -40,19 +70,35 @@ fn attach_to_running_process_finds_each_leak_exactly() {
     let leak_a = sites_of(&report, "leak_a")[0];
     assert_eq!(leak_a["allocator"], "libc");
     assert_eq!(leak_a["memory"], "host");
-    assert_eq!(leak_a["frames"][0]["file"].as_str().map(|f| f.ends_with("leak_sites.c")), Some(true));
+    assert_eq!(
+        leak_a["frames"][0]["file"]
+            .as_str()
+            .map(|f| f.ends_with("leak_sites.c")),
+        Some(true)
+    );
     assert!(leak_a["frames"][0]["line"].as_u64().is_some());
-    assert_eq!(leak_a["frames"][1]["symbol"], "main", "the caller's caller follows");
+    assert_eq!(
+        leak_a["frames"][1]["symbol"], "main",
+        "the caller's caller follows"
+    );
     assert!(leak_a["oldest_age_ms"].as_u64().is_some());
     // Counters are reported and nothing was lost.
-    for key in ["allocs", "frees", "lost", "unmatched_frees", "stack_failures"] {
+    for key in [
+        "allocs",
+        "frees",
+        "lost",
+        "unmatched_frees",
+        "stack_failures",
+    ] {
         assert!(report["events"][key].is_u64(), "events.{key}");
     }
     assert_eq!(report["events"]["lost"], 0);
     assert!(report["events"]["frees"].as_u64().unwrap_or(0) >= 1000);
     assert_eq!(report["target"]["comm"], "leak_sites");
     let libraries = report["libraries"].as_array().expect("libraries");
-    assert!(libraries.iter().any(|l| l["path"].as_str().is_some_and(|p| p.contains("libc.so"))));
+    assert!(libraries
+        .iter()
+        .any(|l| l["path"].as_str().is_some_and(|p| p.contains("libc.so"))));
 }
 
 #[test]
@@ -78,9 +124,9 @@ fn launch_mode_sees_a_leak_in_the_first_instructions_of_main() {
     let early = early.to_str().expect("utf-8 path");
     let report = run_json(&["--format", "json", "--", early]);
     assert_eq!(site_totals(&report, "early_leak_first"), (777, 1));
-    assert!(report["notes"]
-        .as_array()
-        .is_some_and(|n| n.iter().any(|n| n.as_str().is_some_and(|n| n.contains("command exited")))));
+    assert!(report["notes"].as_array().is_some_and(|n| n
+        .iter()
+        .any(|n| n.as_str().is_some_and(|n| n.contains("command exited")))));
 }
 
 #[test]
@@ -96,10 +142,13 @@ fn target_exiting_mid_trace_gives_a_final_report() {
     fixture.wait();
     let (report, stderr) = tracer.report();
     assert_eq!(site_totals(&report, "leak_a"), (4800, 100));
-    assert!(stderr.contains("exited"), "stderr says the target exited: {stderr}");
-    assert!(report["notes"]
-        .as_array()
-        .is_some_and(|n| n.iter().any(|n| n.as_str().is_some_and(|n| n.contains("exited")))));
+    assert!(
+        stderr.contains("exited"),
+        "stderr says the target exited: {stderr}"
+    );
+    assert!(report["notes"].as_array().is_some_and(|n| n
+        .iter()
+        .any(|n| n.as_str().is_some_and(|n| n.contains("exited")))));
 }
 
 #[test]
@@ -125,12 +174,23 @@ fn stack_depth_zero_reports_sites_without_frames() {
     }
     let mut fixture = Fixture::start("leak_sites", &["30", "30"]);
     let pid = fixture.pid.to_string();
-    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--stack-depth", "0", "--duration", "3s"]);
+    let tracer = Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--format",
+        "json",
+        "--stack-depth",
+        "0",
+        "--duration",
+        "3s",
+    ]);
     fixture.go();
     let (report, _) = tracer.report();
     let (libc_bytes, _) = total_for(&report, "libc");
     assert!(libc_bytes >= 4800 + 10000);
     let sites = report["sites"].as_array().expect("sites");
-    assert!(sites.iter().all(|s| s["frames"].as_array().is_some_and(|f| f.is_empty())));
+    assert!(sites
+        .iter()
+        .all(|s| s["frames"].as_array().is_some_and(|f| f.is_empty())));
     assert_eq!(report["events"]["stack_failures"], 0);
 }

@@ -4,6 +4,6 @@
 
 mod support;
 
+mod bad_input;
 mod core_host;
 mod gpu;
-mod bad_input;

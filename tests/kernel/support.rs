@@ -78,15 +78,25 @@ impl Fixture {
 
     /// Lets the fixture do its work and waits for its `done` line.
     pub fn go(&mut self) {
+        self.send_line();
+        self.expect_line("done");
+    }
+
+    /// Sends one line on the fixture's stdin.
+    pub fn send_line(&mut self) {
         let stdin = self.child.stdin.as_mut().expect("stdin piped");
         stdin.write_all(b"\n").expect("go");
         stdin.flush().expect("flush");
+    }
+
+    /// Reads the fixture's stdout until a line equal to `text`.
+    pub fn expect_line(&mut self, text: &str) {
         let mut line = String::new();
         loop {
             line.clear();
             let n = self.stdout.read_line(&mut line).expect("fixture output");
-            assert!(n > 0, "fixture exited before `done`");
-            if line.trim() == "done" {
+            assert!(n > 0, "fixture exited before `{text}`");
+            if line.trim() == text {
                 return;
             }
         }
@@ -172,6 +182,23 @@ impl Tracer {
         (report, self.stderr_text)
     }
 
+    /// Reads memtrace's stderr until it contains `needle`.
+    pub fn wait_for_stderr(&mut self, needle: &str) {
+        let Some(stderr) = self.stderr.as_mut() else {
+            panic!("stderr already consumed");
+        };
+        let mut byte = [0u8; 1];
+        while !self.stderr_text.contains(needle) {
+            match stderr.read(&mut byte) {
+                Ok(1) => self.stderr_text.push(byte[0] as char),
+                _ => panic!(
+                    "memtrace stderr ended before {needle:?}: {}",
+                    self.stderr_text
+                ),
+            }
+        }
+    }
+
     pub fn signal(&self, signal: i32) {
         // SAFETY: kill with a valid pid of our own child and a valid signal.
         unsafe { libc::kill(self.child.id() as i32, signal) };
@@ -180,7 +207,10 @@ impl Tracer {
 
 /// Runs memtrace to completion (launch mode) and parses its JSON report.
 pub fn run_json(args: &[&str]) -> Value {
-    let out = Command::new(MEMTRACE).args(args).output().expect("memtrace runs");
+    let out = Command::new(MEMTRACE)
+        .args(args)
+        .output()
+        .expect("memtrace runs");
     assert!(
         out.status.success(),
         "memtrace failed: {}\n{}",
@@ -206,12 +236,14 @@ pub fn sites_of<'a>(report: &'a Value, symbol: &str) -> Vec<&'a Value> {
 
 /// (live bytes, live count) summed over the sites whose first frame is `symbol`.
 pub fn site_totals(report: &Value, symbol: &str) -> (u64, u64) {
-    sites_of(report, symbol).iter().fold((0, 0), |(bytes, count), site| {
-        (
-            bytes + site["live_bytes"].as_u64().unwrap_or(0),
-            count + site["live_count"].as_u64().unwrap_or(0),
-        )
-    })
+    sites_of(report, symbol)
+        .iter()
+        .fold((0, 0), |(bytes, count), site| {
+            (
+                bytes + site["live_bytes"].as_u64().unwrap_or(0),
+                count + site["live_count"].as_u64().unwrap_or(0),
+            )
+        })
 }
 
 pub fn total_for(report: &Value, allocator: &str) -> (u64, u64) {
@@ -221,6 +253,9 @@ pub fn total_for(report: &Value, allocator: &str) -> (u64, u64) {
         .flatten()
         .filter(|t| t["allocator"] == allocator)
         .fold((0, 0), |(b, c), t| {
-            (b + t["live_bytes"].as_u64().unwrap_or(0), c + t["live_count"].as_u64().unwrap_or(0))
+            (
+                b + t["live_bytes"].as_u64().unwrap_or(0),
+                c + t["live_count"].as_u64().unwrap_or(0),
+            )
         })
 }

@@ -9,6 +9,8 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod bench;
+
 #[derive(Parser)]
 #[command(name = "xtask", about = "memtrace build tasks")]
 struct Cli {
@@ -32,6 +34,8 @@ enum Task {
     },
     /// Build everything and trace the bundled leaky demo program.
     Demo,
+    /// Measure memtrace against the probe floor and its peers (writes BENCHMARKS.md).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> Result<()> {
@@ -41,6 +45,7 @@ fn main() -> Result<()> {
         Task::Fixtures => fixtures().map(|_| ()),
         Task::Test { args } => test(&args),
         Task::Demo => demo(),
+        Task::Bench(args) => bench::bench(args),
     }
 }
 
@@ -88,13 +93,23 @@ fn ensure_rust_src() -> Result<()> {
         .context("rustup is needed to build the eBPF programs")?;
     if !String::from_utf8_lossy(&out.stdout).contains("rust-src") {
         eprintln!("xtask: installing rust-src for the nightly toolchain");
-        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
     }
     Ok(())
 }
 
 fn ensure_bpf_linker() -> Result<()> {
-    if Command::new("bpf-linker").arg("--version").output().is_ok_and(|o| o.status.success()) {
+    if Command::new("bpf-linker")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
         return Ok(());
     }
     eprintln!("xtask: installing bpf-linker (linked against rustc's own LLVM)");
@@ -109,15 +124,27 @@ fn ensure_bpf_linker() -> Result<()> {
         .filter_map(|e| e.ok())
         .map(|e| e.path())
         .find(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("libLLVM.so.") && n.to_string_lossy().contains("-rust-"))
+            p.file_name().is_some_and(|n| {
+                n.to_string_lossy().starts_with("libLLVM.so.")
+                    && n.to_string_lossy().contains("-rust-")
+            })
         })
         .context("the nightly toolchain ships no libLLVM.so.*-rust-*")?;
     let link = lib.join("libLLVM.so");
     let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(&llvm, &link).with_context(|| format!("linking {}", link.display()))?;
+    std::os::unix::fs::symlink(&llvm, &link)
+        .with_context(|| format!("linking {}", link.display()))?;
     run(clean_cargo("stable")
-        .args(["install", "bpf-linker", "--version", "0.13.0", "--locked", "--no-default-features", "--features", "llvm-22"])
+        .args([
+            "install",
+            "bpf-linker",
+            "--version",
+            "0.13.0",
+            "--locked",
+            "--no-default-features",
+            "--features",
+            "llvm-22",
+        ])
         .env("LLVM_PREFIX", &sysroot))
 }
 

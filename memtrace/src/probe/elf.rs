@@ -73,7 +73,9 @@ pub fn defined_functions(path: &Path, wanted: &[&str]) -> Result<Vec<DefinedFunc
         }
         let file_offset = section_offset + delta;
         let start = usize::try_from(file_offset).unwrap_or(usize::MAX);
-        let end = start.saturating_add(super::placement::WINDOW).min(data.len());
+        let end = start
+            .saturating_add(super::placement::WINDOW)
+            .min(data.len());
         let code = data.get(start..end).unwrap_or(&[]).to_vec();
         found.insert(
             name.to_string(),

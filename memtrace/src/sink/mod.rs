@@ -1,13 +1,17 @@
 //! Output sinks: each renders a [`Report`] in one format behind one trait, so
 //! the event pipeline is the same whatever the user asked for.
 
+mod flamegraph;
+mod folded;
 mod json;
+mod pprof;
 mod text;
+mod timeline;
 
 use std::io::Write;
 
 use crate::cli::Format;
-use crate::report::Report;
+use crate::report::{Frame, Report};
 
 /// Renders reports in one format.
 pub trait Sink {
@@ -20,6 +24,10 @@ pub fn for_format(format: Format) -> Box<dyn Sink> {
     match format {
         Format::Text => Box::new(text::TextSink),
         Format::Json => Box::new(json::JsonSink),
+        Format::Folded => Box::new(folded::FoldedSink),
+        Format::Flamegraph => Box::new(flamegraph::FlamegraphSink),
+        Format::Pprof => Box::new(pprof::PprofSink),
+        Format::Timeline => Box::new(timeline::TimelineSink),
     }
 }
 
@@ -36,6 +44,157 @@ pub fn human_bytes(bytes: u64) -> String {
         format!("{bytes} B")
     } else {
         format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// A frame's display name: its symbol, else `module+offset` (module file
+/// name only), else its address.
+pub fn frame_name(frame: &Frame) -> String {
+    if let Some(symbol) = frame.symbol.as_deref().filter(|s| !s.is_empty()) {
+        return symbol.to_string();
+    }
+    match (&frame.module, &frame.offset) {
+        (Some(module), Some(offset)) => format!("{}+{offset}", module_name(module)),
+        _ => frame.addr.clone(),
+    }
+}
+
+/// The file name of a module path (`/usr/lib/libc.so.6` -> `libc.so.6`).
+pub fn module_name(module: &str) -> &str {
+    module.rsplit('/').next().unwrap_or(module)
+}
+
+#[cfg(test)]
+pub(crate) mod fixture {
+    //! A small hand-made report shared by the sink and exporter tests.
+
+    use std::collections::BTreeMap;
+
+    use crate::probe::catalog::{Allocator, Memory};
+    use crate::report::{
+        EventCounts, FailedCall, Frame, Report, Settings, Site, TargetInfo, TimelineSample, Total,
+    };
+
+    fn frame(addr: &str, symbol: Option<&str>, offset: &str, line: Option<u32>) -> Frame {
+        Frame {
+            addr: addr.into(),
+            symbol: symbol.map(str::to_string),
+            module: Some("/opt/app/bin/app".into()),
+            file: line.map(|_| "app.c".to_string()),
+            line,
+            offset: Some(offset.into()),
+        }
+    }
+
+    fn site(allocator: Allocator, memory: Memory, bytes: u64, count: u64) -> Site {
+        Site {
+            allocator,
+            memory,
+            live_bytes: bytes,
+            live_count: count,
+            oldest_age_ms: 1500,
+            functions: vec!["malloc".into()],
+            threads: vec![7],
+            stack_note: None,
+            frames: Vec::new(),
+        }
+    }
+
+    /// Three sites: a CUDA one with two frames, a libc one whose inner frame
+    /// has no symbol, and a libc one without a stack.
+    pub fn report() -> Report {
+        let cuda = Site {
+            functions: vec!["cudaMalloc".into()],
+            frames: vec![
+                frame("0x5600", Some("alloc_buffers"), "0x600", Some(42)),
+                frame("0x5700", Some("main"), "0x700", Some(7)),
+            ],
+            ..site(Allocator::Cuda, Memory::Device, 4096, 1)
+        };
+        let libc = Site {
+            frames: vec![
+                frame("0x5100", None, "0x100", None),
+                frame("0x5200", Some("main"), "0x200", Some(9)),
+            ],
+            ..site(Allocator::Libc, Memory::Host, 300, 3)
+        };
+        let bare = Site {
+            stack_note: Some("stacks not requested (--stack-depth 0)".into()),
+            ..site(Allocator::Libc, Memory::Host, 50, 1)
+        };
+        let timeline = vec![
+            sample(1000, Allocator::Libc, Memory::Host, 100, 1),
+            sample(2000, Allocator::Libc, Memory::Host, 350, 4),
+            sample(2000, Allocator::Cuda, Memory::Device, 4096, 1),
+        ];
+        Report {
+            target: TargetInfo {
+                pid: 4242,
+                comm: "app".into(),
+                exe: "/opt/app/bin/app".into(),
+            },
+            duration_ms: 2500,
+            complete: true,
+            events: EventCounts {
+                allocs: 10,
+                frees: 5,
+                lost: 0,
+                unmatched_frees: 1,
+                stack_failures: 2,
+                failed_calls: 3,
+                table_full: 0,
+            },
+            lost_by_cause: [("ringbuf_full".to_string(), 0)].into_iter().collect(),
+            stack_failures_by_cause: BTreeMap::new(),
+            totals: vec![
+                Total {
+                    allocator: Allocator::Libc,
+                    memory: Memory::Host,
+                    live_bytes: 350,
+                    live_count: 4,
+                },
+                Total {
+                    allocator: Allocator::Cuda,
+                    memory: Memory::Device,
+                    live_bytes: 4096,
+                    live_count: 1,
+                },
+            ],
+            sites: vec![cuda, libc, bare],
+            failed_calls: vec![FailedCall {
+                function: "cudaMalloc".into(),
+                allocator: Allocator::Cuda,
+                code: 2,
+                count: 3,
+            }],
+            libraries: Vec::new(),
+            missing_functions: Vec::new(),
+            settings: Settings {
+                stack_depth: 32,
+                min_age_ms: 0,
+                top: 20,
+                sample_rate: 1,
+            },
+            kernel_counters: BTreeMap::new(),
+            notes: Vec::new(),
+            timeline,
+        }
+    }
+
+    fn sample(
+        t_ms: u64,
+        allocator: Allocator,
+        memory: Memory,
+        bytes: u64,
+        count: u64,
+    ) -> TimelineSample {
+        TimelineSample {
+            t_ms,
+            allocator,
+            memory,
+            live_bytes: bytes,
+            live_count: count,
+        }
     }
 }
 

@@ -20,7 +20,7 @@ use crate::cli::TraceArgs;
 use crate::error::{check_privilege, Failure};
 use crate::output::Output;
 use crate::report::{self, Settings, TargetInfo};
-use crate::target::{self, HeldChild};
+use crate::target::{self, ChildEvent, HeldChild};
 use discovery::Discovery;
 use loader::{LoadOptions, Probes};
 use pipeline::Pipeline;
@@ -149,8 +149,18 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                     eprintln!("memtrace: target pid {pid} exited; final report follows");
                     break;
                 }
-                if let Err(err) = discovery.scan(&mut probes, &[]) {
-                    log::debug!("rescan: {err}");
+                let known = discovery.libraries.len();
+                match discovery.scan(&mut probes, &[]) {
+                    Ok(0) => {}
+                    Ok(count) => {
+                        for library in &discovery.libraries[known..] {
+                            eprintln!(
+                                "memtrace: probing newly loaded {} ({count} functions)",
+                                library.path.display()
+                            );
+                        }
+                    }
+                    Err(err) => log::debug!("rescan: {err}"),
                 }
             }
             _ = status_tick.tick(), if show_status => {
@@ -161,14 +171,19 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 let report = build_report(&args, &target_info, started, &pipeline, &probes, &discovery, notes.clone());
                 output.interim(&report)?;
             }
-            exit = wait_child(&mut held) => {
-                let note = match exit {
-                    Ok(status) => format!("command exited: {status}"),
-                    Err(err) => format!("command wait failed: {err}"),
-                };
-                notes.push(note);
-                break;
-            }
+            event = child_event(&mut held) => match event {
+                ChildEvent::Exiting(ack) => {
+                    // The command is stopped just before exit: read its
+                    // mappings and the events so far while they still exist.
+                    pipeline.refresh_space_now();
+                    pipeline.drain(ring.get_mut(), &probes);
+                    let _ = ack.send(());
+                }
+                ChildEvent::Exited(exit) => {
+                    notes.push(format!("command exited: {exit}"));
+                    break;
+                }
+            },
             Some(guard) = log_ready(&mut kernel_log) => {
                 if let Ok(mut guard) = guard {
                     guard.get_inner_mut().flush();
@@ -213,9 +228,9 @@ fn register<T: std::os::fd::AsRawFd>(inner: T) -> std::io::Result<AsyncFd<T>> {
         .map_err(std::io::Error::from)
 }
 
-async fn wait_child(held: &mut Option<HeldChild>) -> std::io::Result<std::process::ExitStatus> {
+async fn child_event(held: &mut Option<HeldChild>) -> ChildEvent {
     match held {
-        Some(child) => child.child.wait().await,
+        Some(child) => child.next_event().await,
         None => std::future::pending().await,
     }
 }

@@ -93,6 +93,12 @@ impl Pipeline {
         }
     }
 
+    /// Re-reads the target's mappings now (the target is about to exit).
+    pub fn refresh_space_now(&mut self) {
+        self.space_read = None;
+        self.refresh_space();
+    }
+
     /// Re-reads the target's mappings (rate-limited); true when it did.
     fn refresh_space(&mut self) -> bool {
         if self

@@ -1,0 +1,363 @@
+//! What kind of leak a site's live blocks look like, from their
+//! `(alloc time, size)` list and the site's trend:
+//!
+//! - `per-iteration`: equal-size blocks made at a regular period (a temporary
+//!   buffer never freed inside a loop);
+//! - `small-accumulating`: many small blocks piling up (fragments left by
+//!   split/concat paths);
+//! - `large-once`: one or very few large, old blocks that are not growing (a
+//!   model or buffer never unloaded).
+//!
+//! Pure functions; the thresholds are the constants below.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::stats::median;
+use super::trend::Trend;
+
+/// Fewest blocks of the dominant size for `per-iteration`.
+pub const PER_ITERATION_MIN_BLOCKS: usize = 4;
+/// Fewest periods (bursts of allocations) for `per-iteration`.
+pub const PER_ITERATION_MIN_PERIODS: usize = 4;
+/// Share of the blocks that must have exactly the dominant size.
+pub const PER_ITERATION_MIN_DOMINANT_SHARE: f64 = 0.8;
+/// Largest coefficient of variation (sigma / mean) of the periods.
+pub const PER_ITERATION_MAX_PERIOD_CV: f64 = 0.5;
+/// Gaps shorter than this fraction of the 90th-percentile gap join blocks
+/// into one burst (several buffers leaked by the same iteration).
+pub const BURST_SPLIT_FRACTION: f64 = 0.2;
+/// Share of the bursts that must hold the typical (median) number of blocks.
+pub const PER_ITERATION_MIN_CONSISTENT_BURSTS: f64 = 0.75;
+/// The blocks must keep coming: from the first block, they must cover at
+/// least this fraction of the remaining trace (a pool made in a tight loop at
+/// startup does not).
+pub const PER_ITERATION_MIN_ACTIVE_FRACTION: f64 = 0.5;
+
+/// Fewest blocks for `small-accumulating`.
+pub const SMALL_MIN_BLOCKS: usize = 32;
+/// Median block size below which blocks are small, bytes.
+pub const SMALL_MAX_MEDIAN_BYTES: u64 = 4096;
+
+/// Blocks this big or bigger are large, bytes (1 MiB).
+pub const LARGE_BLOCK_BYTES: u64 = 1 << 20;
+/// A smaller block is large when it alone holds this share of the site's bytes.
+pub const LARGE_SHARE_OF_SITE: f64 = 0.5;
+/// Most large blocks a `large-once` site may have.
+pub const LARGE_ONCE_MAX_BLOCKS: usize = 8;
+/// Large blocks must have been live for at least this fraction of the trace.
+pub const LARGE_ONCE_MIN_AGE_FRACTION: f64 = 0.5;
+
+/// A leak pattern. JSON: `{"kind": "per-iteration", "period_ms": .., "bytes_per_period": ..}`,
+/// `{"kind": "large-once"}`, `{"kind": "small-accumulating"}`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Pattern {
+    /// Equal-size blocks at a regular period.
+    PerIteration {
+        /// Median time between iterations.
+        period_ms: f64,
+        /// Dominant block size × blocks per iteration.
+        bytes_per_period: u64,
+    },
+    /// One or very few large, old blocks, not growing.
+    LargeOnce,
+    /// Many small blocks piling up.
+    SmallAccumulating,
+}
+
+impl Pattern {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Pattern::PerIteration { .. } => "per-iteration",
+            Pattern::LargeOnce => "large-once",
+            Pattern::SmallAccumulating => "small-accumulating",
+        }
+    }
+}
+
+/// Classifies a site's live blocks, `(alloc t_s, size)` with times on the
+/// same clock as `trace_duration_s` (seconds since tracing started).
+/// Precedence: per-iteration, small-accumulating, large-once; `None` when no
+/// pattern fits (e.g. a flat pool). Blocks with non-finite times are ignored.
+pub fn classify(blocks: &[(f64, u64)], trend: Trend, trace_duration_s: f64) -> Option<Pattern> {
+    let blocks: Vec<(f64, u64)> = blocks
+        .iter()
+        .copied()
+        .filter(|(t, _)| t.is_finite())
+        .collect();
+    if blocks.is_empty() {
+        return None;
+    }
+    per_iteration(&blocks, trend, trace_duration_s)
+        .or_else(|| small_accumulating(&blocks, trend))
+        .or_else(|| large_once(&blocks, trend, trace_duration_s))
+}
+
+fn per_iteration(blocks: &[(f64, u64)], trend: Trend, trace_duration_s: f64) -> Option<Pattern> {
+    if !matches!(trend, Trend::Growing | Trend::New) {
+        return None;
+    }
+    let mut by_size: HashMap<u64, usize> = HashMap::new();
+    for &(_, size) in blocks {
+        *by_size.entry(size).or_insert(0) += 1;
+    }
+    // Most frequent size; ties go to the larger size (deterministic).
+    let (size, count) = by_size
+        .into_iter()
+        .max_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(&b.0)))?;
+    if size == 0
+        || count < PER_ITERATION_MIN_BLOCKS
+        || (count as f64) < PER_ITERATION_MIN_DOMINANT_SHARE * blocks.len() as f64
+    {
+        return None;
+    }
+    let mut times: Vec<f64> = blocks
+        .iter()
+        .filter(|&&(_, s)| s == size)
+        .map(|&(t, _)| t)
+        .collect();
+    times.sort_by(f64::total_cmp);
+    let (&first, &last) = (times.first()?, times.last()?);
+    if last - first < PER_ITERATION_MIN_ACTIVE_FRACTION * (trace_duration_s - first) {
+        return None;
+    }
+
+    // Group into bursts (one per iteration), then judge the burst cadence.
+    let gaps: Vec<f64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+    let mut sorted = gaps.clone();
+    sorted.sort_by(f64::total_cmp);
+    let p90 = *sorted.get((sorted.len() * 9 / 10).min(sorted.len().saturating_sub(1)))?;
+    if p90 <= 0.0 {
+        return None;
+    }
+    let split = BURST_SPLIT_FRACTION * p90;
+    let mut starts = vec![first];
+    let mut sizes = vec![1.0_f64];
+    for (gap, &t) in gaps.iter().zip(&times[1..]) {
+        match sizes.last_mut() {
+            Some(n) if *gap < split => *n += 1.0,
+            _ => {
+                starts.push(t);
+                sizes.push(1.0);
+            }
+        }
+    }
+    if starts.len() < PER_ITERATION_MIN_PERIODS {
+        return None;
+    }
+    let periods: Vec<f64> = starts.windows(2).map(|w| w[1] - w[0]).collect();
+    let mean = periods.iter().sum::<f64>() / periods.len() as f64;
+    let var = periods.iter().map(|p| (p - mean).powi(2)).sum::<f64>() / periods.len() as f64;
+    if mean <= 0.0 || var.sqrt() / mean >= PER_ITERATION_MAX_PERIOD_CV {
+        return None;
+    }
+    let per_burst = median(&mut sizes.clone()).round().max(1.0);
+    let consistent = sizes.iter().filter(|&&n| n == per_burst).count();
+    if (consistent as f64) < PER_ITERATION_MIN_CONSISTENT_BURSTS * sizes.len() as f64 {
+        return None;
+    }
+    let period_s = median(&mut periods.clone());
+    let per_burst = per_burst as u64;
+    Some(Pattern::PerIteration {
+        period_ms: period_s * 1000.0,
+        bytes_per_period: size.saturating_mul(per_burst),
+    })
+}
+
+fn small_accumulating(blocks: &[(f64, u64)], trend: Trend) -> Option<Pattern> {
+    if trend != Trend::Growing || blocks.len() < SMALL_MIN_BLOCKS {
+        return None;
+    }
+    let mut sizes: Vec<u64> = blocks.iter().map(|&(_, s)| s).collect();
+    let mid = sizes.len() / 2;
+    let (_, median_size, _) = sizes.select_nth_unstable(mid);
+    (*median_size < SMALL_MAX_MEDIAN_BYTES).then_some(Pattern::SmallAccumulating)
+}
+
+fn large_once(blocks: &[(f64, u64)], trend: Trend, trace_duration_s: f64) -> Option<Pattern> {
+    if trend == Trend::Growing {
+        return None;
+    }
+    let total: u64 = blocks.iter().map(|&(_, s)| s).fold(0, u64::saturating_add);
+    let mut large: Vec<(f64, u64)> = blocks
+        .iter()
+        .copied()
+        .filter(|&(_, s)| s >= LARGE_BLOCK_BYTES)
+        .collect();
+    if large.is_empty() {
+        let biggest = blocks.iter().copied().max_by_key(|&(_, s)| s)?;
+        if (biggest.1 as f64) >= LARGE_SHARE_OF_SITE * total as f64 && biggest.1 > 0 {
+            large.push(biggest);
+        }
+    }
+    let large_bytes: u64 = large.iter().map(|&(_, s)| s).fold(0, u64::saturating_add);
+    let min_age = LARGE_ONCE_MIN_AGE_FRACTION * trace_duration_s;
+    let old = large.iter().all(|&(t, _)| trace_duration_s - t >= min_age);
+    (!large.is_empty()
+        && large.len() <= LARGE_ONCE_MAX_BLOCKS
+        && (large_bytes as f64) >= LARGE_SHARE_OF_SITE * total as f64
+        && old)
+        .then_some(Pattern::LargeOnce)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic generator (LCG), values in `0..n`.
+    struct Lcg(u64);
+    impl Lcg {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (self.0 >> 33) % n
+        }
+    }
+
+    #[test]
+    fn buffer_every_100ms_is_per_iteration() {
+        // 4096 B every 100 ms (±10 ms jitter) for 10 s.
+        let mut rng = Lcg(7);
+        let blocks: Vec<(f64, u64)> = (0..100)
+            .map(|i| {
+                (
+                    0.1 * i as f64 + (rng.below(21) as f64 - 10.0) / 1000.0 + 0.05,
+                    4096,
+                )
+            })
+            .collect();
+        match classify(&blocks, Trend::Growing, 10.0) {
+            Some(Pattern::PerIteration {
+                period_ms,
+                bytes_per_period,
+            }) => {
+                assert!((period_ms - 100.0).abs() < 10.0, "{period_ms}");
+                assert_eq!(bytes_per_period, 4096);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn two_buffers_per_iteration_double_the_bytes_per_period() {
+        let blocks: Vec<(f64, u64)> = (0..50)
+            .flat_map(|i| {
+                let t = 0.2 * i as f64;
+                [(t, 1024), (t + 0.001, 1024)]
+            })
+            .collect();
+        match classify(&blocks, Trend::Growing, 10.0) {
+            Some(Pattern::PerIteration {
+                period_ms,
+                bytes_per_period,
+            }) => {
+                assert!((period_ms - 200.0).abs() < 1.0, "{period_ms}");
+                assert_eq!(bytes_per_period, 2048);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn irregular_or_mixed_sizes_are_not_per_iteration() {
+        // Equal sizes but bursty, irregular times.
+        let times = [0.0, 0.01, 3.0, 3.2, 7.5, 9.9];
+        let blocks: Vec<(f64, u64)> = times.iter().map(|&t| (t, 4096)).collect();
+        assert!(!matches!(
+            classify(&blocks, Trend::Growing, 10.0),
+            Some(Pattern::PerIteration { .. })
+        ));
+        // Regular times but only half the blocks share a size.
+        let blocks: Vec<(f64, u64)> = (0..20)
+            .map(|i| (0.5 * i as f64, if i % 2 == 0 { 4096 } else { 100 + i }))
+            .collect();
+        assert!(!matches!(
+            classify(&blocks, Trend::Growing, 10.0),
+            Some(Pattern::PerIteration { .. })
+        ));
+        // Three blocks are too few.
+        let blocks = [(1.0, 64), (2.0, 64), (3.0, 64)];
+        assert_eq!(classify(&blocks, Trend::Growing, 3.5), None);
+    }
+
+    #[test]
+    fn one_old_64mib_block_is_large_once() {
+        let blocks = [(0.5, 64 << 20)];
+        assert_eq!(
+            classify(&blocks, Trend::Stable, 60.0),
+            Some(Pattern::LargeOnce)
+        );
+        assert_eq!(
+            classify(&blocks, Trend::New, 60.0),
+            Some(Pattern::LargeOnce)
+        );
+        // Growing sites are not "once"; young blocks have not survived the trace.
+        assert_eq!(classify(&blocks, Trend::Growing, 60.0), None);
+        assert_eq!(classify(&[(50.0, 64 << 20)], Trend::Stable, 60.0), None);
+    }
+
+    #[test]
+    fn small_block_holding_most_of_the_site_is_large_once() {
+        let blocks = [(1.0, 300_000), (2.0, 1000), (2.5, 2000)];
+        assert_eq!(
+            classify(&blocks, Trend::Stable, 30.0),
+            Some(Pattern::LargeOnce)
+        );
+    }
+
+    #[test]
+    fn many_random_small_blocks_growing_are_small_accumulating() {
+        let mut rng = Lcg(42);
+        let blocks: Vec<(f64, u64)> = (0..500)
+            .map(|_| (rng.below(60_000) as f64 / 1000.0, 16 + rng.below(497)))
+            .collect();
+        assert_eq!(
+            classify(&blocks, Trend::Growing, 60.0),
+            Some(Pattern::SmallAccumulating)
+        );
+        // Not growing: no pattern.
+        assert_eq!(classify(&blocks, Trend::Stable, 60.0), None);
+    }
+
+    #[test]
+    fn flat_pool_has_no_pattern() {
+        // 64 × 4 KiB made in a tight loop at startup, then held.
+        let blocks: Vec<(f64, u64)> = (0..64).map(|i| (0.001 * i as f64, 4096)).collect();
+        assert_eq!(classify(&blocks, Trend::Stable, 120.0), None);
+        // Even if the site were still new, a startup burst is not per-iteration.
+        assert_eq!(classify(&blocks, Trend::New, 120.0), None);
+        assert_eq!(classify(&[], Trend::Growing, 120.0), None);
+    }
+
+    #[test]
+    fn many_large_blocks_are_not_large_once() {
+        let blocks: Vec<(f64, u64)> = (0..16).map(|i| (0.01 * i as f64, 2 << 20)).collect();
+        assert_eq!(classify(&blocks, Trend::Stable, 100.0), None);
+    }
+
+    #[test]
+    fn pattern_json_shape() {
+        let json = serde_json::to_value(Pattern::PerIteration {
+            period_ms: 100.0,
+            bytes_per_period: 4096,
+        })
+        .expect("serializes");
+        assert_eq!(
+            json,
+            serde_json::json!({"kind": "per-iteration", "period_ms": 100.0, "bytes_per_period": 4096})
+        );
+        assert_eq!(
+            serde_json::to_value(Pattern::LargeOnce).expect("serializes"),
+            serde_json::json!({"kind": "large-once"})
+        );
+        assert_eq!(
+            serde_json::to_value(Pattern::SmallAccumulating).expect("serializes"),
+            serde_json::json!({"kind": "small-accumulating"})
+        );
+        assert_eq!(Pattern::LargeOnce.kind(), "large-once");
+    }
+}

@@ -1,0 +1,478 @@
+//! pprof sink: the final report as a gzipped `profile.proto` for
+//! `go tool pprof` and friends, with `inuse_space`/bytes and
+//! `inuse_objects`/count per site. Each site's root is an `[allocator memory]`
+//! pseudo-frame and its sample carries `allocator`/`memory` labels (for
+//! `-tagfocus`). The messages are declared here with prost (no protoc at build time).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use flate2::write::GzEncoder;
+use flate2::Compression;
+use prost::Message;
+
+use super::{frame_name, Sink};
+use crate::report::{Frame, Report, Site};
+
+pub struct PprofSink;
+
+impl Sink for PprofSink {
+    fn write(&self, report: &Report, interim: bool, out: &mut dyn Write) -> std::io::Result<()> {
+        if interim {
+            return Ok(());
+        }
+        let bytes = profile(report).encode_to_vec();
+        let mut gz = GzEncoder::new(out, Compression::default());
+        gz.write_all(&bytes)?;
+        gz.finish()?;
+        Ok(())
+    }
+}
+
+/// The messages of pprof's `profile.proto` that memtrace writes, with the
+/// upstream field numbers.
+pub(crate) mod proto {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Profile {
+        #[prost(message, repeated, tag = "1")]
+        pub sample_type: Vec<ValueType>,
+        #[prost(message, repeated, tag = "2")]
+        pub sample: Vec<Sample>,
+        #[prost(message, repeated, tag = "3")]
+        pub mapping: Vec<Mapping>,
+        #[prost(message, repeated, tag = "4")]
+        pub location: Vec<Location>,
+        #[prost(message, repeated, tag = "5")]
+        pub function: Vec<Function>,
+        #[prost(string, repeated, tag = "6")]
+        pub string_table: Vec<String>,
+        #[prost(int64, tag = "7")]
+        pub drop_frames: i64,
+        #[prost(int64, tag = "8")]
+        pub keep_frames: i64,
+        #[prost(int64, tag = "9")]
+        pub time_nanos: i64,
+        #[prost(int64, tag = "10")]
+        pub duration_nanos: i64,
+        #[prost(message, optional, tag = "11")]
+        pub period_type: Option<ValueType>,
+        #[prost(int64, tag = "12")]
+        pub period: i64,
+        #[prost(int64, repeated, tag = "13")]
+        pub comment: Vec<i64>,
+        #[prost(int64, tag = "14")]
+        pub default_sample_type: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ValueType {
+        #[prost(int64, tag = "1")]
+        pub r#type: i64,
+        #[prost(int64, tag = "2")]
+        pub unit: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Sample {
+        /// Leaf first.
+        #[prost(uint64, repeated, tag = "1")]
+        pub location_id: Vec<u64>,
+        #[prost(int64, repeated, tag = "2")]
+        pub value: Vec<i64>,
+        #[prost(message, repeated, tag = "3")]
+        pub label: Vec<Label>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Label {
+        #[prost(int64, tag = "1")]
+        pub key: i64,
+        #[prost(int64, tag = "2")]
+        pub str: i64,
+        #[prost(int64, tag = "3")]
+        pub num: i64,
+        #[prost(int64, tag = "4")]
+        pub num_unit: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Mapping {
+        #[prost(uint64, tag = "1")]
+        pub id: u64,
+        #[prost(uint64, tag = "2")]
+        pub memory_start: u64,
+        #[prost(uint64, tag = "3")]
+        pub memory_limit: u64,
+        #[prost(uint64, tag = "4")]
+        pub file_offset: u64,
+        #[prost(int64, tag = "5")]
+        pub filename: i64,
+        #[prost(int64, tag = "6")]
+        pub build_id: i64,
+        #[prost(bool, tag = "7")]
+        pub has_functions: bool,
+        #[prost(bool, tag = "8")]
+        pub has_filenames: bool,
+        #[prost(bool, tag = "9")]
+        pub has_line_numbers: bool,
+        #[prost(bool, tag = "10")]
+        pub has_inline_frames: bool,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Location {
+        #[prost(uint64, tag = "1")]
+        pub id: u64,
+        #[prost(uint64, tag = "2")]
+        pub mapping_id: u64,
+        #[prost(uint64, tag = "3")]
+        pub address: u64,
+        #[prost(message, repeated, tag = "4")]
+        pub line: Vec<Line>,
+        #[prost(bool, tag = "5")]
+        pub is_folded: bool,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Line {
+        #[prost(uint64, tag = "1")]
+        pub function_id: u64,
+        #[prost(int64, tag = "2")]
+        pub line: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Function {
+        #[prost(uint64, tag = "1")]
+        pub id: u64,
+        #[prost(int64, tag = "2")]
+        pub name: i64,
+        #[prost(int64, tag = "3")]
+        pub system_name: i64,
+        #[prost(int64, tag = "4")]
+        pub filename: i64,
+        #[prost(int64, tag = "5")]
+        pub start_line: i64,
+    }
+}
+
+/// Builds the profile tables, interning strings, functions, locations and
+/// mappings (ids start at 1; 0 means none).
+#[derive(Default)]
+struct Builder {
+    profile: proto::Profile,
+    strings: HashMap<String, i64>,
+    functions: HashMap<(String, String), u64>,
+    locations: HashMap<(u64, u64, u64), u64>,
+    mappings: HashMap<String, u64>,
+}
+
+impl Builder {
+    fn new() -> Self {
+        let mut builder = Builder::default();
+        builder.string("");
+        builder
+    }
+
+    fn string(&mut self, text: &str) -> i64 {
+        if let Some(&index) = self.strings.get(text) {
+            return index;
+        }
+        let index = self.profile.string_table.len() as i64;
+        self.profile.string_table.push(text.to_string());
+        self.strings.insert(text.to_string(), index);
+        index
+    }
+
+    fn function(&mut self, name: &str, file: &str) -> u64 {
+        let key = (name.to_string(), file.to_string());
+        if let Some(&id) = self.functions.get(&key) {
+            return id;
+        }
+        let id = self.profile.function.len() as u64 + 1;
+        let name = self.string(name);
+        let filename = self.string(file);
+        self.profile.function.push(proto::Function {
+            id,
+            name,
+            system_name: name,
+            filename,
+            start_line: 0,
+        });
+        self.functions.insert(key, id);
+        id
+    }
+
+    /// One mapping per module; its range grows to cover every frame seen in it.
+    fn mapping(&mut self, module: &str, addr: u64, offset: Option<u64>) -> u64 {
+        let start = offset.map_or(addr, |o| addr.saturating_sub(o));
+        let limit = addr.saturating_add(1);
+        if let Some(&id) = self.mappings.get(module) {
+            if let Some(m) = self.profile.mapping.iter_mut().find(|m| m.id == id) {
+                m.memory_start = m.memory_start.min(start);
+                m.memory_limit = m.memory_limit.max(limit);
+            }
+            return id;
+        }
+        let id = self.profile.mapping.len() as u64 + 1;
+        let filename = self.string(module);
+        self.profile.mapping.push(proto::Mapping {
+            id,
+            memory_start: start,
+            memory_limit: limit,
+            file_offset: 0,
+            filename,
+            build_id: 0,
+            // Frames arrive symbolized: pprof must not look them up again.
+            has_functions: true,
+            has_filenames: true,
+            has_line_numbers: true,
+            has_inline_frames: false,
+        });
+        self.mappings.insert(module.to_string(), id);
+        id
+    }
+
+    fn location(&mut self, mapping_id: u64, address: u64, function_id: u64, line: i64) -> u64 {
+        let key = (mapping_id, address, function_id);
+        if let Some(&id) = self.locations.get(&key) {
+            return id;
+        }
+        let id = self.profile.location.len() as u64 + 1;
+        self.profile.location.push(proto::Location {
+            id,
+            mapping_id,
+            address,
+            line: vec![proto::Line { function_id, line }],
+            is_folded: false,
+        });
+        self.locations.insert(key, id);
+        id
+    }
+
+    fn frame(&mut self, frame: &Frame) -> u64 {
+        let address = parse_hex(&frame.addr).unwrap_or(0);
+        let offset = frame.offset.as_deref().and_then(parse_hex);
+        let mapping_id = match &frame.module {
+            Some(module) => self.mapping(module, address, offset),
+            None => 0,
+        };
+        let function_id = self.function(&frame_name(frame), frame.file.as_deref().unwrap_or(""));
+        self.location(
+            mapping_id,
+            address,
+            function_id,
+            i64::from(frame.line.unwrap_or(0)),
+        )
+    }
+
+    /// A location for a frame memtrace made up (allocator, missing stack).
+    fn pseudo(&mut self, name: &str) -> u64 {
+        let function_id = self.function(name, "");
+        self.location(0, 0, function_id, 0)
+    }
+
+    /// Leaf first: the frames, then the allocator as the root, so that
+    /// `-top` shows the allocating functions and the graph splits by
+    /// allocator first.
+    fn sample(&mut self, site: &Site) {
+        let mut location_id = Vec::with_capacity(site.frames.len() + 2);
+        for frame in &site.frames {
+            location_id.push(self.frame(frame));
+        }
+        if site.frames.is_empty() {
+            location_id.push(self.pseudo("[no stack]"));
+        }
+        location_id.push(self.pseudo(&format!(
+            "[{} {}]",
+            site.allocator.name(),
+            site.memory.name()
+        )));
+        let label = vec![
+            self.label("allocator", site.allocator.name()),
+            self.label("memory", site.memory.name()),
+        ];
+        self.profile.sample.push(proto::Sample {
+            location_id,
+            value: vec![saturate(site.live_bytes), saturate(site.live_count)],
+            label,
+        });
+    }
+
+    fn label(&mut self, key: &str, value: &str) -> proto::Label {
+        proto::Label {
+            key: self.string(key),
+            str: self.string(value),
+            num: 0,
+            num_unit: 0,
+        }
+    }
+
+    fn value_type(&mut self, kind: &str, unit: &str) -> proto::ValueType {
+        proto::ValueType {
+            r#type: self.string(kind),
+            unit: self.string(unit),
+        }
+    }
+}
+
+/// The profile of one report.
+pub(crate) fn profile(report: &Report) -> proto::Profile {
+    let mut b = Builder::new();
+    let space = b.value_type("inuse_space", "bytes");
+    let objects = b.value_type("inuse_objects", "count");
+    b.profile.default_sample_type = space.r#type;
+    b.profile.sample_type = vec![space.clone(), objects];
+    b.profile.period_type = Some(space);
+    b.profile.period = i64::from(report.settings.sample_rate.max(1));
+    for site in &report.sites {
+        b.sample(site);
+    }
+    let comment = format!(
+        "memtrace: live allocations of pid {} ({}) {}",
+        report.target.pid, report.target.comm, report.target.exe
+    );
+    let mut comments = vec![b.string(&comment)];
+    if report.settings.sample_rate > 1 {
+        let note = format!(
+            "sampled: one allocation in {} traced",
+            report.settings.sample_rate
+        );
+        comments.push(b.string(&note));
+    }
+    if !report.complete {
+        comments.push(b.string("incomplete: events were lost"));
+    }
+    b.profile.comment = comments;
+    let duration_nanos = saturate(report.duration_ms.saturating_mul(1_000_000));
+    b.profile.duration_nanos = duration_nanos;
+    b.profile.time_nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        .saturating_sub(duration_nanos);
+    b.profile
+}
+
+fn parse_hex(text: &str) -> Option<u64> {
+    let digits = text
+        .strip_prefix("0x")
+        .or_else(|| text.strip_prefix("0X"))?;
+    u64::from_str_radix(digits, 16).ok()
+}
+
+fn saturate(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+
+    use super::*;
+    use crate::sink::fixture;
+
+    fn decode(report: &Report) -> proto::Profile {
+        let mut out = Vec::new();
+        PprofSink.write(report, false, &mut out).expect("writes");
+        let mut raw = Vec::new();
+        flate2::read::GzDecoder::new(out.as_slice())
+            .read_to_end(&mut raw)
+            .expect("gunzips");
+        proto::Profile::decode(raw.as_slice()).expect("decodes")
+    }
+
+    fn function_names(p: &proto::Profile, sample: &proto::Sample) -> Vec<String> {
+        sample
+            .location_id
+            .iter()
+            .map(|id| {
+                let location = &p.location[(*id - 1) as usize];
+                assert_eq!(location.id, *id);
+                let function = &p.function[(location.line[0].function_id - 1) as usize];
+                p.string_table[function.name as usize].clone()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn pprof_has_the_sample_types_and_values() {
+        let report = fixture::report();
+        let p = decode(&report);
+        let s = |i: i64| p.string_table[i as usize].as_str();
+        assert_eq!(s(0), "");
+        let types: Vec<(&str, &str)> = p
+            .sample_type
+            .iter()
+            .map(|t| (s(t.r#type), s(t.unit)))
+            .collect();
+        assert_eq!(
+            types,
+            [("inuse_space", "bytes"), ("inuse_objects", "count")]
+        );
+        assert_eq!(s(p.default_sample_type), "inuse_space");
+        assert_eq!(p.sample.len(), report.sites.len());
+        for (sample, site) in p.sample.iter().zip(&report.sites) {
+            assert_eq!(
+                sample.value,
+                [site.live_bytes as i64, site.live_count as i64]
+            );
+        }
+        assert_eq!(p.duration_nanos, 2_500_000_000);
+    }
+
+    #[test]
+    fn pprof_functions_are_named_from_frames() {
+        let p = decode(&fixture::report());
+        assert_eq!(
+            function_names(&p, &p.sample[0]),
+            ["alloc_buffers", "main", "[cuda device]"]
+        );
+        assert_eq!(
+            function_names(&p, &p.sample[1]),
+            ["app+0x100", "main", "[libc host]"]
+        );
+        assert_eq!(
+            function_names(&p, &p.sample[2]),
+            ["[no stack]", "[libc host]"]
+        );
+        // One mapping for the one module, covering its frames.
+        assert_eq!(p.mapping.len(), 1);
+        let mapping = &p.mapping[0];
+        assert_eq!(
+            p.string_table[mapping.filename as usize],
+            "/opt/app/bin/app"
+        );
+        assert_eq!(mapping.memory_start, 0x5000);
+        assert!(mapping.memory_limit > 0x5700);
+        // Source file and line travel with the frame.
+        let alloc = p
+            .function
+            .iter()
+            .find(|f| p.string_table[f.name as usize] == "alloc_buffers")
+            .expect("alloc_buffers");
+        assert_eq!(p.string_table[alloc.filename as usize], "app.c");
+        let location = p
+            .location
+            .iter()
+            .find(|l| l.line[0].function_id == alloc.id)
+            .expect("its location");
+        assert_eq!((location.address, location.line[0].line), (0x5600, 42));
+        // The "main" function is shared by both stacks: same name and file.
+        let mains = p
+            .function
+            .iter()
+            .filter(|f| p.string_table[f.name as usize] == "main")
+            .count();
+        assert_eq!(mains, 1);
+    }
+
+    #[test]
+    fn pprof_skips_interim_reports() {
+        let mut out = Vec::new();
+        PprofSink
+            .write(&fixture::report(), true, &mut out)
+            .expect("writes");
+        assert!(out.is_empty());
+    }
+}
