@@ -177,12 +177,48 @@ pub fn fixtures() -> Result<PathBuf> {
 fn test(extra: &[String]) -> Result<()> {
     build_ebpf()?;
     let fixtures = fixtures()?;
-    run(Command::new("cargo")
-        .current_dir(root())
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(root())
         .args(["test", "--workspace"])
         .args(extra)
         .env("MEMTRACE_FIXTURES", &fixtures)
-        .env("MEMTRACE_REQUIRE_KERNEL_TESTS", "1"))
+        .env("MEMTRACE_REQUIRE_KERNEL_TESTS", "1");
+    match real_cudart() {
+        Ok(path) => {
+            cmd.env("MEMTRACE_REAL_CUDART", path);
+        }
+        Err(err) => eprintln!("xtask: the real libcudart.so.13 is unavailable: {err:#}"),
+    }
+    run(&mut cmd)
+}
+
+/// The real CUDA runtime from PyPI's `nvidia-cuda-runtime` wheel (a probe
+/// target that needs no GPU), downloaded and unpacked once into target/pypi.
+fn real_cudart() -> Result<PathBuf> {
+    let dir = root().join("target/pypi");
+    let lib = dir.join("nvidia/cu13/lib/libcudart.so.13");
+    if lib.is_file() {
+        return Ok(lib);
+    }
+    let wheels = dir.join("wheels");
+    run(Command::new("python3")
+        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d"])
+        .arg(&wheels)
+        .arg("nvidia-cuda-runtime"))?;
+    let wheel = std::fs::read_dir(&wheels)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "whl"))
+        .context("no wheel downloaded")?;
+    run(Command::new("python3")
+        .args(["-m", "zipfile", "-e"])
+        .arg(&wheel)
+        .arg(&dir))?;
+    if lib.is_file() {
+        Ok(lib)
+    } else {
+        bail!("{} has no nvidia/cu13/lib/libcudart.so.13", wheel.display())
+    }
 }
 
 fn demo() -> Result<()> {
