@@ -93,6 +93,21 @@ pub struct TraceArgs {
     #[arg(long)]
     pub max_size: Option<u64>,
 
+    /// Allow-list of pools, caches and resident data (LSan `leak:` lines,
+    /// `symbol:`, `module:`, `allocator:`, `size:MIN-MAX`, `addr:START-END`).
+    /// Suppressed bytes are still counted, in their own total.
+    #[arg(long, value_name = "FILE")]
+    pub suppress: Option<PathBuf>,
+
+    /// Set aside what is allocated in the first DUR (start-up pools, caches).
+    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    pub warmup: Duration,
+
+    /// Serve live metrics in the Prometheus text format on ADDR (PORT,
+    /// HOST:PORT; a bare port binds 127.0.0.1).
+    #[arg(long, value_name = "ADDR")]
+    pub prometheus: Option<String>,
+
     /// Ring-buffer size in MiB (a power of two).
     #[arg(long, default_value_t = 8, value_parser = parse_ring_mib)]
     pub ring_mib: u32,

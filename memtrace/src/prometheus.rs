@@ -6,7 +6,6 @@
 //! the user names another address.
 
 // Wired into the trace loop by the lead.
-#![cfg_attr(not(test), allow(dead_code))]
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -251,6 +250,7 @@ pub fn parse_bind(text: &str) -> Result<SocketAddr, String> {
 
 /// Binds `addr` and serves the latest rendering at `/metrics` until the task
 /// is dropped; fails only when the address cannot be bound.
+#[cfg(test)]
 pub async fn serve(addr: SocketAddr, latest: watch::Receiver<Arc<String>>) -> io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     serve_on(listener, latest).await

@@ -5,6 +5,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::Serialize;
 
+use crate::analysis::history::{History, SiteKey};
+use crate::analysis::{
+    classify, classify_trend, survived_intervals, suspicion_rank, BlockFacts, Pattern,
+    Suppressions, Trend, TrendVerdict,
+};
 use crate::event::StackRef;
 use crate::probe::catalog::{Allocator, Memory};
 use crate::probe::maps::FileAddr;
@@ -34,6 +39,41 @@ pub struct Report {
     pub notes: Vec<String>,
     /// Live bytes per allocator at each interval (`--interval`), oldest first.
     pub timeline: Vec<TimelineSample>,
+    /// What the allow-list (`--suppress`) and `--warmup` set aside: counted, not shown.
+    pub suppressed: Suppressed,
+    /// Tracked host bytes against the target's own memory growth since attach.
+    pub reconciliation: Option<Reconciliation>,
+}
+
+/// Blocks set aside by the allow-list or the warm-up.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct Suppressed {
+    pub live_bytes: u64,
+    pub live_count: u64,
+    pub by_entry: Vec<SuppressedEntry>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct SuppressedEntry {
+    /// The allow-list entry (`line N: text`) or `warmup`.
+    pub entry: String,
+    pub live_bytes: u64,
+    pub live_count: u64,
+}
+
+/// How much of the target's memory growth memtrace's tracked bytes explain.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Reconciliation {
+    pub rss_anon_at_attach: u64,
+    pub rss_anon_now: u64,
+    pub rss_anon_growth: i64,
+    pub vm_rss_at_attach: u64,
+    pub vm_rss_now: u64,
+    /// Live host bytes (libc + mmap) memtrace tracks.
+    pub tracked_host_bytes: u64,
+    /// tracked / growth, when the growth is positive.
+    pub explained_ratio: Option<f64>,
+    pub note: String,
 }
 
 /// Live bytes and blocks of one allocator and memory kind at one moment.
@@ -75,17 +115,32 @@ pub struct Total {
     pub live_count: u64,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Site {
     pub allocator: Allocator,
     pub memory: Memory,
     pub live_bytes: u64,
     pub live_count: u64,
     pub oldest_age_ms: u64,
+    /// `growing`, `stable`, `shrinking`, or `new` (too few intervals to say).
+    pub trend: Trend,
+    /// Robust slope of the site's live bytes over the intervals.
+    pub growth_bytes_per_s: f64,
+    /// The leak pattern this site looks like, if any.
+    pub pattern: Option<Pattern>,
+    /// Intervals the site's oldest live block has lived through.
+    pub survived_intervals: u64,
+    /// With `--sample-rate N`: live bytes and blocks scaled by N.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimated_live_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimated_live_count: Option<u64>,
     /// The probed functions that made these blocks.
     pub functions: Vec<String>,
     /// Allocating thread ids.
     pub threads: Vec<u32>,
+    /// Their names (`/proc/PID/task/TID/comm`), where known.
+    pub thread_names: Vec<String>,
     /// Why there are no frames, when there are none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stack_note: Option<String>,
@@ -118,22 +173,32 @@ pub struct Settings {
     pub min_age_ms: u64,
     pub top: usize,
     pub sample_rate: u32,
+    pub min_size: u64,
+    pub max_size: Option<u64>,
+    pub warmup_ms: u64,
+    pub interval_ms: Option<u64>,
+    pub suppress_file: Option<String>,
 }
 
 /// Everything the builder reads.
 pub struct ReportInput<'a> {
     pub target: TargetInfo,
     pub duration_ms: u64,
+    /// Monotonic time now and when tracing started (the clock of block timestamps).
     pub now_ns: u64,
+    pub started_ns: u64,
     pub table: &'a LiveTable,
     pub specs: &'a [SpecEntry],
     pub stacks: &'a StackStore,
+    pub history: Option<&'a History>,
+    pub suppressions: Option<&'a Suppressions>,
+    pub thread_names: &'a HashMap<u32, String>,
     pub kernel_counters: BTreeMap<String, u64>,
     pub libraries: Vec<LibraryPlan>,
     pub missing_functions: Vec<String>,
     pub settings: Settings,
     pub notes: Vec<String>,
-    pub timeline: Vec<TimelineSample>,
+    pub reconciliation: Option<Reconciliation>,
 }
 
 /// Kernel counters that mean events were lost.
@@ -153,16 +218,45 @@ struct SiteAcc {
     oldest_ts: u64,
     functions: BTreeSet<&'static str>,
     threads: BTreeSet<u32>,
+    /// (seconds since start, size) of each live block, for pattern detection.
+    blocks: Vec<(f64, u64)>,
 }
 
 /// Builds the report, symbolizing the frames of the sites shown.
 pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let spec = |index: u16| input.specs.get(usize::from(index));
     let min_age_ns = input.settings.min_age_ms.saturating_mul(1_000_000);
+    let warmup_until = input
+        .started_ns
+        .saturating_add(input.settings.warmup_ms.saturating_mul(1_000_000));
+    let depth = input.settings.stack_depth as usize;
+    let seconds = |ts: u64| ts.saturating_sub(input.started_ns) as f64 / 1e9;
+
+    // Symbols of every stack, when the allow-list matches on them.
+    let needs_symbols = input.suppressions.is_some_and(Suppressions::needs_symbols);
+    let mut symbols: HashMap<FileAddr, crate::symbolize::SymInfo> = HashMap::new();
+    if needs_symbols {
+        let all: Vec<FileAddr> = input
+            .table
+            .blocks()
+            .filter_map(|(_, _, b)| match b.stack {
+                StackRef::Id(id) => Some(id),
+                _ => None,
+            })
+            .collect::<BTreeSet<u32>>()
+            .into_iter()
+            .filter_map(|id| input.stacks.get(id))
+            .flat_map(|frames| frames.iter().take(depth).filter_map(|f| f.file.clone()))
+            .collect::<BTreeSet<FileAddr>>()
+            .into_iter()
+            .collect();
+        symbols.extend(all.iter().cloned().zip(symbolizer.symbolize(&all)));
+    }
 
     let mut totals: BTreeMap<(Allocator, Memory), (u64, u64)> = BTreeMap::new();
-    let mut sites: HashMap<(Allocator, Memory, StackRef), SiteAcc> = HashMap::new();
-    for (_, _, block) in input.table.blocks() {
+    let mut sites: HashMap<SiteKey, SiteAcc> = HashMap::new();
+    let mut suppressed: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for (_, addr, block) in input.table.blocks() {
         let Some(entry) = spec(block.spec) else {
             continue;
         };
@@ -171,6 +265,12 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             .or_insert((0, 0));
         total.0 += block.size;
         total.1 += 1;
+        if let Some(reason) = suppression(&input, entry, addr, block, warmup_until, &symbols) {
+            let slot = suppressed.entry(reason).or_insert((0, 0));
+            slot.0 += block.size;
+            slot.1 += 1;
+            continue;
+        }
         if input.now_ns.saturating_sub(block.ts_ns) < min_age_ns {
             continue;
         }
@@ -185,35 +285,47 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         site.oldest_ts = site.oldest_ts.min(block.ts_ns);
         site.functions.insert(entry.function);
         site.threads.insert(block.tid);
+        site.blocks.push((seconds(block.ts_ns), block.size));
     }
 
-    let mut ranked: Vec<((Allocator, Memory, StackRef), SiteAcc)> = sites.into_iter().collect();
-    ranked.sort_by(|a, b| {
-        b.1.live_bytes
-            .cmp(&a.1.live_bytes)
+    let trace_s = input.duration_ms as f64 / 1000.0;
+    let interval_ends: &[f64] = input.history.map_or(&[], |h| h.interval_ends.as_slice());
+    let mut judged: Vec<(SiteKey, SiteAcc, TrendVerdict, Option<Pattern>)> = sites
+        .into_iter()
+        .map(|(key, acc)| {
+            let series = input.history.map_or(&[][..], |h| h.series(&key));
+            let verdict = classify_trend(series, 0);
+            let pattern = classify(&acc.blocks, verdict.trend, trace_s);
+            (key, acc, verdict, pattern)
+        })
+        .collect();
+    judged.sort_by(|a, b| {
+        suspicion_rank(a.2.trend, a.2.growth_bytes_per_s, a.1.live_bytes)
+            .cmp(&suspicion_rank(
+                b.2.trend,
+                b.2.growth_bytes_per_s,
+                b.1.live_bytes,
+            ))
             .then(b.1.live_count.cmp(&a.1.live_count))
             .then(a.0.cmp(&b.0))
     });
-    ranked.truncate(input.settings.top);
+    judged.truncate(input.settings.top);
 
-    let depth = input.settings.stack_depth as usize;
-    let wanted: Vec<FileAddr> = ranked
+    let wanted: Vec<FileAddr> = judged
         .iter()
-        .filter_map(|((_, _, stack), _)| match stack {
+        .filter_map(|((_, _, stack), ..)| match stack {
             StackRef::Id(id) => input.stacks.get(*id),
             _ => None,
         })
         .flat_map(|frames| frames.iter().take(depth).filter_map(|f| f.file.clone()))
+        .filter(|addr| !symbols.contains_key(addr))
         .collect();
-    let symbols: HashMap<FileAddr, crate::symbolize::SymInfo> = wanted
-        .iter()
-        .cloned()
-        .zip(symbolizer.symbolize(&wanted))
-        .collect();
+    symbols.extend(wanted.iter().cloned().zip(symbolizer.symbolize(&wanted)));
 
-    let sites = ranked
+    let rate = u64::from(input.settings.sample_rate.max(1));
+    let sites = judged
         .into_iter()
-        .map(|((allocator, memory, stack), acc)| {
+        .map(|((allocator, memory, stack), acc, verdict, pattern)| {
             let (frames, stack_note) = site_frames(stack, input.stacks, depth, &symbols);
             Site {
                 allocator,
@@ -221,7 +333,20 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
                 live_bytes: acc.live_bytes,
                 live_count: acc.live_count,
                 oldest_age_ms: input.now_ns.saturating_sub(acc.oldest_ts) / 1_000_000,
+                trend: verdict.trend,
+                growth_bytes_per_s: verdict.growth_bytes_per_s,
+                pattern,
+                survived_intervals: survived_intervals(seconds(acc.oldest_ts), interval_ends),
+                estimated_live_bytes: (rate > 1).then(|| acc.live_bytes.saturating_mul(rate)),
+                estimated_live_count: (rate > 1).then(|| acc.live_count.saturating_mul(rate)),
                 functions: acc.functions.into_iter().map(str::to_string).collect(),
+                thread_names: acc
+                    .threads
+                    .iter()
+                    .filter_map(|tid| input.thread_names.get(tid).cloned())
+                    .collect::<BTreeSet<String>>()
+                    .into_iter()
+                    .collect(),
                 threads: acc.threads.into_iter().collect(),
                 stack_note,
                 frames,
@@ -272,6 +397,23 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             "{lost} events were lost: the live table is incomplete (see lost_by_cause)"
         ));
     }
+    if rate > 1 {
+        notes.push(format!(
+            "sampling 1 in {rate} allocations (by address): live figures are of the sample; estimated_* fields scale them by {rate}"
+        ));
+    }
+    let suppressed = Suppressed {
+        live_bytes: suppressed.values().map(|v| v.0).sum(),
+        live_count: suppressed.values().map(|v| v.1).sum(),
+        by_entry: suppressed
+            .into_iter()
+            .map(|(entry, (live_bytes, live_count))| SuppressedEntry {
+                entry,
+                live_bytes,
+                live_count,
+            })
+            .collect(),
+    };
     Report {
         target: input.target,
         duration_ms: input.duration_ms,
@@ -295,8 +437,65 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         settings: input.settings,
         kernel_counters: input.kernel_counters,
         notes,
-        timeline: input.timeline,
+        timeline: input
+            .history
+            .map(|h| h.timeline.clone())
+            .unwrap_or_default(),
+        suppressed,
+        reconciliation: input.reconciliation,
     }
+}
+
+/// Why a block is set aside (warm-up or an allow-list entry), if it is.
+fn suppression(
+    input: &ReportInput<'_>,
+    entry: &SpecEntry,
+    addr: u64,
+    block: &crate::table::LiveBlock,
+    warmup_until: u64,
+    symbols: &HashMap<FileAddr, crate::symbolize::SymInfo>,
+) -> Option<String> {
+    if block.ts_ns < warmup_until {
+        return Some("warmup".to_string());
+    }
+    let suppressions = input.suppressions?;
+    let frames: &[crate::stacks::RawFrame] = match block.stack {
+        StackRef::Id(id) => input.stacks.get(id).unwrap_or(&[]),
+        _ => &[],
+    };
+    let depth = input.settings.stack_depth as usize;
+    let infos: Vec<Option<&crate::symbolize::SymInfo>> = frames
+        .iter()
+        .take(depth)
+        .map(|f| f.file.as_ref().and_then(|file| symbols.get(file)))
+        .collect();
+    let symbol_names: Vec<Option<&str>> = infos
+        .iter()
+        .map(|i| i.and_then(|i| i.symbol.as_deref()))
+        .collect();
+    let module_paths: Vec<String> = frames
+        .iter()
+        .take(depth)
+        .map(|f| {
+            f.file
+                .as_ref()
+                .map(|f| f.module.display().to_string())
+                .unwrap_or_default()
+        })
+        .collect();
+    let modules: Vec<Option<&str>> = module_paths
+        .iter()
+        .map(|m| (!m.is_empty()).then_some(m.as_str()))
+        .collect();
+    let facts = BlockFacts {
+        allocator: entry.allocator.name(),
+        addr,
+        size: block.size,
+        symbols: &symbol_names,
+        modules: &modules,
+    };
+    let index = suppressions.matches_block(&facts)?;
+    suppressions.entries().get(index).map(|e| e.to_string())
 }
 
 fn site_frames(
@@ -412,6 +611,7 @@ mod tests {
         stacks.insert(1, &[0x1100, 0x1200, 0x1300], &space);
         stacks.insert(2, &[0x1500], &space);
         stacks.insert(3, &[0x1600], &space);
+        let names = HashMap::new();
         let input = ReportInput {
             target: TargetInfo {
                 pid: 1,
@@ -420,18 +620,23 @@ mod tests {
             },
             duration_ms: 5000,
             now_ns: 2_500_000_000,
+            started_ns: 0,
+            history: None,
+            suppressions: None,
+            thread_names: &names,
+            reconciliation: None,
             table: &table,
             specs: &specs,
             stacks: &stacks,
             kernel_counters: [("ringbuf_full".to_string(), 0)].into_iter().collect(),
             libraries: Vec::new(),
             missing_functions: Vec::new(),
-            timeline: Vec::new(),
             settings: Settings {
                 stack_depth: 2,
                 min_age_ms: 1000,
                 top: 10,
                 sample_rate: 1,
+                ..Settings::default()
             },
             notes: Vec::new(),
         };
@@ -508,10 +713,16 @@ mod tests {
         let specs = specs();
         let table = LiveTable::new(10);
         let stacks = StackStore::default();
+        let names = HashMap::new();
         let input = ReportInput {
             target: TargetInfo::default(),
             duration_ms: 1,
             now_ns: 1,
+            started_ns: 0,
+            history: None,
+            suppressions: None,
+            thread_names: &names,
+            reconciliation: None,
             table: &table,
             specs: &specs,
             stacks: &stacks,
@@ -525,7 +736,6 @@ mod tests {
             missing_functions: Vec::new(),
             settings: Settings::default(),
             notes: Vec::new(),
-            timeline: Vec::new(),
         };
         let report = build(input, &mut FakeSymbols);
         assert!(!report.complete);

@@ -443,14 +443,21 @@ struct Attached {
 impl Attached {
     /// Stops the tracer and reads memtrace's report.
     fn stop(mut self) -> Result<Option<Report>> {
+        let mut status = None;
         if let Some(proc) = self.proc.as_mut() {
-            proc.stop(Duration::from_secs(30))?;
+            status = Some(proc.stop(Duration::from_secs(30))?);
         }
         match &self.report {
             Some(path) => {
                 let report = Report::parse(path);
                 let _ = std::fs::remove_file(path);
-                report.map(Some)
+                report.map(Some).map_err(|err| match self.proc.as_mut() {
+                    Some(proc) => {
+                        let status = status.map_or("?".into(), |s| s.to_string());
+                        err.context(format!("memtrace ended ({status}); {}", proc.outputs()))
+                    }
+                    None => err,
+                })
             }
             None => Ok(None),
         }
@@ -507,16 +514,39 @@ fn attach(env: &Env, tracer: &Tracer, pid: i32) -> Result<Attached> {
         Tracer::Memleak(source) => {
             // Interval 2 s: its first "Top 10 stacks" line comes after every
             // probe is attached (it prints "Attaching" before attaching).
-            let mut cmd = Command::new("memleak-bpfcc");
-            cmd.args(["-p", &pid.to_string(), "2"])
-                .env("PYTHONUNBUFFERED", "1");
-            if let Some(source) = source {
-                cmd.env("BCC_KERNEL_SOURCE", source);
-            }
-            let mut proc = Proc::spawn("memleak-bpfcc", &mut cmd, true)?;
-            proc.wait_line(Stream::Out, Duration::from_secs(120), |l| {
-                l.contains("stacks with outstanding")
-            })?;
+            // Here its uprobe attach fails now and then ("Failed to attach
+            // BPF to uprobe": the perf uprobe PMU refuses, and the tracefs
+            // fallback is absent), so it gets three tries; failures are
+            // listed in the report.
+            let mut tries = 0;
+            let proc = loop {
+                tries += 1;
+                let mut cmd = Command::new("memleak-bpfcc");
+                cmd.args(["-p", &pid.to_string(), "2"])
+                    .env("PYTHONUNBUFFERED", "1");
+                if let Some(source) = source {
+                    cmd.env("BCC_KERNEL_SOURCE", source);
+                }
+                let mut proc = Proc::spawn("memleak-bpfcc", &mut cmd, true)?;
+                match proc.wait_line(Stream::Out, Duration::from_secs(120), |l| {
+                    l.contains("stacks with outstanding")
+                }) {
+                    Ok(_) => break proc,
+                    Err(err) => {
+                        let attach_failed =
+                            proc.err.seen.iter().any(|l| l.contains("Failed to attach"));
+                        drop(proc);
+                        if !attach_failed || tries >= 3 {
+                            return Err(err);
+                        }
+                        let why = format!("{err:#}");
+                        eprintln!("xtask bench:   memleak-bpfcc failed to attach; retrying");
+                        if let Ok(mut notes) = MEMLEAK_RETRIES.lock() {
+                            notes.push(why);
+                        }
+                    }
+                }
+            };
             let attach_s = t0.elapsed().as_secs_f64();
             Ok(Attached {
                 proc: Some(proc),
@@ -527,6 +557,9 @@ fn attach(env: &Env, tracer: &Tracer, pid: i32) -> Result<Attached> {
         }
     }
 }
+
+/// memleak-bpfcc attach failures that a retry got past.
+static MEMLEAK_RETRIES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
 /// One measured run of a bench program.
 struct Sample {
@@ -1035,6 +1068,9 @@ impl InferenceConfig {
 
 // --- 4: pipeline capacity ---------------------------------------------------
 
+/// Allocating threads of the capacity program (one per core here).
+const CAPACITY_THREADS: u32 = 2;
+
 struct CapacityRow {
     rate: u64,
     outcome: Result<(f64, Report), String>,
@@ -1049,7 +1085,8 @@ fn bench_capacity(env: &Env) -> (f64, Vec<CapacityRow>) {
         cmd.arg(rate.to_string())
             .arg(seconds.to_string())
             .arg("60")
-            .arg("30");
+            .arg("30")
+            .arg(CAPACITY_THREADS.to_string());
         let outcome = traced_run(
             env,
             "capacity",
@@ -1595,6 +1632,19 @@ fn render(doc: &Doc) -> String {
             let _ = writeln!(s, "- {}: a run failed: {}", c.name, one_line(err));
         }
     }
+    let retries = MEMLEAK_RETRIES
+        .lock()
+        .map(|v| v.clone())
+        .unwrap_or_default();
+    if let Some(first) = retries.first() {
+        let _ = writeln!(
+            s,
+            "- memleak-bpfcc failed to attach {} time(s) and was restarted (up to 3 tries per run); \
+             first failure: {}",
+            retries.len(),
+            one_line(first)
+        );
+    }
     let _ = writeln!(s);
 
     // Inference.
@@ -1658,10 +1708,10 @@ fn render(doc: &Doc) -> String {
     let _ = writeln!(s, "## Pipeline capacity\n");
     let _ = writeln!(
         s,
-        "`capacity` (tests/fixtures/bench/capacity.c): malloc(64)+free pairs in 1 ms batches at a \
-         target rate for {seconds} s, traced by default memtrace (32-frame stacks). One pair is two \
-         events. \"Achieved\" is the rate the traced program reached (probe cost can hold it below \
-         the target).\n"
+        "`capacity` (tests/fixtures/bench/capacity.c): {CAPACITY_THREADS} threads run malloc(64)+free \
+         pairs in 1 ms batches at a target rate (split between them) for {seconds} s, traced by \
+         default memtrace (32-frame stacks). One pair is two events. \"Achieved\" is the rate the \
+         traced program reached: the probes' cost can hold it below the target.\n"
     );
     let _ = writeln!(
         s,
@@ -1816,6 +1866,9 @@ fn render(doc: &Doc) -> String {
         (
             "zero lost at 200k events/s",
             match at_200k {
+                Some((achieved, 0)) if achieved < 190_000.0 => Goal::Unknown(format!(
+                    "0 lost, but the traced program reached only {achieved:.0} events/s"
+                )),
                 Some((achieved, 0)) => {
                     Goal::Met(format!("0 lost (achieved {achieved:.0} events/s)"))
                 }
@@ -1845,7 +1898,7 @@ fn render(doc: &Doc) -> String {
             let _ = writeln!(
                 s,
                 "\nThe 200k events/s run reached only {achieved:.0} events/s: the traced program could not \
-                 go faster, so the goal was checked at a lower rate than its name says."
+                 go faster, so the goal could not be checked at its rate."
             );
         }
     }

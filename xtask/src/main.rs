@@ -202,7 +202,15 @@ fn real_cudart() -> Result<PathBuf> {
     }
     let wheels = dir.join("wheels");
     run(Command::new("python3")
-        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+        ])
         .arg(&wheels)
         .arg("nvidia-cuda-runtime"))?;
     let wheel = std::fs::read_dir(&wheels)?

@@ -12,8 +12,8 @@
 //! Everything here is pure (no I/O but [`Suppressions::load`]) and unit-tested.
 
 // Not wired into tracing/reporting yet; drop this once it is.
-#![allow(dead_code, unused_imports)]
 
+pub mod history;
 pub mod pattern;
 pub mod rank;
 mod stats;
@@ -24,10 +24,8 @@ use std::collections::HashMap;
 use std::hash::Hash;
 
 pub use pattern::{classify, Pattern};
-pub use rank::{suspicion_rank, SuspicionRank};
-pub use suppress::{
-    BlockFacts, SuppressEntry, SuppressError, SuppressLoadError, SuppressRule, Suppressions,
-};
+pub use rank::suspicion_rank;
+pub use suppress::{BlockFacts, Suppressions};
 pub use trend::{classify_trend, survived_intervals, Trend, TrendVerdict};
 
 /// Most points kept per site; beyond that, the resolution is halved.
@@ -160,16 +158,19 @@ impl<K: Hash + Eq + Clone> SiteSeries<K> {
     }
 
     /// `(t_s, live_count)` of `key`, oldest first.
+    #[cfg(test)]
     pub fn count_series(&self, key: &K) -> Option<&[(f64, f64)]> {
         self.tracks.get(key).map(|t| t.counts.as_slice())
     }
 
     /// Forgets a site.
+    #[cfg(test)]
     pub fn remove(&mut self, key: &K) {
         self.tracks.remove(key);
     }
 
     /// Keeps only the sites `keep` accepts (bounds the number of sites).
+    #[cfg(test)]
     pub fn retain(&mut self, mut keep: impl FnMut(&K) -> bool) {
         self.tracks.retain(|k, _| keep(k));
     }
@@ -179,10 +180,12 @@ impl<K: Hash + Eq + Clone> SiteSeries<K> {
     }
 
     /// Number of sites.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.tracks.len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.tracks.is_empty()
     }

@@ -68,6 +68,7 @@ pub enum Pattern {
 }
 
 impl Pattern {
+    #[cfg(test)]
     pub fn kind(&self) -> &'static str {
         match self {
             Pattern::PerIteration { .. } => "per-iteration",

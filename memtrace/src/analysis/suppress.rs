@@ -185,6 +185,17 @@ pub struct Suppressions {
 }
 
 impl Suppressions {
+    /// Whether some entry matches on symbols or modules (so stacks must be
+    /// symbolized before matching).
+    pub fn needs_symbols(&self) -> bool {
+        self.entries.iter().any(|e| {
+            matches!(
+                e.rule,
+                SuppressRule::Leak(_) | SuppressRule::Symbol(_) | SuppressRule::Module(_)
+            )
+        })
+    }
+
     /// Parses the file's text; the first malformed entry is the error.
     pub fn parse(text: &str) -> Result<Self, SuppressError> {
         let mut entries = Vec::new();
@@ -225,6 +236,7 @@ impl Suppressions {
         &self.entries
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }

@@ -93,8 +93,15 @@ pub(crate) mod fixture {
             live_bytes: bytes,
             live_count: count,
             oldest_age_ms: 1500,
+            trend: crate::analysis::Trend::Growing,
+            growth_bytes_per_s: 12.5,
+            pattern: None,
+            survived_intervals: 2,
+            estimated_live_bytes: None,
+            estimated_live_count: None,
             functions: vec!["malloc".into()],
             threads: vec![7],
+            thread_names: vec!["worker".into()],
             stack_note: None,
             frames: Vec::new(),
         }
@@ -174,10 +181,13 @@ pub(crate) mod fixture {
                 min_age_ms: 0,
                 top: 20,
                 sample_rate: 1,
+                ..Settings::default()
             },
             kernel_counters: BTreeMap::new(),
             notes: Vec::new(),
             timeline,
+            suppressed: Default::default(),
+            reconciliation: None,
         }
     }
 

@@ -1,6 +1,7 @@
 //! Tracing a process: load, attach, run the one event loop (ring buffer ->
-//! decode -> live table), watch the target, rescan for new libraries, and
-//! hand the final state to the report builder and the chosen sink.
+//! decode -> live table), watch the target, rescan for new libraries,
+//! snapshot the table every interval, and hand the state to the report builder
+//! and the chosen sink (and the Prometheus endpoint).
 
 pub mod discovery;
 pub mod loader;
@@ -9,6 +10,7 @@ mod status;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -16,10 +18,14 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::signal::unix::{signal, SignalKind};
 
+use crate::analysis::history::History;
+use crate::analysis::Suppressions;
 use crate::cli::TraceArgs;
 use crate::error::{check_privilege, Failure};
 use crate::output::Output;
-use crate::report::{self, Settings, TargetInfo};
+use crate::probe::catalog::Allocator;
+use crate::report::{self, Reconciliation, Settings, TargetInfo};
+use crate::symbolize::BlazeSymbolizer;
 use crate::target::{self, ChildEvent, HeldChild};
 use discovery::Discovery;
 use loader::{LoadOptions, Probes};
@@ -27,6 +33,10 @@ use pipeline::Pipeline;
 
 /// How often the target's mappings are rescanned for newly loaded libraries.
 const RESCAN_EVERY: Duration = Duration::from_millis(500);
+/// Snapshot period for trends when no `--interval` is given.
+const DEFAULT_HISTORY_EVERY: Duration = Duration::from_secs(5);
+/// How often the Prometheus text is refreshed.
+const METRICS_EVERY: Duration = Duration::from_secs(2);
 
 /// Runs `memtrace [--pid PID | -- CMD]`.
 pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
@@ -36,6 +46,16 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    let suppressions = match &args.suppress {
+        Some(path) => {
+            Some(Suppressions::load(path).map_err(|err| Failure::usage(err.to_string()))?)
+        }
+        None => None,
+    };
+    let metrics_addr = match &args.prometheus {
+        Some(text) => Some(crate::prometheus::parse_bind(text).map_err(Failure::usage)?),
+        None => None,
+    };
     check_privilege()?;
     let output = Output::open(args.output.as_deref(), args.format)?;
 
@@ -115,39 +135,68 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         }
         None => target::inspect(pid)?,
     };
-
     let probed: usize = discovery.libraries.iter().map(|l| l.functions.len()).sum();
     eprintln!(
         "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
         target_info.comm,
         discovery.libraries.len()
     );
+
     let mut ring = register(probes.events.take().context("ring buffer already taken")?)?;
-    let mut pipeline = Pipeline::new(pid);
-    let started = Instant::now();
-    let deadline = args.duration.map(|d| started + d);
+    let mut session = Session {
+        args: &args,
+        target: target_info,
+        started: Instant::now(),
+        started_ns: monotonic_ns(),
+        pipeline: Pipeline::new(pid),
+        history: History::default(),
+        suppressions,
+        symbolizer: BlazeSymbolizer::new(Box::new(move |path| {
+            crate::probe::maps::path_in_target_root(pid, path)
+        })),
+        memory_at_attach: read_memory(pid),
+        memory_last: read_memory(pid),
+        notes: Vec::new(),
+    };
+    let metrics = match metrics_addr {
+        Some(addr) => {
+            let (tx, rx) = tokio::sync::watch::channel(Arc::new(String::new()));
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|err| Failure::usage(format!("cannot serve metrics on {addr}: {err}")))?;
+            eprintln!("memtrace: Prometheus metrics on http://{addr}/metrics");
+            tokio::spawn(crate::prometheus::serve_on(listener, rx));
+            Some(tx)
+        }
+        None => None,
+    };
+
+    let deadline = args.duration.map(|d| session.started + d);
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let mut rescan = tokio::time::interval(RESCAN_EVERY);
     let mut status_tick = tokio::time::interval(Duration::from_secs(1));
-    let mut interim = tokio::time::interval(args.interval.unwrap_or(Duration::from_secs(3600)));
-    interim.reset();
+    let mut snapshot = tokio::time::interval(args.interval.unwrap_or(DEFAULT_HISTORY_EVERY));
+    snapshot.reset();
+    let mut metrics_tick = tokio::time::interval(METRICS_EVERY);
     let show_status = std::io::stderr().is_terminal();
     let mut status = status::StatusLine::new(show_status);
-    let mut notes: Vec<String> = Vec::new();
 
     loop {
         tokio::select! {
             guard = ring.readable_mut() => {
                 let mut guard = guard?;
-                pipeline.drain(guard.get_inner_mut(), &probes);
+                session.pipeline.drain(guard.get_inner_mut(), &probes);
                 guard.clear_ready();
             }
             _ = rescan.tick() => {
                 if held.is_none() && !target::is_alive(pid) {
-                    notes.push(format!("target pid {pid} exited during the trace"));
+                    session.notes.push(format!("target pid {pid} exited during the trace"));
                     eprintln!("memtrace: target pid {pid} exited; final report follows");
                     break;
+                }
+                if let Some(memory) = read_memory(pid) {
+                    session.memory_last = Some(memory);
                 }
                 let known = discovery.libraries.len();
                 match discovery.scan(&mut probes, &[]) {
@@ -164,23 +213,36 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 }
             }
             _ = status_tick.tick(), if show_status => {
-                status.update(started.elapsed(), pipeline.table().counts().allocs + pipeline.table().counts().frees,
-                    pipeline.table().live_bytes(), lost(&probes));
+                let counts = session.pipeline.table().counts();
+                status.update(session.started.elapsed(), counts.allocs + counts.frees,
+                    session.pipeline.table().live_bytes(), lost(&probes));
             }
-            _ = interim.tick(), if args.interval.is_some() => {
-                let report = build_report(&args, &target_info, started, &pipeline, &probes, &discovery, notes.clone());
-                output.interim(&report)?;
+            _ = snapshot.tick() => {
+                session.snapshot(&probes);
+                if args.interval.is_some() {
+                    let report = session.report(&probes, &discovery);
+                    output.interim(&report)?;
+                }
+            }
+            _ = metrics_tick.tick(), if metrics.is_some() => {
+                if let Some(tx) = &metrics {
+                    let report = session.report(&probes, &discovery);
+                    let _ = tx.send(Arc::new(crate::prometheus::render(&report)));
+                }
             }
             event = child_event(&mut held) => match event {
                 ChildEvent::Exiting(ack) => {
                     // The command is stopped just before exit: read its
                     // mappings and the events so far while they still exist.
-                    pipeline.refresh_space_now();
-                    pipeline.drain(ring.get_mut(), &probes);
+                    session.pipeline.refresh_space_now();
+                    session.pipeline.drain(ring.get_mut(), &probes);
+                    if let Some(memory) = read_memory(pid) {
+                        session.memory_last = Some(memory);
+                    }
                     let _ = ack.send(());
                 }
                 ChildEvent::Exited(exit) => {
-                    notes.push(format!("command exited: {exit}"));
+                    session.notes.push(format!("command exited: {exit}"));
                     break;
                 }
             },
@@ -197,18 +259,122 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     }
     status.clear();
     probes.detach();
-    pipeline.drain(ring.get_mut(), &probes);
-    let report = build_report(
-        &args,
-        &target_info,
-        started,
-        &pipeline,
-        &probes,
-        &discovery,
-        notes,
-    );
+    session.pipeline.drain(ring.get_mut(), &probes);
+    session.snapshot(&probes);
+    let report = session.report(&probes, &discovery);
+    if let Some(tx) = &metrics {
+        let _ = tx.send(Arc::new(crate::prometheus::render(&report)));
+    }
     output.finish(&report)?;
     Ok(())
+}
+
+/// VmRSS and RssAnon of a process, in bytes.
+#[derive(Clone, Copy, Debug)]
+struct MemoryFigures {
+    vm_rss: u64,
+    rss_anon: u64,
+}
+
+fn read_memory(pid: u32) -> Option<MemoryFigures> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    };
+    Some(MemoryFigures {
+        vm_rss: field("VmRSS:")?,
+        rss_anon: field("RssAnon:")?,
+    })
+}
+
+/// Everything one trace accumulates.
+struct Session<'a> {
+    args: &'a TraceArgs,
+    target: TargetInfo,
+    started: Instant,
+    started_ns: u64,
+    pipeline: Pipeline,
+    history: History,
+    suppressions: Option<Suppressions>,
+    symbolizer: BlazeSymbolizer,
+    memory_at_attach: Option<MemoryFigures>,
+    memory_last: Option<MemoryFigures>,
+    notes: Vec<String>,
+}
+
+impl Session<'_> {
+    /// Records the live table for the trend analysis.
+    fn snapshot(&mut self, probes: &Probes) {
+        let t_s = self.started.elapsed().as_secs_f64();
+        self.history
+            .record(self.pipeline.table(), probes.specs(), t_s);
+    }
+
+    fn report(&mut self, probes: &Probes, discovery: &Discovery) -> report::Report {
+        let mut notes = self.notes.clone();
+        notes.extend(discovery.problems.iter().cloned());
+        let args = self.args;
+        let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let input = report::ReportInput {
+            target: self.target.clone(),
+            duration_ms: millis(self.started.elapsed()),
+            now_ns: monotonic_ns(),
+            started_ns: self.started_ns,
+            table: self.pipeline.table(),
+            specs: probes.specs(),
+            stacks: self.pipeline.stacks(),
+            history: Some(&self.history),
+            suppressions: self.suppressions.as_ref(),
+            thread_names: self.pipeline.thread_names(),
+            kernel_counters: probes.counters(),
+            libraries: discovery.libraries.clone(),
+            missing_functions: discovery.missing_functions(),
+            settings: Settings {
+                stack_depth: args.stack_depth,
+                min_age_ms: millis(args.min_age),
+                top: args.top,
+                sample_rate: args.sample_rate,
+                min_size: args.min_size,
+                max_size: args.max_size,
+                warmup_ms: millis(args.warmup),
+                interval_ms: args.interval.map(millis),
+                suppress_file: args.suppress.as_ref().map(|p| p.display().to_string()),
+            },
+            notes,
+            reconciliation: self.reconciliation(probes),
+        };
+        report::build(input, &mut self.symbolizer)
+    }
+
+    fn reconciliation(&self, probes: &Probes) -> Option<Reconciliation> {
+        let (start, now) = (self.memory_at_attach?, self.memory_last?);
+        let tracked_host_bytes: u64 = self
+            .pipeline
+            .table()
+            .blocks()
+            .filter(|(_, _, block)| {
+                probes
+                    .specs()
+                    .get(usize::from(block.spec))
+                    .is_some_and(|s| matches!(s.allocator, Allocator::Libc | Allocator::Mmap))
+            })
+            .map(|(_, _, block)| block.size)
+            .sum();
+        let growth = now.rss_anon as i64 - start.rss_anon as i64;
+        let explained_ratio = (growth > 0).then(|| tracked_host_bytes as f64 / growth as f64);
+        Some(Reconciliation {
+            rss_anon_at_attach: start.rss_anon,
+            rss_anon_now: now.rss_anon,
+            rss_anon_growth: growth,
+            vm_rss_at_attach: start.vm_rss,
+            vm_rss_now: now.vm_rss,
+            tracked_host_bytes,
+            explained_ratio,
+            note: "tracked bytes are what was allocated since attach and is still live; memory allocated before attach, allocator overhead, freed-but-cached heap and untraced allocators are not in it".to_string(),
+        })
+    }
 }
 
 fn lost(probes: &Probes) -> u64 {
@@ -249,43 +415,6 @@ async fn sleep_until(deadline: Option<Instant>) {
         Some(at) => tokio::time::sleep_until(at.into()).await,
         None => std::future::pending().await,
     }
-}
-
-fn build_report(
-    args: &TraceArgs,
-    target: &TargetInfo,
-    started: Instant,
-    pipeline: &Pipeline,
-    probes: &Probes,
-    discovery: &Discovery,
-    notes: Vec<String>,
-) -> report::Report {
-    let pid = target.pid;
-    let mut symbolizer = crate::symbolize::BlazeSymbolizer::new(Box::new(move |path| {
-        crate::probe::maps::path_in_target_root(pid, path)
-    }));
-    let mut notes = notes;
-    notes.extend(discovery.problems.iter().cloned());
-    let input = report::ReportInput {
-        target: target.clone(),
-        duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-        now_ns: monotonic_ns(),
-        table: pipeline.table(),
-        specs: probes.specs(),
-        stacks: pipeline.stacks(),
-        kernel_counters: probes.counters(),
-        libraries: discovery.libraries.clone(),
-        missing_functions: discovery.missing_functions(),
-        settings: Settings {
-            stack_depth: args.stack_depth,
-            min_age_ms: u64::try_from(args.min_age.as_millis()).unwrap_or(u64::MAX),
-            top: args.top,
-            sample_rate: args.sample_rate,
-        },
-        notes,
-        timeline: Vec::new(),
-    };
-    report::build(input, &mut symbolizer)
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`.

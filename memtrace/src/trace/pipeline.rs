@@ -1,6 +1,7 @@
 //! The event pipeline: ring-buffer records decoded into events, applied to
 //! the live table, with each new stack read once and normalized.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use aya::maps::{MapData, RingBuf};
@@ -22,6 +23,7 @@ pub struct Pipeline {
     stacks: StackStore,
     space: AddressSpace,
     space_read: Option<Instant>,
+    thread_names: HashMap<u32, String>,
     pub decode_errors: u64,
 }
 
@@ -33,6 +35,7 @@ impl Pipeline {
             stacks: StackStore::default(),
             space: AddressSpace::default(),
             space_read: None,
+            thread_names: HashMap::new(),
             decode_errors: 0,
         }
     }
@@ -43,6 +46,11 @@ impl Pipeline {
 
     pub fn stacks(&self) -> &StackStore {
         &self.stacks
+    }
+
+    /// Names of the threads seen allocating.
+    pub fn thread_names(&self) -> &HashMap<u32, String> {
+        &self.thread_names
     }
 
     /// Drains every record waiting in the ring buffer.
@@ -75,6 +83,13 @@ impl Pipeline {
             self.learn_stack(id, probes);
         }
         self.table.apply(event, spec.domain);
+        if !self.thread_names.contains_key(&event.tid) {
+            let name =
+                std::fs::read_to_string(format!("/proc/{}/task/{}/comm", self.pid, event.tid))
+                    .map(|n| n.trim().to_string())
+                    .unwrap_or_default();
+            self.thread_names.insert(event.tid, name);
+        }
     }
 
     fn learn_stack(&mut self, id: u32, probes: &Probes) {
