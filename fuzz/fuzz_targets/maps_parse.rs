@@ -17,16 +17,23 @@ fuzz_target!(|data: &[u8]| {
     let _ = maps::executable_files(&mappings);
     let probes: Vec<u64> = mappings
         .iter()
-        .flat_map(|m| [m.start, m.end, m.start.wrapping_add(1), m.end.wrapping_sub(1)])
+        .flat_map(|m| {
+            [
+                m.start,
+                m.end,
+                m.start.wrapping_add(1),
+                m.end.wrapping_sub(1),
+            ]
+        })
         .collect();
     let space = maps::AddressSpace::new(mappings.clone());
     for addr in probes {
         if let Some(file_addr) = space.normalize(addr) {
             // Some file mapping contains addr.
-            assert!(mappings
-                .iter()
-                .any(|m| m.is_file() && m.start <= addr && addr < m.end
-                    && m.path.as_ref() == Some(&file_addr.module)));
+            assert!(mappings.iter().any(|m| m.is_file()
+                && m.start <= addr
+                && addr < m.end
+                && m.path.as_ref() == Some(&file_addr.module)));
         }
     }
 });

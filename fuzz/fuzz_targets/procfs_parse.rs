@@ -5,18 +5,20 @@
 use libfuzzer_sys::fuzz_target;
 
 /// procfs.rs reaches `crate::monitor::units::unit_multiplier`; units.rs is
-/// pure, so it is included at the same path.
+/// pure, so it is included too and re-exported at that path. (Inline
+/// modules with `#[path]` would resolve through directories that do not
+/// exist, so both files are included at the crate root.)
 #[allow(dead_code)]
-mod monitor {
-    #[path = "../../../memtrace/src/monitor/units.rs"]
-    pub mod units;
-    pub mod sources {
-        #[path = "../../../../memtrace/src/monitor/sources/procfs.rs"]
-        pub mod procfs;
-    }
+#[path = "../../memtrace/src/monitor/units.rs"]
+pub mod units;
+
+pub mod monitor {
+    pub use super::units;
 }
 
-use monitor::sources::procfs;
+#[allow(dead_code)]
+#[path = "../../memtrace/src/monitor/sources/procfs.rs"]
+mod procfs;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
@@ -29,5 +31,5 @@ fuzz_target!(|data: &[u8]| {
     let _ = procfs::parse_status(text);
     let _ = procfs::parse_meminfo(text);
     let _ = procfs::name_matches(text, Some(text), None);
-    let _ = monitor::units::parse_size(text);
+    let _ = units::parse_size(text);
 });

@@ -69,8 +69,10 @@ pub struct Reconciliation {
     pub rss_anon_growth: i64,
     pub vm_rss_at_attach: u64,
     pub vm_rss_now: u64,
-    /// Live host bytes (libc + mmap) memtrace tracks.
+    /// Live heap bytes (libc allocator) memtrace tracks.
     pub tracked_host_bytes: u64,
+    /// Live anonymous mappings memtrace tracks (virtual: not all resident).
+    pub tracked_mmap_bytes: u64,
     /// tracked / growth, when the growth is positive.
     pub explained_ratio: Option<f64>,
     pub note: String,

@@ -4,6 +4,8 @@
 
 mod support;
 
+mod analysis;
 mod bad_input;
 mod core_host;
 mod gpu;
+mod reliability;

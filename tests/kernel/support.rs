@@ -117,6 +117,8 @@ impl Drop for Fixture {
 /// A memtrace process running in the background.
 pub struct Tracer {
     pub child: Child,
+    /// Collects stdout as it comes, so interim reports never fill the pipe.
+    stdout: Option<std::thread::JoinHandle<String>>,
     stderr: Option<ChildStderr>,
     pub stderr_text: String,
 }
@@ -148,15 +150,38 @@ impl Tracer {
                 _ => break,
             }
         }
+        let mut out = child.stdout.take().expect("stdout piped");
+        let stdout = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = out.read_to_string(&mut text);
+            text
+        });
         Tracer {
             child,
+            stdout: Some(stdout),
             stderr: Some(stderr),
             stderr_text: seen,
         }
     }
 
+    /// Like [`Tracer::report`], for a JSON Lines stream (interim reports): the last line.
+    pub fn report_last_line(self) -> (Value, String) {
+        self.report_with(|stdout| {
+            stdout
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("")
+                .to_string()
+        })
+    }
+
     /// Waits for memtrace to end (bounded, as a safety net) and parses its JSON report.
-    pub fn report(mut self) -> (Value, String) {
+    pub fn report(self) -> (Value, String) {
+        self.report_with(|stdout| stdout.to_string())
+    }
+
+    fn report_with(mut self, pick: impl Fn(&str) -> String) -> (Value, String) {
         let deadline = Instant::now() + Duration::from_secs(120);
         let status = loop {
             if let Some(status) = self.child.try_wait().expect("wait") {
@@ -165,10 +190,11 @@ impl Tracer {
             assert!(Instant::now() < deadline, "memtrace did not end");
             std::thread::sleep(Duration::from_millis(50));
         };
-        let mut stdout = String::new();
-        if let Some(mut out) = self.child.stdout.take() {
-            out.read_to_string(&mut stdout).expect("stdout");
-        }
+        let stdout = self
+            .stdout
+            .take()
+            .map(|reader| reader.join().unwrap_or_default())
+            .unwrap_or_default();
         if let Some(mut err) = self.stderr.take() {
             let _ = err.read_to_string(&mut self.stderr_text);
         }
@@ -177,8 +203,9 @@ impl Tracer {
             "memtrace failed: {status}\nstderr: {}",
             self.stderr_text
         );
-        let report: Value = serde_json::from_str(&stdout)
-            .unwrap_or_else(|err| panic!("bad JSON ({err}): {stdout}"));
+        let text = pick(&stdout);
+        let report: Value =
+            serde_json::from_str(&text).unwrap_or_else(|err| panic!("bad JSON ({err}): {stdout}"));
         (report, self.stderr_text)
     }
 

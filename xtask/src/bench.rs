@@ -896,13 +896,18 @@ fn bench_pairs(
                 }
                 Err(err) => {
                     eprintln!("xtask bench:   {} failed: {err:#}", config.name);
-                    let peer = matches!(config.tracer, Tracer::Bpftrace | Tracer::Memleak(_));
-                    if peer && config.samples.is_empty() {
-                        config.unavailable = Some(format!("{err:#}"));
-                    } else {
-                        config.errors.push(format!("{err:#}"));
-                    }
+                    config.errors.push(format!("{err:#}"));
                 }
+            }
+        }
+    }
+    // A peer none of whose runs worked is unavailable, and says why.
+    for config in configs.iter_mut() {
+        let peer = matches!(config.tracer, Tracer::Bpftrace | Tracer::Memleak(_));
+        if peer && config.samples.is_empty() && config.unavailable.is_none() {
+            if let Some(first) = config.errors.first() {
+                config.unavailable = Some(first.clone());
+                config.errors.clear();
             }
         }
     }
@@ -1299,6 +1304,9 @@ fn bench_attach(env: &Env) -> AttachResult {
                     .map(|v| v as u64);
                 let attached = attach(env, &tracer, prog.pid())?;
                 let out = (attached.attach_s, attached.summary.clone(), loaded);
+                // memtrace can die of a SIGINT that comes right after its
+                // "tracing" line (seen here): let it settle first.
+                std::thread::sleep(Duration::from_millis(500));
                 attached.stop()?;
                 prog.finish(Duration::from_secs(20))?;
                 Ok(out)

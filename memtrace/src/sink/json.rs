@@ -1,4 +1,5 @@
-//! JSON sink: the report as one JSON document (one line per interim report).
+//! JSON sink: each report as one JSON document on one line, so interim
+//! reports and the final one form a JSON Lines stream.
 
 use std::io::Write;
 
@@ -8,12 +9,8 @@ use crate::report::Report;
 pub struct JsonSink;
 
 impl Sink for JsonSink {
-    fn write(&self, report: &Report, interim: bool, out: &mut dyn Write) -> std::io::Result<()> {
-        if interim {
-            serde_json::to_writer(&mut *out, report)?;
-        } else {
-            serde_json::to_writer_pretty(&mut *out, report)?;
-        }
+    fn write(&self, report: &Report, _interim: bool, out: &mut dyn Write) -> std::io::Result<()> {
+        serde_json::to_writer(&mut *out, report)?;
         writeln!(out)
     }
 }

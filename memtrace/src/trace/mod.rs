@@ -147,6 +147,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         args: &args,
         target: target_info,
         started: Instant::now(),
+        ended: None,
         started_ns: monotonic_ns(),
         pipeline: Pipeline::new(pid),
         history: History::default(),
@@ -258,6 +259,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         }
     }
     status.clear();
+    session.ended = Some((Instant::now(), monotonic_ns()));
     probes.detach();
     session.pipeline.drain(ring.get_mut(), &probes);
     session.snapshot(&probes);
@@ -294,6 +296,8 @@ struct Session<'a> {
     args: &'a TraceArgs,
     target: TargetInfo,
     started: Instant,
+    /// When tracing stopped (the report's duration ends there, not when it is built).
+    ended: Option<(Instant, u64)>,
     started_ns: u64,
     pipeline: Pipeline,
     history: History,
@@ -319,8 +323,8 @@ impl Session<'_> {
         let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let input = report::ReportInput {
             target: self.target.clone(),
-            duration_ms: millis(self.started.elapsed()),
-            now_ns: monotonic_ns(),
+            duration_ms: millis(self.ended.map_or_else(Instant::now, |e| e.0) - self.started),
+            now_ns: self.ended.map_or_else(monotonic_ns, |e| e.1),
             started_ns: self.started_ns,
             table: self.pipeline.table(),
             specs: probes.specs(),
@@ -350,18 +354,20 @@ impl Session<'_> {
 
     fn reconciliation(&self, probes: &Probes) -> Option<Reconciliation> {
         let (start, now) = (self.memory_at_attach?, self.memory_last?);
-        let tracked_host_bytes: u64 = self
-            .pipeline
-            .table()
-            .blocks()
-            .filter(|(_, _, block)| {
-                probes
-                    .specs()
-                    .get(usize::from(block.spec))
-                    .is_some_and(|s| matches!(s.allocator, Allocator::Libc | Allocator::Mmap))
-            })
-            .map(|(_, _, block)| block.size)
-            .sum();
+        let tracked = |allocator: Allocator| -> u64 {
+            self.pipeline
+                .table()
+                .blocks()
+                .filter(|(_, _, block)| {
+                    probes
+                        .specs()
+                        .get(usize::from(block.spec))
+                        .is_some_and(|s| s.allocator == allocator)
+                })
+                .map(|(_, _, block)| block.size)
+                .sum()
+        };
+        let tracked_host_bytes = tracked(Allocator::Libc);
         let growth = now.rss_anon as i64 - start.rss_anon as i64;
         let explained_ratio = (growth > 0).then(|| tracked_host_bytes as f64 / growth as f64);
         Some(Reconciliation {
@@ -371,8 +377,9 @@ impl Session<'_> {
             vm_rss_at_attach: start.vm_rss,
             vm_rss_now: now.vm_rss,
             tracked_host_bytes,
+            tracked_mmap_bytes: tracked(Allocator::Mmap),
             explained_ratio,
-            note: "tracked bytes are what was allocated since attach and is still live; memory allocated before attach, allocator overhead, freed-but-cached heap and untraced allocators are not in it".to_string(),
+            note: "tracked heap bytes are what was allocated since attach and is still live; memory allocated before attach, allocator overhead, freed-but-cached heap and untraced allocators are not in it; mappings count virtual size".to_string(),
         })
     }
 }

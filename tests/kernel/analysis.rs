@@ -1,0 +1,130 @@
+//! Leak judgment on the real eBPF path: trends, leak patterns, thread names
+//! and allow-lists, against a fixture with one site of each kind.
+
+use crate::support::{privileged, sites_of, Fixture, Tracer};
+
+/// Traces `leak_patterns` for its whole run with 500 ms intervals; returns
+/// the final report (the last of the JSON Lines).
+fn trace_patterns(extra: &[&str]) -> serde_json::Value {
+    let mut fixture = Fixture::start("leak_patterns", &["30", "30", "4"]);
+    let pid = fixture.pid.to_string();
+    let mut args = vec![
+        "--pid",
+        &pid,
+        "--format",
+        "json",
+        "--interval",
+        "500ms",
+        "--top",
+        "50",
+    ];
+    args.extend_from_slice(extra);
+    let tracer = Tracer::attach(&args);
+    fixture.go();
+    tracer.signal(libc::SIGINT);
+    let (report, _) = tracer.report_last_line();
+    report
+}
+
+fn one<'a>(report: &'a serde_json::Value, symbol: &str) -> &'a serde_json::Value {
+    let sites = sites_of(report, symbol);
+    assert_eq!(sites.len(), 1, "one site for {symbol}");
+    sites[0]
+}
+
+#[test]
+fn trends_and_patterns_name_each_kind_of_leak() {
+    if !privileged() {
+        return;
+    }
+    let report = trace_patterns(&[]);
+    let iteration = one(&report, "iteration_leak");
+    assert_eq!(iteration["trend"], "growing");
+    assert!(iteration["growth_bytes_per_s"].as_f64().unwrap_or(0.0) > 0.0);
+    assert_eq!(iteration["pattern"]["kind"], "per-iteration");
+    assert_eq!(iteration["pattern"]["bytes_per_period"], 4096);
+    let period = iteration["pattern"]["period_ms"].as_f64().unwrap_or(0.0);
+    assert!(
+        (50.0..=1000.0).contains(&period),
+        "period {period} ms (fixture: 100 ms)"
+    );
+    assert!(iteration["survived_intervals"].as_u64().unwrap_or(0) >= 3);
+
+    let fragments = one(&report, "split_concat");
+    assert_eq!(fragments["trend"], "growing");
+    assert_eq!(fragments["pattern"]["kind"], "small-accumulating");
+
+    let model = one(&report, "load_model");
+    assert_eq!(model["live_bytes"], 8 << 20);
+    assert_eq!(model["pattern"]["kind"], "large-once");
+    assert_ne!(model["trend"], "growing");
+
+    let pool = one(&report, "make_pool");
+    assert_eq!(pool["live_bytes"], 64 * 1024);
+    assert_eq!(pool["trend"], "stable", "a start-up pool is not a suspect");
+
+    let worker = one(&report, "worker_leak");
+    let names: Vec<&str> = worker["thread_names"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n.as_str())
+        .collect();
+    assert_eq!(names, vec!["leaky-worker"]);
+
+    // Blocks freed by another thread are not leaks.
+    assert!(sites_of(&report, "produce_item").is_empty());
+    // Growing sites rank first.
+    assert_eq!(report["sites"][0]["trend"], "growing");
+    assert!(report["timeline"].as_array().is_some_and(|t| !t.is_empty()));
+}
+
+#[test]
+fn allow_list_sets_the_pool_aside_but_still_counts_it() {
+    if !privileged() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("memtrace-suppress-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("allow.txt");
+    std::fs::write(&file, "# start-up pool\nleak:make_pool\n").expect("write");
+    let path = file.to_str().expect("utf-8").to_string();
+    let report = trace_patterns(&["--suppress", &path]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        sites_of(&report, "make_pool").is_empty(),
+        "suppressed site hidden"
+    );
+    let entries = report["suppressed"]["by_entry"]
+        .as_array()
+        .expect("by_entry");
+    let pool = entries
+        .iter()
+        .find(|e| e["entry"] == "line 2: leak:make_pool")
+        .expect("the entry that matched");
+    assert_eq!(pool["live_bytes"], 64 * 1024);
+    assert_eq!(pool["live_count"], 64);
+    assert!(report["suppressed"]["live_bytes"].as_u64().unwrap_or(0) >= 64 * 1024);
+    // Everything else is still reported.
+    assert_eq!(one(&report, "iteration_leak")["trend"], "growing");
+}
+
+#[test]
+fn malformed_allow_list_names_its_line() {
+    if !privileged() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("memtrace-badsup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("bad.txt");
+    std::fs::write(&file, "leak:ok\nsize:big-bigger\n").expect("write");
+    let out = std::process::Command::new(crate::support::MEMTRACE)
+        .args(["--pid", "1", "--suppress"])
+        .arg(&file)
+        .output()
+        .expect("runs");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("line 2"), "{stderr}");
+}
