@@ -42,6 +42,8 @@ pub enum RetKind {
     MmapPointer = 2,
     /// Returns nothing of interest (`free`): no return probe is needed.
     Void = 3,
+    /// Returns a non-negative handle (a file descriptor); negative means failure.
+    NonNegative = 4,
 }
 
 /// Special handling a few functions need beyond the generic argument model.
@@ -60,6 +62,9 @@ pub enum SpecQuirk {
     /// out-parameter whose first word is the pointer and second the pitch; the
     /// extent (width, height, depth) is passed on the stack.
     Malloc3D = 4,
+    /// Handles are 32-bit (`int fd`, `uint32_t modelId`): the upper half of the
+    /// register or out-parameter is not part of the value.
+    Handle32 = 5,
 }
 
 /// Per-attach-point description of a probed function, stored in the `SPECS`

@@ -299,7 +299,10 @@ fn on_enter(ctx: &ProbeContext) {
 /// A release with no result to check (`free`, `munmap`): report it at entry.
 #[inline(always)]
 fn release_now(args: &Args, spec: &ProbeSpec, pid_tgid: u64) {
-    let ptr = args.get(spec.ptr_arg);
+    let mut ptr = args.get(spec.ptr_arg);
+    if spec.quirk == SpecQuirk::Handle32 as u8 {
+        ptr &= 0xffff_ffff;
+    }
     if ptr == 0 {
         return;
     }
@@ -369,13 +372,17 @@ fn finish_call(
         (ret as i32) as i64 == spec.success_code
     } else if spec.ret == RetKind::MmapPointer as u8 {
         ret != u64::MAX && ret != 0
+    } else if spec.ret == RetKind::NonNegative as u8 {
+        (ret as i32) >= 0
     } else {
         ret != 0
     };
 
+    let handle32 = spec.quirk == SpecQuirk::Handle32 as u8;
+    let released = if handle32 { call.ptr & 0xffff_ffff } else { call.ptr };
     if spec.kind == SpecKind::Free as u8 {
         // A release whose result is checked (cudaFree, aclrtFree ...).
-        if call.ptr == 0 {
+        if released == 0 {
             return;
         }
         let mut event = if success {
@@ -385,8 +392,8 @@ fn finish_call(
             failed.aux = ret;
             failed
         };
-        event.addr = call.ptr;
-        if success && !sampled(call.ptr) {
+        event.addr = released;
+        if success && !sampled(released) {
             bump(Counter::Filtered);
             return;
         }
@@ -421,6 +428,9 @@ fn finish_call(
                 return;
             }
         }
+    }
+    if handle32 {
+        addr &= 0xffff_ffff;
     }
     if spec.quirk == SpecQuirk::SizeOutParam as u8 {
         // SAFETY: as above.

@@ -93,6 +93,26 @@ pub struct TraceArgs {
     #[arg(long)]
     pub max_size: Option<u64>,
 
+    /// Trace only these allocators (comma-separated: libc, mmap, cuda,
+    /// cuda-driver, acl); default: all found. Pairs from --pairs/--preset are
+    /// always traced.
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    pub allocators: Vec<String>,
+
+    /// Also probe this object file (a library memtrace does not find by
+    /// itself, e.g. one not yet loaded). Repeatable.
+    #[arg(long = "lib", value_name = "PATH")]
+    pub libs: Vec<PathBuf>,
+
+    /// Trace the resource pairs declared in this TOML file (handles,
+    /// descriptors, custom pools). Repeatable.
+    #[arg(long, value_name = "FILE")]
+    pub pairs: Vec<PathBuf>,
+
+    /// Trace a built-in set of pairs: acl-handles, cuda-handles, fds. Repeatable.
+    #[arg(long, value_name = "NAME")]
+    pub preset: Vec<String>,
+
     /// Allow-list of pools, caches and resident data (LSan `leak:` lines,
     /// `symbol:`, `module:`, `allocator:`, `size:MIN-MAX`, `addr:START-END`).
     /// Suppressed bytes are still counted, in their own total.

@@ -228,9 +228,15 @@ struct SiteAcc {
 pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let spec = |index: u16| input.specs.get(usize::from(index));
     let min_age_ns = input.settings.min_age_ms.saturating_mul(1_000_000);
-    let warmup_until = input
-        .started_ns
-        .saturating_add(input.settings.warmup_ms.saturating_mul(1_000_000));
+    // With no warm-up nothing is set aside, not even blocks stamped just
+    // before the session clock started.
+    let warmup_until = if input.settings.warmup_ms == 0 {
+        0
+    } else {
+        input
+            .started_ns
+            .saturating_add(input.settings.warmup_ms.saturating_mul(1_000_000))
+    };
     let depth = input.settings.stack_depth as usize;
     let seconds = |ts: u64| ts.saturating_sub(input.started_ns) as f64 / 1e9;
 

@@ -8,4 +8,5 @@ mod analysis;
 mod bad_input;
 mod core_host;
 mod gpu;
+mod outputs;
 mod reliability;

@@ -5,9 +5,8 @@
 use memtrace_common::{ProbeSpec, RetKind, SpecKind, SpecQuirk, ARG_NONE};
 use serde::Serialize;
 
-/// An allocator family as reported to users.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "kebab-case")]
+/// An allocator family as reported to users (serialized as its name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Allocator {
     /// The C library's heap (`malloc` and friends), whichever library defines it.
     Libc,
@@ -19,6 +18,14 @@ pub enum Allocator {
     CudaDriver,
     /// Ascend ACL (`aclrtMalloc` ...).
     Acl,
+    /// A user-declared resource pair (`--pairs`, `--preset`), with its nesting family.
+    Custom { name: &'static str, family: u8 },
+}
+
+impl Serialize for Allocator {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
+    }
 }
 
 impl Allocator {
@@ -29,7 +36,21 @@ impl Allocator {
             Allocator::Cuda => "cuda",
             Allocator::CudaDriver => "cuda-driver",
             Allocator::Acl => "acl",
+            Allocator::Custom { name, .. } => name,
         }
+    }
+
+    /// Parses a built-in allocator name (`--allocators`).
+    pub fn parse_builtin(name: &str) -> Option<Allocator> {
+        [
+            Allocator::Libc,
+            Allocator::Mmap,
+            Allocator::Cuda,
+            Allocator::CudaDriver,
+            Allocator::Acl,
+        ]
+        .into_iter()
+        .find(|a| a.name() == name)
     }
 
     /// Nesting family used by the eBPF programs (see [`ProbeSpec::family`]).
@@ -40,6 +61,7 @@ impl Allocator {
             Allocator::Cuda => 2,
             Allocator::CudaDriver => 3,
             Allocator::Acl => 4,
+            Allocator::Custom { family, .. } => family,
         }
     }
 
@@ -61,6 +83,8 @@ pub enum Memory {
     Device,
     Pinned,
     Managed,
+    /// Not memory: a handle or descriptor of a user-declared resource pair.
+    Handle,
 }
 
 impl Memory {
@@ -70,6 +94,7 @@ impl Memory {
             Memory::Device => "device",
             Memory::Pinned => "pinned",
             Memory::Managed => "managed",
+            Memory::Handle => "handle",
         }
     }
 }
@@ -83,6 +108,8 @@ pub enum Domain {
     CudaMemory,
     CudaVmmHandle,
     AclMemory,
+    /// A user-declared pair's own handles (by its family).
+    Custom(u8),
 }
 
 /// One probed function.
@@ -99,12 +126,19 @@ pub struct FuncDef {
     pub ptr_arg: u8,
     pub out_arg: u8,
     pub quirk: SpecQuirk,
+    /// Status meaning success when `ret` is [`RetKind::Status`].
+    pub success_code: i64,
 }
 
 const N: u8 = ARG_NONE;
 
 impl FuncDef {
-    const fn new(name: &'static str, allocator: Allocator, memory: Memory, domain: Domain) -> Self {
+    pub(crate) const fn new(
+        name: &'static str,
+        allocator: Allocator,
+        memory: Memory,
+        domain: Domain,
+    ) -> Self {
         FuncDef {
             name,
             allocator,
@@ -117,35 +151,36 @@ impl FuncDef {
             ptr_arg: N,
             out_arg: N,
             quirk: SpecQuirk::None,
+            success_code: 0,
         }
     }
 
     /// `void *f(..., size_t size @ size_arg, ...)`
-    const fn returns_ptr(mut self, size_arg: u8) -> Self {
+    pub(crate) const fn returns_ptr(mut self, size_arg: u8) -> Self {
         self.size_arg = size_arg;
         self
     }
 
     /// `status f(void **out @ out_arg, size_t size @ size_arg, ...)`
-    const fn out_status(mut self, out_arg: u8, size_arg: u8) -> Self {
+    pub(crate) const fn out_status(mut self, out_arg: u8, size_arg: u8) -> Self {
         self.ret = RetKind::Status;
         self.out_arg = out_arg;
         self.size_arg = size_arg;
         self
     }
 
-    const fn count(mut self, count_arg: u8) -> Self {
+    pub(crate) const fn count(mut self, count_arg: u8) -> Self {
         self.count_arg = count_arg;
         self
     }
 
-    const fn quirk(mut self, quirk: SpecQuirk) -> Self {
+    pub(crate) const fn quirk(mut self, quirk: SpecQuirk) -> Self {
         self.quirk = quirk;
         self
     }
 
     /// `void f(void *ptr @ ptr_arg)`: released at entry, no result to check.
-    const fn release(mut self, ptr_arg: u8) -> Self {
+    pub(crate) const fn release(mut self, ptr_arg: u8) -> Self {
         self.kind = SpecKind::Free;
         self.ret = RetKind::Void;
         self.ptr_arg = ptr_arg;
@@ -153,7 +188,7 @@ impl FuncDef {
     }
 
     /// `status f(void *ptr @ ptr_arg)`: released only when the call succeeds.
-    const fn release_checked(mut self, ptr_arg: u8) -> Self {
+    pub(crate) const fn release_checked(mut self, ptr_arg: u8) -> Self {
         self.kind = SpecKind::Free;
         self.ret = RetKind::Status;
         self.ptr_arg = ptr_arg;
@@ -161,7 +196,7 @@ impl FuncDef {
     }
 
     /// `void *f(void *old @ ptr_arg, size_t size @ size_arg)`
-    const fn realloc(mut self, ptr_arg: u8, size_arg: u8) -> Self {
+    pub(crate) const fn realloc(mut self, ptr_arg: u8, size_arg: u8) -> Self {
         self.kind = SpecKind::Realloc;
         self.ptr_arg = ptr_arg;
         self.size_arg = size_arg;
@@ -192,7 +227,7 @@ impl FuncDef {
         spec.family = self.allocator.family();
         spec.parent_family = self.allocator.parent_family();
         spec.quirk = self.quirk as u8;
-        spec.success_code = 0;
+        spec.success_code = self.success_code;
         spec
     }
 }
@@ -310,7 +345,7 @@ pub static CATALOG: &[FuncDef] = &[
 ];
 
 impl FuncDef {
-    const fn mmap_ret(mut self) -> Self {
+    pub(crate) const fn mmap_ret(mut self) -> Self {
         self.ret = RetKind::MmapPointer;
         self
     }

@@ -4,6 +4,7 @@
 pub mod catalog;
 pub mod elf;
 pub mod maps;
+pub mod pairs;
 pub mod placement;
 pub mod plan;
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use super::catalog::{FuncDef, CATALOG};
+use super::catalog::FuncDef;
 use super::elf::{self, ElfError};
 use super::placement::{self, ProbeRole};
 
@@ -44,13 +44,13 @@ pub struct LibraryPlan {
 pub fn plan_library(
     path: &Path,
     open_path: &Path,
-    catalog: &'static [FuncDef],
+    catalog: &[&'static FuncDef],
     place: bool,
 ) -> Result<Option<LibraryPlan>, ElfError> {
     let names: Vec<&str> = catalog.iter().map(|def| def.name).collect();
     let defined = elf::defined_functions(open_path, &names)?;
     let mut functions: Vec<PlannedProbe> = Vec::new();
-    for def in catalog {
+    for &def in catalog {
         let Some(found) = defined.iter().find(|f| f.name == def.name) else {
             continue;
         };
@@ -95,15 +95,6 @@ pub fn plan_library(
     }))
 }
 
-/// Plans one object with the whole built-in catalogue.
-pub fn plan_builtin(
-    path: &Path,
-    open_path: &Path,
-    place: bool,
-) -> Result<Option<LibraryPlan>, ElfError> {
-    plan_library(path, open_path, CATALOG, place)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,7 +106,8 @@ mod tests {
             .into_iter()
             .find(|p| p.to_string_lossy().contains("libc.so"))
             .expect("libc mapped");
-        let plan = plan_builtin(&libc, &libc, true)
+        let catalog: Vec<&FuncDef> = crate::probe::catalog::CATALOG.iter().collect();
+        let plan = plan_library(&libc, &libc, &catalog, true)
             .expect("readable")
             .expect("libc has allocators");
         let names: Vec<&str> = plan.functions.iter().map(|p| p.function).collect();

@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::path::PathBuf;
 
-use crate::probe::catalog::{Allocator, CATALOG};
+use crate::probe::catalog::{Allocator, FuncDef};
 use crate::probe::maps;
 use crate::probe::plan::{self, LibraryPlan};
 use crate::trace::loader::Probes;
@@ -17,6 +17,8 @@ pub struct Discovery {
     considered: HashSet<PathBuf>,
     exclude: Option<PathBuf>,
     place: bool,
+    /// The functions to look for (built-in catalogue, filtered, plus pairs).
+    catalog: Vec<&'static FuncDef>,
     pub libraries: Vec<LibraryPlan>,
     /// Objects that could not be read or attached, with why.
     pub problems: Vec<String>,
@@ -26,12 +28,18 @@ impl Discovery {
     /// `exclude` is an object never to probe (memtrace's own executable, seen
     /// in a launched child before it execs).
     /// `place`: move probes to cheaper spots where safe (see `probe::placement`).
-    pub fn new(pid: u32, exclude: Option<PathBuf>, place: bool) -> Self {
+    pub fn new(
+        pid: u32,
+        exclude: Option<PathBuf>,
+        place: bool,
+        catalog: Vec<&'static FuncDef>,
+    ) -> Self {
         Discovery {
             pid,
             considered: HashSet::new(),
             exclude,
             place,
+            catalog,
             libraries: Vec::new(),
             problems: Vec::new(),
         }
@@ -48,7 +56,7 @@ impl Discovery {
                 continue;
             }
             let open_path = maps::path_in_target_root(self.pid, &path);
-            match plan::plan_builtin(&path, &open_path, self.place) {
+            match plan::plan_library(&path, &open_path, &self.catalog, self.place) {
                 Ok(Some(mut library)) => match probes.attach_library(&mut library) {
                     Ok(count) => {
                         attached += count;
@@ -63,6 +71,35 @@ impl Discovery {
         Ok(attached)
     }
 
+    /// Adds objects named by hand (`--lib`): each must be a readable ELF file;
+    /// one that defines none of the functions is reported, not fatal.
+    pub fn add_libraries(
+        &mut self,
+        probes: &mut Probes,
+        paths: &[PathBuf],
+    ) -> Result<Vec<String>, crate::error::Failure> {
+        let mut warnings = Vec::new();
+        for path in paths {
+            self.considered.insert(path.clone());
+            match plan::plan_library(path, path, &self.catalog, self.place) {
+                Ok(Some(mut library)) => {
+                    probes.attach_library(&mut library).map_err(|err| {
+                        crate::error::Failure::runtime(format!("--lib {}: {err:#}", path.display()))
+                    })?;
+                    self.libraries.push(library);
+                }
+                Ok(None) => warnings.push(format!(
+                    "--lib {}: defines none of the probed functions",
+                    path.display()
+                )),
+                Err(err) => {
+                    return Err(crate::error::Failure::usage(format!("--lib: {err}")));
+                }
+            }
+        }
+        Ok(warnings)
+    }
+
     /// Catalogue functions of the allocators found that no object defines.
     pub fn missing_functions(&self) -> Vec<String> {
         let found: HashSet<&str> = self
@@ -71,12 +108,13 @@ impl Discovery {
             .flat_map(|lib| lib.functions.iter())
             .flat_map(|p| std::iter::once(p.function).chain(p.aliases.iter().copied()))
             .collect();
-        let allocators: HashSet<Allocator> = CATALOG
+        let allocators: HashSet<Allocator> = self
+            .catalog
             .iter()
             .filter(|def| found.contains(def.name))
             .map(|def| def.allocator)
             .collect();
-        CATALOG
+        self.catalog
             .iter()
             .filter(|def| allocators.contains(&def.allocator) && !found.contains(def.name))
             .map(|def| def.name.to_string())

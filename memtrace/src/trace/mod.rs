@@ -35,6 +35,11 @@ use pipeline::Pipeline;
 const RESCAN_EVERY: Duration = Duration::from_millis(500);
 /// Snapshot period for trends when no `--interval` is given.
 const DEFAULT_HISTORY_EVERY: Duration = Duration::from_secs(5);
+/// The kernel wakes the reader only once this much waits in the ring buffer
+/// (one wakeup per ~1300 events instead of one per event); the rest is drained
+/// every [`DRAIN_EVERY`].
+const WAKEUP_BYTES: u64 = 64 << 10;
+const DRAIN_EVERY: Duration = Duration::from_millis(20);
 /// How often the Prometheus text is refreshed.
 const METRICS_EVERY: Duration = Duration::from_secs(2);
 
@@ -56,6 +61,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         Some(text) => Some(crate::prometheus::parse_bind(text).map_err(Failure::usage)?),
         None => None,
     };
+    let catalog = catalog_for(&args)?;
     check_privilege()?;
     let output = Output::open(args.output.as_deref(), args.format)?;
 
@@ -79,9 +85,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         null_mode: args.null_probes,
         ring_bytes: args.ring_mib << 20,
         stack_entries: 16384,
-        wakeup_bytes: 0,
+        wakeup_bytes: WAKEUP_BYTES,
     };
     let mut probes = Probes::load(pid, &options)?;
+    // The session clock starts before any probe is attached.
+    let (started, started_ns) = (Instant::now(), monotonic_ns());
     let mut kernel_log = if args.verbose > 0 {
         aya_log::EbpfLogger::init(probes.ebpf_mut())
             .ok()
@@ -95,7 +103,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         Some(child) => (own_exe, child.program.iter().cloned().collect()),
         None => (None, Vec::new()),
     };
-    let mut discovery = Discovery::new(pid, exclude, !args.entry_probes);
+    let mut discovery = Discovery::new(pid, exclude, !args.entry_probes, catalog);
+    for warning in discovery.add_libraries(&mut probes, &args.libs)? {
+        eprintln!("memtrace: warning: {warning}");
+        discovery.problems.push(warning);
+    }
     discovery
         .scan(&mut probes, &extra)
         .with_context(|| format!("cannot read the mappings of pid {pid}"))?;
@@ -135,6 +147,10 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         }
         None => target::inspect(pid)?,
     };
+    // Signal handlers first: a Ctrl-C right after the announcement must still
+    // produce a report.
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
     let probed: usize = discovery.libraries.iter().map(|l| l.functions.len()).sum();
     eprintln!(
         "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
@@ -146,9 +162,9 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let mut session = Session {
         args: &args,
         target: target_info,
-        started: Instant::now(),
+        started,
         ended: None,
-        started_ns: monotonic_ns(),
+        started_ns,
         pipeline: Pipeline::new(pid),
         history: History::default(),
         suppressions,
@@ -173,8 +189,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     };
 
     let deadline = args.duration.map(|d| session.started + d);
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
+    let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
     let mut rescan = tokio::time::interval(RESCAN_EVERY);
     let mut status_tick = tokio::time::interval(Duration::from_secs(1));
     let mut snapshot = tokio::time::interval(args.interval.unwrap_or(DEFAULT_HISTORY_EVERY));
@@ -189,6 +204,9 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 let mut guard = guard?;
                 session.pipeline.drain(guard.get_inner_mut(), &probes);
                 guard.clear_ready();
+            }
+            _ = drain_tick.tick() => {
+                session.pipeline.drain(ring.get_mut(), &probes);
             }
             _ = rescan.tick() => {
                 if held.is_none() && !target::is_alive(pid) {
@@ -269,6 +287,49 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     }
     output.finish(&report)?;
     Ok(())
+}
+
+/// The functions to probe: the built-in catalogue (restricted by
+/// `--allocators`) plus the pairs of `--pairs` files and `--preset`s.
+fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::FuncDef>, Failure> {
+    use crate::probe::{catalog, pairs};
+    let mut wanted = Vec::new();
+    for name in &args.allocators {
+        let allocator = Allocator::parse_builtin(name.trim()).ok_or_else(|| {
+            Failure::usage(format!(
+                "--allocators: unknown allocator '{name}' (libc, mmap, cuda, cuda-driver, acl)"
+            ))
+        })?;
+        wanted.push(allocator);
+    }
+    let mut defs: Vec<&'static catalog::FuncDef> = catalog::CATALOG
+        .iter()
+        .filter(|def| wanted.is_empty() || wanted.contains(&def.allocator))
+        .collect();
+    let mut sources: Vec<(String, String)> = Vec::new();
+    for name in &args.preset {
+        let text = pairs::preset(name).ok_or_else(|| {
+            let known: Vec<&str> = pairs::PRESETS.iter().map(|(n, _)| *n).collect();
+            Failure::usage(format!(
+                "--preset: unknown preset '{name}' ({})",
+                known.join(", ")
+            ))
+        })?;
+        sources.push((format!("preset {name}"), text.to_string()));
+    }
+    for path in &args.pairs {
+        let text = std::fs::read_to_string(path)
+            .map_err(|err| Failure::usage(format!("--pairs {}: {err}", path.display())))?;
+        sources.push((path.display().to_string(), text));
+    }
+    let mut pair_count = 0;
+    for (name, text) in &sources {
+        let parsed =
+            pairs::parse(text, name, pair_count).map_err(|err| Failure::usage(err.to_string()))?;
+        pair_count += parsed.len() / 2;
+        defs.extend(parsed);
+    }
+    Ok(defs)
 }
 
 /// VmRSS and RssAnon of a process, in bytes.
