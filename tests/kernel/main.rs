@@ -9,4 +9,5 @@ mod bad_input;
 mod core_host;
 mod gpu;
 mod outputs;
+mod pairs;
 mod reliability;
