@@ -26,6 +26,33 @@ pub struct Cli {
 pub enum Command {
     /// Sample process, kernel and GPU memory over time and judge the curves (soak tests).
     Monitor(crate::monitor::MonitorArgs),
+    /// Re-run the analysis of a `--record` file and render any format, offline.
+    Report(ReportArgs),
+}
+
+/// Options of `memtrace report FILE`.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The file written by `memtrace --record FILE`.
+    pub file: PathBuf,
+    /// Report format.
+    #[arg(short, long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    /// Write the report to FILE instead of stdout.
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// Show at most N sites (default: as recorded).
+    #[arg(long)]
+    pub top: Option<usize>,
+    /// Hide allocations younger than DUR (default: as recorded).
+    #[arg(long, value_parser = parse_duration)]
+    pub min_age: Option<Duration>,
+    /// Set aside what was allocated in the first DUR.
+    #[arg(long, value_parser = parse_duration)]
+    pub warmup: Option<Duration>,
+    /// Allow-list to apply (see `memtrace --help`).
+    #[arg(long, value_name = "FILE")]
+    pub suppress: Option<PathBuf>,
 }
 
 /// Output formats of the trace report.
@@ -122,6 +149,11 @@ pub struct TraceArgs {
     /// Set aside what is allocated in the first DUR (start-up pools, caches).
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub warmup: Duration,
+
+    /// Record the event stream (and what is needed to symbolize it) to FILE,
+    /// for `memtrace report FILE` later, offline.
+    #[arg(long, value_name = "FILE")]
+    pub record: Option<PathBuf>,
 
     /// Serve live metrics in the Prometheus text format on ADDR (PORT,
     /// HOST:PORT; a bare port binds 127.0.0.1).

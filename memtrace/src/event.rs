@@ -72,14 +72,19 @@ pub enum DecodeError {
 }
 
 /// Decodes one ring-buffer record.
+#[cfg(test)]
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
+    from_wire(&decode_wire(bytes)?)
+}
+
+/// Reads the wire struct out of one ring-buffer record.
+pub fn decode_wire(bytes: &[u8]) -> Result<WireEvent, DecodeError> {
     if bytes.len() < std::mem::size_of::<WireEvent>() {
         return Err(DecodeError::Size(bytes.len()));
     }
     // SAFETY: the length was checked above, `WireEvent` is plain old data
     // (integers only, every bit pattern valid) and the read is unaligned.
-    let wire: WireEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-    from_wire(&wire)
+    Ok(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) })
 }
 
 /// Lifts a wire record into an [`Event`].

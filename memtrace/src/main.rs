@@ -11,6 +11,7 @@ mod monitor;
 mod output;
 mod probe;
 mod prometheus;
+mod record;
 mod report;
 mod sink;
 mod stacks;
@@ -36,12 +37,36 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Some(cli::Command::Monitor(args)) => monitor::run(args),
+        Some(cli::Command::Report(args)) => run_report(args),
         None => run_trace(cli.trace),
     };
     match result {
         Ok(code) => code,
         Err(err) => error::report(&err),
     }
+}
+
+fn run_report(args: cli::ReportArgs) -> anyhow::Result<ExitCode> {
+    let millis = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let suppressions = match &args.suppress {
+        Some(path) => Some(
+            analysis::Suppressions::load(path)
+                .map_err(|err| error::Failure::usage(err.to_string()))?,
+        ),
+        None => None,
+    };
+    let output = output::Output::open(args.output.as_deref(), args.format)?;
+    let report = record::replay(
+        &args.file,
+        record::ReplayOptions {
+            top: args.top,
+            min_age_ms: args.min_age.map(millis),
+            warmup_ms: args.warmup.map(millis),
+            suppressions,
+        },
+    )?;
+    output.finish(&report)?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn run_trace(args: cli::TraceArgs) -> anyhow::Result<ExitCode> {

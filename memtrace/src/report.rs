@@ -13,7 +13,6 @@ use crate::analysis::{
 use crate::event::StackRef;
 use crate::probe::catalog::{Allocator, Memory};
 use crate::probe::maps::FileAddr;
-use crate::probe::plan::LibraryPlan;
 use crate::probe::SpecEntry;
 use crate::stacks::StackStore;
 use crate::symbolize::Symbolize;
@@ -32,7 +31,7 @@ pub struct Report {
     pub totals: Vec<Total>,
     pub sites: Vec<Site>,
     pub failed_calls: Vec<FailedCall>,
-    pub libraries: Vec<LibraryPlan>,
+    pub libraries: Vec<serde_json::Value>,
     pub missing_functions: Vec<String>,
     pub settings: Settings,
     pub kernel_counters: BTreeMap<String, u64>,
@@ -62,7 +61,7 @@ pub struct SuppressedEntry {
 }
 
 /// How much of the target's memory growth memtrace's tracked bytes explain.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
 pub struct Reconciliation {
     pub rss_anon_at_attach: u64,
     pub rss_anon_now: u64,
@@ -89,7 +88,7 @@ pub struct TimelineSample {
     pub live_count: u64,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct TargetInfo {
     pub pid: u32,
     pub comm: String,
@@ -169,7 +168,7 @@ pub struct FailedCall {
     pub count: u64,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct Settings {
     pub stack_depth: u32,
     pub min_age_ms: u64,
@@ -196,7 +195,7 @@ pub struct ReportInput<'a> {
     pub suppressions: Option<&'a Suppressions>,
     pub thread_names: &'a HashMap<u32, String>,
     pub kernel_counters: BTreeMap<String, u64>,
-    pub libraries: Vec<LibraryPlan>,
+    pub libraries: Vec<serde_json::Value>,
     pub missing_functions: Vec<String>,
     pub settings: Settings,
     pub notes: Vec<String>,

@@ -38,6 +38,16 @@ impl StackStore {
         self.stacks.insert(id, frames);
     }
 
+    /// Replaces the normalized form of a stored stack's frames (replay: the
+    /// record file carries them already normalized).
+    pub fn set_files(&mut self, id: u32, files: Vec<Option<FileAddr>>) {
+        if let Some(frames) = self.stacks.get_mut(&id) {
+            for (frame, file) in frames.iter_mut().zip(files) {
+                frame.file = file;
+            }
+        }
+    }
+
     pub fn get(&self, id: u32) -> Option<&[RawFrame]> {
         self.stacks.get(&id).map(Vec::as_slice)
     }

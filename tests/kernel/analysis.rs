@@ -128,3 +128,62 @@ fn malformed_allow_list_names_its_line() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("line 2"), "{stderr}");
 }
+
+#[test]
+fn record_then_report_gives_the_live_report_offline() {
+    if !privileged() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("memtrace-record-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("trace.jsonl");
+    let path = file.to_str().expect("utf-8").to_string();
+    let live = trace_patterns(&["--record", &path]);
+    let replay = |file: &std::path::Path, extra: &[&str]| {
+        std::process::Command::new(crate::support::MEMTRACE)
+            .arg("report")
+            .arg(file)
+            .args(["--format", "json"])
+            .args(extra)
+            .output()
+            .expect("memtrace report runs")
+    };
+    let out = replay(&file, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let offline: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(offline, live, "the replayed report equals the live one");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&file).expect("meta").permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+
+    // A truncated file still gives a report of what could be read, and says so.
+    let text = std::fs::read(&file).expect("read");
+    let cut = dir.join("cut.jsonl");
+    std::fs::write(&cut, &text[..text.len() * 2 / 3]).expect("write");
+    let out = replay(&cut, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let partial: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert!(partial["notes"].as_array().is_some_and(|n| n
+        .iter()
+        .any(|n| n.as_str().is_some_and(|n| n.contains("truncated")))));
+    assert!(partial["events"]["allocs"].as_u64().unwrap_or(0) > 0);
+
+    // Not a record file at all: one clear line, exit 2.
+    let junk = dir.join("junk.jsonl");
+    std::fs::write(&junk, "hello\n").expect("write");
+    let out = replay(&junk, &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = replay(&dir.join("missing.jsonl"), &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

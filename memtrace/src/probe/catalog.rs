@@ -76,7 +76,9 @@ impl Allocator {
 }
 
 /// Which memory a block lives in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum Memory {
     Host,
@@ -101,7 +103,9 @@ impl Memory {
 
 /// Address space in which a block's address is unique: blocks are matched to
 /// their release within one domain only.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
 pub enum Domain {
     Heap,
     Mapping,

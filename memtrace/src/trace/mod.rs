@@ -175,6 +175,13 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         memory_last: read_memory(pid),
         notes: Vec::new(),
     };
+    if let Some(path) = &args.record {
+        session.pipeline.recorder = Some(crate::record::Recorder::create(
+            path,
+            &session.target,
+            session.started_ns,
+        )?);
+    }
     let metrics = match metrics_addr {
         Some(addr) => {
             let (tx, rx) = tokio::sync::watch::channel(Arc::new(String::new()));
@@ -285,6 +292,10 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     if let Some(tx) = &metrics {
         let _ = tx.send(Arc::new(crate::prometheus::render(&report)));
     }
+    if let Some(recorder) = session.pipeline.recorder.take() {
+        let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
+        recorder.finish(&report, ended_ns, session.pipeline.thread_names())?;
+    }
     output.finish(&report)?;
     Ok(())
 }
@@ -375,6 +386,9 @@ impl Session<'_> {
         let t_s = self.started.elapsed().as_secs_f64();
         self.history
             .record(self.pipeline.table(), probes.specs(), t_s);
+        if let Some(recorder) = self.pipeline.recorder.as_mut() {
+            recorder.snapshot(t_s);
+        }
     }
 
     fn report(&mut self, probes: &Probes, discovery: &Discovery) -> report::Report {
@@ -394,7 +408,11 @@ impl Session<'_> {
             suppressions: self.suppressions.as_ref(),
             thread_names: self.pipeline.thread_names(),
             kernel_counters: probes.counters(),
-            libraries: discovery.libraries.clone(),
+            libraries: discovery
+                .libraries
+                .iter()
+                .filter_map(|l| serde_json::to_value(l).ok())
+                .collect(),
             missing_functions: discovery.missing_functions(),
             settings: Settings {
                 stack_depth: args.stack_depth,

@@ -8,6 +8,7 @@ use aya::maps::{MapData, RingBuf};
 
 use crate::event::{self, Action, Event, StackRef};
 use crate::probe::maps::{self, AddressSpace};
+use crate::record::Recorder;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
 use crate::trace::loader::Probes;
@@ -24,6 +25,8 @@ pub struct Pipeline {
     space: AddressSpace,
     space_read: Option<Instant>,
     thread_names: HashMap<u32, String>,
+    /// Where the stream is recorded (`--record`).
+    pub recorder: Option<Recorder>,
     pub decode_errors: u64,
 }
 
@@ -36,6 +39,7 @@ impl Pipeline {
             space: AddressSpace::default(),
             space_read: None,
             thread_names: HashMap::new(),
+            recorder: None,
             decode_errors: 0,
         }
     }
@@ -55,8 +59,16 @@ impl Pipeline {
 
     /// Drains every record waiting in the ring buffer.
     pub fn drain(&mut self, ring: &mut RingBuf<MapData>, probes: &Probes) {
+        if let Some(recorder) = self.recorder.as_mut() {
+            recorder.specs(probes.specs());
+        }
         while let Some(record) = ring.next() {
-            match event::decode(&record) {
+            match event::decode_wire(&record).and_then(|wire| {
+                if let Some(recorder) = self.recorder.as_mut() {
+                    recorder.event(&wire);
+                }
+                event::from_wire(&wire)
+            }) {
                 Ok(event) => self.handle(&event, probes),
                 Err(err) => {
                     self.decode_errors += 1;
@@ -105,6 +117,9 @@ impl Pipeline {
         self.stacks.insert(id, &ips, &self.space);
         if self.stacks.has_unresolved(id) && self.refresh_space() {
             self.stacks.insert(id, &ips, &self.space);
+        }
+        if let (Some(recorder), Some(frames)) = (self.recorder.as_mut(), self.stacks.get(id)) {
+            recorder.stack(id, frames);
         }
     }
 
