@@ -25,7 +25,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Sample process, kernel and GPU memory over time and judge the curves (soak tests).
-    Monitor(crate::monitor::MonitorArgs),
+    Monitor(Box<crate::monitor::MonitorArgs>),
     /// Re-run the analysis of a `--record` file and render any format, offline.
     Report(ReportArgs),
 }

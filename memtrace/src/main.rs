@@ -36,7 +36,7 @@ fn main() -> ExitCode {
         .format_timestamp(None)
         .init();
     let result = match cli.command {
-        Some(cli::Command::Monitor(args)) => monitor::run(args),
+        Some(cli::Command::Monitor(args)) => monitor::run(*args),
         Some(cli::Command::Report(args)) => run_report(args),
         None => run_trace(cli.trace),
     };

@@ -30,6 +30,8 @@ use crate::table::LiveTable;
 const FORMAT: &str = "memtrace-record/1";
 
 /// One line of a record file.
+// One line exists at a time while reading or writing: the footer's size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum Line {
