@@ -23,6 +23,8 @@ use crate::table::LiveTable;
 pub struct Report {
     pub target: TargetInfo,
     pub duration_ms: u64,
+    /// True for the reports printed every `--interval`; the last one is final.
+    pub interim: bool,
     /// False when events were lost: the live table may then be wrong.
     pub complete: bool,
     pub events: EventCounts,
@@ -424,6 +426,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     Report {
         target: input.target,
         duration_ms: input.duration_ms,
+        interim: false,
         complete: lost == 0 && counts.table_full == 0,
         events,
         lost_by_cause,

@@ -141,6 +141,7 @@ pub(crate) mod fixture {
                 exe: "/opt/app/bin/app".into(),
             },
             duration_ms: 2500,
+            interim: false,
             complete: true,
             events: EventCounts {
                 allocs: 10,

@@ -246,7 +246,8 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
             _ = snapshot.tick() => {
                 session.snapshot(&probes);
                 if args.interval.is_some() {
-                    let report = session.report(&probes, &discovery);
+                    let mut report = session.report(&probes, &discovery);
+                    report.interim = true;
                     output.interim(&report)?;
                 }
             }
