@@ -414,6 +414,9 @@ fn target_exec_of_another_image_is_survived_and_reported() {
     let mut tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--top", "200"]);
     target.send();
     assert_eq!(target.line(), format!("ready {pid}"), "same pid after exec");
+    // memtrace notices the new image (and re-reads the address map) before
+    // the new image starts allocating.
+    tracer.wait_for_stderr("now runs");
     target.send();
     target.expect("done");
     // memtrace is still running (the exec did not end it)...
@@ -443,9 +446,7 @@ fn target_exec_of_another_image_is_survived_and_reported() {
     );
     // The uprobes are per task and per file: the new image maps the same
     // libc, so its allocations are still seen, exactly (by size and count).
-    // Their frames are not symbolized on this build (memtrace normalizes
-    // them against the pre-exec maps; see RELIABILITY.md), so the sites are
-    // matched by size and count, and by name when a symbol is there.
+    // Their frames are symbolized against the new image's address map.
     let found = |bytes: u64, count: u64, symbol: &str| {
         report["sites"]
             .as_array()
@@ -454,8 +455,7 @@ fn target_exec_of_another_image_is_survived_and_reported() {
             .any(|site| {
                 site["live_bytes"].as_u64() == Some(bytes)
                     && site["live_count"].as_u64() == Some(count)
-                    && (site["frames"][0]["symbol"].is_null()
-                        || site["frames"][0]["symbol"].as_str() == Some(symbol))
+                    && site["frames"][0]["symbol"].as_str() == Some(symbol)
             })
     };
     assert!(found(4800, 100, "leak_a"), "leak_a's 100 x 48 B after exec");
@@ -464,6 +464,13 @@ fn target_exec_of_another_image_is_survived_and_reported() {
         "leak_b's 10 x 1000 B after exec"
     );
     assert!(report["events"]["allocs"].as_u64().unwrap_or(0) >= 1142);
+    assert_eq!(
+        report["target"]["comm"], "leak_sites",
+        "the report names the new image"
+    );
+    assert!(report["notes"].as_array().is_some_and(|n| n
+        .iter()
+        .any(|n| n.as_str().is_some_and(|n| n.contains("now runs")))));
 }
 
 // ---------------------------------------------------------------------------

@@ -326,6 +326,17 @@ pub(crate) fn profile(report: &Report) -> proto::Profile {
     b.profile.sample_type = vec![space.clone(), objects];
     b.profile.period_type = Some(space);
     b.profile.period = i64::from(report.settings.sample_rate.max(1));
+    // pprof takes the first mapping for the main binary: the target's executable.
+    if let Some(frame) = report
+        .sites
+        .iter()
+        .flat_map(|site| site.frames.iter())
+        .find(|frame| frame.module.as_deref() == Some(report.target.exe.as_str()))
+    {
+        let addr = parse_hex(&frame.addr).unwrap_or(0);
+        let offset = frame.offset.as_deref().and_then(parse_hex);
+        b.mapping(&report.target.exe, addr, offset);
+    }
     for site in &report.sites {
         b.sample(site);
     }

@@ -224,6 +224,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 if let Some(memory) = read_memory(pid) {
                     session.memory_last = Some(memory);
                 }
+                session.follow_exec(pid);
                 let known = discovery.libraries.len();
                 match discovery.scan(&mut probes, &[]) {
                     Ok(0) => {}
@@ -382,6 +383,31 @@ struct Session<'a> {
 }
 
 impl Session<'_> {
+    /// Notices the target running another image (`exec`, same pid): the
+    /// probes stay (they follow the process), the address map is re-read so
+    /// new stacks are symbolized against the new image, and the report says so.
+    fn follow_exec(&mut self, pid: u32) {
+        let Ok(exe) = std::fs::read_link(format!("/proc/{pid}/exe")) else {
+            return;
+        };
+        let exe = exe.display().to_string();
+        if exe == self.target.exe {
+            return;
+        }
+        let note = format!(
+            "target pid {pid} now runs {exe} (exec; was {})",
+            self.target.exe
+        );
+        eprintln!("memtrace: {note}");
+        self.notes.push(note);
+        if let Ok(info) = target::inspect(pid) {
+            self.target = info;
+        } else {
+            self.target.exe = exe;
+        }
+        self.pipeline.refresh_space_now();
+    }
+
     /// Records the live table for the trend analysis.
     fn snapshot(&mut self, probes: &Probes) {
         let t_s = self.started.elapsed().as_secs_f64();
