@@ -18,6 +18,9 @@ pub struct ProcStat {
     pub comm: String,
     pub state: char,
     pub flags: u64,
+    /// Start time in clock ticks since boot: with the pid, it names one process
+    /// (a reused pid has another).
+    pub start_time: u64,
 }
 
 /// Parses `/proc/PID/stat` (the comm may hold spaces and parentheses).
@@ -29,7 +32,14 @@ pub fn parse_stat(text: &str) -> Option<ProcStat> {
     let state = rest.next()?.chars().next()?;
     // Fields after state: ppid pgrp session tty_nr tpgid flags.
     let flags = rest.nth(5)?.parse().ok()?;
-    Some(ProcStat { comm, state, flags })
+    // Fields after flags: minflt .. num_threads itrealvalue starttime.
+    let start_time = rest.nth(12).and_then(|t| t.parse().ok()).unwrap_or(0);
+    Some(ProcStat {
+        comm,
+        state,
+        flags,
+        start_time,
+    })
 }
 
 fn read_stat(pid: u32) -> Option<ProcStat> {
@@ -39,6 +49,11 @@ fn read_stat(pid: u32) -> Option<ProcStat> {
 /// Whether the process still runs (exists and is not a zombie).
 pub fn is_alive(pid: u32) -> bool {
     read_stat(pid).is_some_and(|stat| !matches!(stat.state, 'Z' | 'X' | 'x'))
+}
+
+/// The start time of `pid`, to tell it from a later process given the same pid.
+pub fn start_time(pid: u32) -> Option<u64> {
+    read_stat(pid).map(|stat| stat.start_time)
 }
 
 /// Checks that `pid` is a live user-space process and describes it.
@@ -307,10 +322,14 @@ mod tests {
 
     #[test]
     fn parses_stat_with_odd_comm() {
-        let stat = parse_stat("42 (a (b) c) S 1 42 42 0 -1 4194560 100 0 0 0").expect("parses");
+        let stat = parse_stat(
+            "42 (a (b) c) S 1 42 42 0 -1 4194560 100 0 0 0 5 6 0 0 20 0 3 0 987654 1000 200",
+        )
+        .expect("parses");
         assert_eq!(stat.comm, "a (b) c");
         assert_eq!(stat.state, 'S');
         assert_eq!(stat.flags, 4194560);
+        assert_eq!(stat.start_time, 987654);
         let kthread = parse_stat("2 (kthreadd) S 0 0 0 0 -1 2129984 0 0").expect("parses");
         assert_ne!(kthread.flags & PF_KTHREAD, 0);
         assert_eq!(parse_stat("garbage"), None);

@@ -187,3 +187,69 @@ fn record_then_report_gives_the_live_report_offline() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sampling_and_size_filters_apply_in_the_kernel_and_say_so() {
+    if !privileged() {
+        return;
+    }
+    let trace = |extra: &[&str]| {
+        let mut fixture = Fixture::start("leak_sites", &["30", "30"]);
+        let pid = fixture.pid.to_string();
+        let mut args = vec![
+            "--pid",
+            &pid,
+            "--format",
+            "json",
+            "--top",
+            "500",
+            "--duration",
+            "3s",
+        ];
+        args.extend_from_slice(extra);
+        let tracer = Tracer::attach(&args);
+        fixture.go();
+        tracer.report().0
+    };
+    // Size filters: leak_a's 48-byte blocks are below --min-size, leak_b's are not.
+    let filtered = trace(&["--min-size", "500"]);
+    assert!(sites_of(&filtered, "leak_a").is_empty());
+    assert_eq!(
+        crate::support::site_totals(&filtered, "leak_b"),
+        (10000, 10)
+    );
+    assert!(
+        filtered["kernel_counters"]["filtered"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 100
+    );
+    assert_eq!(filtered["settings"]["min_size"], 500);
+
+    // Sampling by address: a subset of blocks, each with its matching free.
+    let sampled = trace(&["--sample-rate", "4"]);
+    let (bytes, count) = crate::support::site_totals(&sampled, "leak_a");
+    assert!(count < 100, "1 in 4 sampled: {count} of 100 blocks");
+    assert_eq!(bytes, count * 48);
+    for site in sampled["sites"].as_array().into_iter().flatten() {
+        let rate = 4;
+        assert_eq!(
+            site["estimated_live_bytes"].as_u64(),
+            site["live_bytes"].as_u64().map(|b| b * rate)
+        );
+    }
+    // The balanced function's frees were sampled with their mallocs: no
+    // unmatched frees appear beyond those of blocks older than the attach.
+    let unmatched = sampled["events"]["unmatched_frees"]
+        .as_u64()
+        .unwrap_or(u64::MAX);
+    assert!(unmatched <= 10, "unmatched frees {unmatched}");
+    assert!(sampled["notes"].as_array().is_some_and(|n| n
+        .iter()
+        .any(|n| n.as_str().is_some_and(|n| n.contains("sampling 1 in 4")))));
+    assert_eq!(sampled["settings"]["sample_rate"], 4);
+    // Reconciliation against the target's own memory.
+    let reconciliation = &sampled["reconciliation"];
+    assert!(reconciliation["rss_anon_at_attach"].as_u64().is_some());
+    assert!(reconciliation["tracked_host_bytes"].as_u64().is_some());
+}

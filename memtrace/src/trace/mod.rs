@@ -87,6 +87,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         stack_entries: 16384,
         wakeup_bytes: WAKEUP_BYTES,
     };
+    let target_start = target::start_time(pid);
     let mut probes = Probes::load(pid, &options)?;
     // The session clock starts before any probe is attached.
     let (started, started_ns) = (Instant::now(), monotonic_ns());
@@ -219,6 +220,13 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 if held.is_none() && !target::is_alive(pid) {
                     session.notes.push(format!("target pid {pid} exited during the trace"));
                     eprintln!("memtrace: target pid {pid} exited; final report follows");
+                    break;
+                }
+                if held.is_none() && target::start_time(pid) != target_start {
+                    session.notes.push(format!(
+                        "target pid {pid} exited and the pid was reused by another process"
+                    ));
+                    eprintln!("memtrace: target pid {pid} exited (pid reused); final report follows");
                     break;
                 }
                 if let Some(memory) = read_memory(pid) {
