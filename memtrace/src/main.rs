@@ -15,6 +15,7 @@ mod record;
 mod report;
 mod sink;
 mod stacks;
+mod stats;
 mod symbolize;
 mod table;
 mod target;

@@ -356,6 +356,8 @@ fn restart_under_the_same_name_gives_two_segments() {
         }
     };
     wait_for(&format!("following pid {first_pid} "));
+    // Let the first instance be sampled (as the second is, below) before it ends.
+    std::thread::sleep(Duration::from_millis(500));
     drop(first); // kill + reap: the first instance ends
     wait_for(&format!("pid {first_pid} ({name}) exited"));
     let second = spawn(&exe, &[]);

@@ -16,7 +16,6 @@
 pub mod history;
 pub mod pattern;
 pub mod rank;
-mod stats;
 pub mod suppress;
 pub mod trend;
 

@@ -14,8 +14,8 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::stats::median;
 use super::trend::Trend;
+use crate::stats::median;
 
 /// Fewest blocks of the dominant size for `per-iteration`.
 pub const PER_ITERATION_MIN_BLOCKS: usize = 4;

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::stats::{median, robust_sigma, theil_sen};
+use crate::stats::{median, robust_sigma, theil_sen};
 
 /// Fewest intervals, after warm-up, that can be judged; fewer is [`Trend::New`].
 pub const MIN_JUDGED_INTERVALS: usize = 3;

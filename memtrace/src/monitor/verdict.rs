@@ -8,12 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::monitor::series::{Family, Series, Unit};
 
-/// Most slope pairs used by Theil–Sen; above that, pairs are sampled.
-const MAX_PAIRS: usize = 200_000;
 /// Fewest points that can be judged.
 pub const MIN_POINTS: usize = 6;
-/// Scale from MAD to a normal standard deviation.
-const MAD_SIGMA: f64 = 1.4826;
 
 /// Thresholds of the labels (see `memtrace monitor --help` for defaults).
 #[derive(Clone, Debug, PartialEq)]
@@ -126,67 +122,12 @@ pub struct Verdict {
     pub gaps: usize,
 }
 
-/// Median (0 for an empty slice); reorders `xs`.
-pub fn median(xs: &mut [f64]) -> f64 {
-    if xs.is_empty() {
-        return 0.0;
-    }
-    let len = xs.len();
-    let mid = len / 2;
-    let (lower, m, _) = xs.select_nth_unstable_by(mid, f64::total_cmp);
-    let m = *m;
-    if len % 2 == 1 {
-        m
-    } else {
-        let lo = lower.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        (lo + m) / 2.0
-    }
-}
+pub use crate::stats::{median, robust_sigma};
 
-/// Robust sigma: 1.4826 x median absolute deviation.
-pub fn robust_sigma(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    let med = median(&mut v);
-    let mut dev: Vec<f64> = xs.iter().map(|x| (x - med).abs()).collect();
-    MAD_SIGMA * median(&mut dev)
-}
-
-/// Theil–Sen fit: `(slope per time unit, intercept)`.
+/// Theil–Sen fit of parallel time and value slices: `(slope per time unit, intercept)`.
 pub fn theil_sen(t: &[f64], v: &[f64]) -> (f64, f64) {
-    let n = t.len().min(v.len());
-    let mut slopes = Vec::new();
-    let push = |i: usize, j: usize, slopes: &mut Vec<f64>| {
-        let dt = t[j] - t[i];
-        if dt > 0.0 {
-            slopes.push((v[j] - v[i]) / dt);
-        }
-    };
-    if n * n.saturating_sub(1) / 2 <= MAX_PAIRS {
-        for i in 0..n {
-            for j in i + 1..n {
-                push(i, j, &mut slopes);
-            }
-        }
-    } else {
-        // Deterministic xorshift sampling of pairs.
-        let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
-        for _ in 0..MAX_PAIRS {
-            let a = (next() % n as u64) as usize;
-            let b = (next() % n as u64) as usize;
-            if a != b {
-                push(a.min(b), a.max(b), &mut slopes);
-            }
-        }
-    }
-    let slope = median(&mut slopes);
-    let mut intercepts: Vec<f64> = (0..n).map(|i| v[i] - slope * t[i]).collect();
-    (slope, median(&mut intercepts))
+    let points: Vec<(f64, f64)> = t.iter().copied().zip(v.iter().copied()).collect();
+    crate::stats::theil_sen(&points)
 }
 
 fn abs_residual_sum(t: &[f64], v: &[f64]) -> f64 {

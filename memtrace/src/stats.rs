@@ -1,5 +1,5 @@
-//! Small robust statistics shared by the analysis modules: median, robust
-//! sigma (scaled MAD) and the Theil–Sen slope. Pure functions over `f64`;
+//! Small robust statistics shared by the leak analysis and the soak-test
+//! monitor: median, robust sigma (scaled MAD) and the Theil–Sen slope. Pure functions over `f64`;
 //! callers drop non-finite values before calling.
 
 /// Scale from the median absolute deviation to a normal standard deviation.
