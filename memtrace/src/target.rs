@@ -17,6 +17,7 @@ const PF_KTHREAD: u64 = 0x0020_0000;
 pub struct ProcStat {
     pub comm: String,
     pub state: char,
+    pub ppid: u32,
     pub flags: u64,
     /// Start time in clock ticks since boot: with the pid, it names one process
     /// (a reused pid has another).
@@ -30,13 +31,15 @@ pub fn parse_stat(text: &str) -> Option<ProcStat> {
     let comm = text.get(open + 1..close)?.to_string();
     let mut rest = text.get(close + 1..)?.split_whitespace();
     let state = rest.next()?.chars().next()?;
-    // Fields after state: ppid pgrp session tty_nr tpgid flags.
-    let flags = rest.nth(5)?.parse().ok()?;
+    let ppid = rest.next()?.parse().ok()?;
+    // Fields after ppid: pgrp session tty_nr tpgid flags.
+    let flags = rest.nth(4)?.parse().ok()?;
     // Fields after flags: minflt .. num_threads itrealvalue starttime.
     let start_time = rest.nth(12).and_then(|t| t.parse().ok()).unwrap_or(0);
     Some(ProcStat {
         comm,
         state,
+        ppid,
         flags,
         start_time,
     })
@@ -49,6 +52,35 @@ fn read_stat(pid: u32) -> Option<ProcStat> {
 /// Whether the process still runs (exists and is not a zombie).
 pub fn is_alive(pid: u32) -> bool {
     read_stat(pid).is_some_and(|stat| !matches!(stat.state, 'Z' | 'X' | 'x'))
+}
+
+/// The child processes of `pid`: from `/proc/PID/task/*/children` where the
+/// kernel has it, else by scanning every process's parent.
+pub fn children(pid: u32) -> Vec<u32> {
+    let listed: Option<Vec<u32>> =
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .ok()
+            .map(|tasks| {
+                tasks
+                    .filter_map(Result::ok)
+                    .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+                    .flat_map(|text| {
+                        text.split_whitespace()
+                            .filter_map(|p| p.parse().ok())
+                            .collect::<Vec<u32>>()
+                    })
+                    .collect()
+            });
+    if std::path::Path::new(&format!("/proc/{pid}/task/{pid}/children")).exists() {
+        return listed.unwrap_or_default();
+    }
+    let Ok(all) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    all.filter_map(Result::ok)
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&other| read_stat(other).is_some_and(|stat| stat.ppid == pid))
+        .collect()
 }
 
 /// The start time of `pid`, to tell it from a later process given the same pid.
@@ -342,6 +374,17 @@ mod tests {
         assert!(inspect(0).is_err());
         assert!(inspect(u32::MAX - 1).is_err());
         assert!(is_alive(std::process::id()));
+    }
+
+    #[test]
+    fn lists_child_processes() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .expect("sleep runs");
+        assert!(children(std::process::id()).contains(&child.id()));
+        let _ = child.kill();
+        let _ = child.wait();
     }
 
     #[test]

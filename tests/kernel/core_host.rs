@@ -194,3 +194,28 @@ fn stack_depth_zero_reports_sites_without_frames() {
         .all(|s| s["frames"].as_array().is_some_and(|f| f.is_empty())));
     assert_eq!(report["events"]["stack_failures"], 0);
 }
+
+#[test]
+fn children_of_the_target_are_reported_as_not_traced() {
+    if !privileged() {
+        return;
+    }
+    let mut parent = std::process::Command::new("sh")
+        .args(["-c", "sleep 30 & sleep 30 & wait"])
+        .spawn()
+        .expect("sh runs");
+    let pid = parent.id().to_string();
+    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--duration", "3s"]);
+    let (report, _) = tracer.report();
+    let _ = parent.kill();
+    let _ = parent.wait();
+    let note = report["notes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n.as_str())
+        .find(|n| n.contains("were not traced"))
+        .unwrap_or_else(|| panic!("no note about children: {}", report["notes"]))
+        .to_string();
+    assert!(note.starts_with("2 child process"), "{note}");
+}

@@ -33,6 +33,8 @@ use pipeline::Pipeline;
 
 /// How often the target's mappings are rescanned for newly loaded libraries.
 const RESCAN_EVERY: Duration = Duration::from_millis(500);
+/// Children are looked for every this many rescans (it may scan all of /proc).
+const CHILDREN_EVERY_RESCANS: u64 = 4;
 /// Snapshot period for trends when no `--interval` is given.
 const DEFAULT_HISTORY_EVERY: Duration = Duration::from_secs(5);
 /// The kernel wakes the reader only once this much waits in the ring buffer
@@ -174,6 +176,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         })),
         memory_at_attach: read_memory(pid),
         memory_last: read_memory(pid),
+        untraced_children: std::collections::BTreeSet::new(),
         notes: Vec::new(),
     };
     if let Some(path) = &args.record {
@@ -199,6 +202,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let deadline = args.duration.map(|d| session.started + d);
     let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
     let mut rescan = tokio::time::interval(RESCAN_EVERY);
+    let mut rescans: u64 = 0;
     let mut status_tick = tokio::time::interval(Duration::from_secs(1));
     let mut snapshot = tokio::time::interval(args.interval.unwrap_or(DEFAULT_HISTORY_EVERY));
     snapshot.reset();
@@ -233,6 +237,10 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                     session.memory_last = Some(memory);
                 }
                 session.follow_exec(pid);
+                rescans += 1;
+                if rescans % CHILDREN_EVERY_RESCANS == 0 {
+                    session.untraced_children.extend(target::children(pid));
+                }
                 let known = discovery.libraries.len();
                 match discovery.scan(&mut probes, &[]) {
                     Ok(0) => {}
@@ -387,6 +395,8 @@ struct Session<'a> {
     symbolizer: BlazeSymbolizer,
     memory_at_attach: Option<MemoryFigures>,
     memory_last: Option<MemoryFigures>,
+    /// Child processes seen: memtrace traces one process, not its children.
+    untraced_children: std::collections::BTreeSet<u32>,
     notes: Vec<String>,
 }
 
@@ -429,6 +439,14 @@ impl Session<'_> {
     fn report(&mut self, probes: &Probes, discovery: &Discovery) -> report::Report {
         let mut notes = self.notes.clone();
         notes.extend(discovery.problems.iter().cloned());
+        if !self.untraced_children.is_empty() {
+            let pids: Vec<String> = self.untraced_children.iter().map(u32::to_string).collect();
+            notes.push(format!(
+                "{} child process(es) of the target were not traced (pids {}): memtrace traces one process",
+                pids.len(),
+                pids.join(", ")
+            ));
+        }
         let args = self.args;
         let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let input = report::ReportInput {
