@@ -238,7 +238,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 }
                 session.follow_exec(pid);
                 rescans += 1;
-                if rescans % CHILDREN_EVERY_RESCANS == 0 {
+                if rescans.is_multiple_of(CHILDREN_EVERY_RESCANS) {
                     session.untraced_children.extend(target::children(pid));
                 }
                 let known = discovery.libraries.len();
