@@ -176,6 +176,12 @@ pub fn fixtures() -> Result<PathBuf> {
 
 fn test(extra: &[String]) -> Result<()> {
     build_ebpf()?;
+    run(Command::new("cargo")
+        .current_dir(root())
+        .args(["fmt", "--all", "--check"]))?;
+    run(Command::new("cargo")
+        .current_dir(root())
+        .args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let fixtures = fixtures()?;
     let mut cmd = Command::new("cargo");
     cmd.current_dir(root())
