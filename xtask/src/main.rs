@@ -179,9 +179,14 @@ fn test(extra: &[String]) -> Result<()> {
     run(Command::new("cargo")
         .current_dir(root())
         .args(["fmt", "--all", "--check"]))?;
-    run(Command::new("cargo")
-        .current_dir(root())
-        .args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    run(Command::new("cargo").current_dir(root()).args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     let fixtures = fixtures()?;
     let mut cmd = Command::new("cargo");
     cmd.current_dir(root())

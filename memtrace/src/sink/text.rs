@@ -68,6 +68,7 @@ impl Sink for TextSink {
                     .collect::<Vec<_>>()
                     .join(",")
             )?;
+            writeln!(out, "    {}", judgment(site))?;
             if let Some(note) = &site.stack_note {
                 writeln!(out, "    ({note})")?;
             }
@@ -80,6 +81,36 @@ impl Sink for TextSink {
         }
         Ok(())
     }
+}
+
+/// The site's trend and leak pattern in words.
+fn judgment(site: &crate::report::Site) -> String {
+    use crate::analysis::{Pattern, Trend};
+    let mut text = match site.trend {
+        Trend::Growing => format!(
+            "growing {}/s",
+            human_bytes(site.growth_bytes_per_s.max(0.0) as u64)
+        ),
+        other => other.as_str().to_string(),
+    };
+    match &site.pattern {
+        Some(Pattern::PerIteration {
+            period_ms,
+            bytes_per_period,
+        }) => text.push_str(&format!(
+            "; per-iteration leak: {} every {period_ms:.0} ms",
+            human_bytes(*bytes_per_period)
+        )),
+        Some(Pattern::LargeOnce) => {
+            text.push_str("; one large block held (e.g. a model never unloaded)")
+        }
+        Some(Pattern::SmallAccumulating) => text.push_str("; small blocks accumulating"),
+        None => {}
+    }
+    if !site.thread_names.is_empty() {
+        text.push_str(&format!("; threads {}", site.thread_names.join(",")));
+    }
+    text
 }
 
 fn frame_line(frame: &Frame) -> String {

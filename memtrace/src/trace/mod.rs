@@ -36,7 +36,7 @@ const RESCAN_EVERY: Duration = Duration::from_millis(500);
 /// Children are looked for every this many rescans (it may scan all of /proc).
 const CHILDREN_EVERY_RESCANS: u64 = 4;
 /// Snapshot period for trends when no `--interval` is given.
-const DEFAULT_HISTORY_EVERY: Duration = Duration::from_secs(5);
+const DEFAULT_HISTORY_EVERY: Duration = Duration::from_secs(1);
 /// The kernel wakes the reader only once this much waits in the ring buffer
 /// (one wakeup per ~1300 events instead of one per event); the rest is drained
 /// every [`DRAIN_EVERY`].
