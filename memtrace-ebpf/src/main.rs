@@ -337,7 +337,17 @@ fn on_exit(ctx: &RetProbeContext) {
     };
     // SAFETY: copied out at once; only this thread touches its own key.
     let Some(call) = (unsafe { PENDING.get(&key) }).copied() else {
-        bump(Counter::UnpairedReturn);
+        // The return of a call skipped at entry because it ran inside a call
+        // of its parent family (the driver under the runtime) is expected;
+        // anything else returned without its entry being seen.
+        let sp = stack_pointer(ctx);
+        // SAFETY: reading the monotonic clock has no preconditions.
+        let now = unsafe { bpf_ktime_get_ns() };
+        if exit_spec.parent_family == ARG_NONE
+            || !in_flight(pid_tgid, exit_spec.parent_family, sp, now)
+        {
+            bump(Counter::UnpairedReturn);
+        }
         return;
     };
     let sp = stack_pointer(ctx);

@@ -90,6 +90,14 @@ fn cuda_runtime_and_driver_are_traced_exactly_and_once() {
         10000 + 2 * 2097152,
         "driver totals hold direct calls only"
     );
+    // Every driver call made inside a runtime call was recognised as nested.
+    assert!(
+        report["kernel_counters"]["nested_calls"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 30
+    );
+    assert_eq!(report["kernel_counters"]["unpaired_returns"], 0);
     // Failed calls create nothing and are counted per function and code.
     assert_eq!(failed(&report, "cudaMalloc", 2), 2);
     assert_eq!(
