@@ -39,6 +39,25 @@ impl Sink for TextSink {
                 total.live_count
             )?;
         }
+        for library in &report.libraries {
+            let path = library["path"].as_str().unwrap_or("?");
+            let functions: Vec<String> = library["functions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|f| {
+                    let name = f["function"].as_str()?;
+                    Some(match f["probe_offset"].as_u64() {
+                        Some(offset) if offset > 0 => format!("{name}@+{offset}"),
+                        _ => name.to_string(),
+                    })
+                })
+                .collect();
+            writeln!(out, "probed: {path}: {}", functions.join(" "))?;
+        }
+        if !report.missing_functions.is_empty() {
+            writeln!(out, "not found: {}", report.missing_functions.join(" "))?;
+        }
         for note in &report.notes {
             writeln!(out, "note: {note}")?;
         }
