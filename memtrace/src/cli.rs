@@ -160,6 +160,16 @@ pub struct TraceArgs {
     #[arg(long, value_name = "ADDR")]
     pub prometheus: Option<String>,
 
+    /// Most live blocks tracked; past it new blocks are counted in
+    /// `events.table_full` and the report is marked incomplete.
+    #[arg(long, default_value_t = 50_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_live: u64,
+
+    /// Buckets of the kernel's stack-trace map; distinct stacks beyond what
+    /// it holds are counted as `stack_collision` failures.
+    #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u32).range(64..=1_048_576))]
+    pub stack_map_entries: u32,
+
     /// Ring-buffer size in MiB (a power of two).
     #[arg(long, default_value_t = 8, value_parser = parse_ring_mib)]
     pub ring_mib: u32,

@@ -429,6 +429,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         notes,
         reconciliation,
     };
-    let mut symbolizer = crate::symbolize::BlazeSymbolizer::new(Box::new(|p| p.to_path_buf()));
+    let mut symbolizer =
+        crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
     Ok(report::build(input, &mut symbolizer))
 }

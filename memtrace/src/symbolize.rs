@@ -30,12 +30,13 @@ pub trait Symbolize {
 pub struct BlazeSymbolizer {
     symbolizer: Symbolizer,
     cache: HashMap<FileAddr, SymInfo>,
-    /// How to open a module path (e.g. through `/proc/PID/root`).
-    resolve: Box<dyn Fn(&std::path::Path) -> PathBuf>,
+    /// How to open a module path (e.g. through `/proc/PID/root`); `None`
+    /// refuses the module (its links lead outside the target's root).
+    resolve: Box<dyn Fn(&std::path::Path) -> Option<PathBuf>>,
 }
 
 impl BlazeSymbolizer {
-    pub fn new(resolve: Box<dyn Fn(&std::path::Path) -> PathBuf>) -> Self {
+    pub fn new(resolve: Box<dyn Fn(&std::path::Path) -> Option<PathBuf>>) -> Self {
         BlazeSymbolizer {
             symbolizer: Symbolizer::new(),
             cache: HashMap::new(),
@@ -44,7 +45,9 @@ impl BlazeSymbolizer {
     }
 
     fn lookup_module(&mut self, module: &std::path::Path, offsets: &[u64]) -> Vec<SymInfo> {
-        let path = (self.resolve)(module);
+        let Some(path) = (self.resolve)(module) else {
+            return vec![SymInfo::default(); offsets.len()];
+        };
         let source = Source::Elf(Elf::new(path));
         let lookups: Vec<u64> = offsets.iter().map(|o| o.saturating_sub(1)).collect();
         match self
@@ -120,7 +123,7 @@ mod tests {
             std::fs::canonicalize(&normalized.module).ok(),
             std::fs::canonicalize(&exe).ok()
         );
-        let mut symbolizer = BlazeSymbolizer::new(Box::new(|p| p.to_path_buf()));
+        let mut symbolizer = BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
         let info = symbolizer.symbolize(&[normalized]);
         let symbol = info[0].symbol.clone().unwrap_or_default();
         assert!(

@@ -846,3 +846,33 @@ fn report_file_is_created_owner_only() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_full_live_table_is_counted_and_marks_the_report_incomplete() {
+    if !privileged() {
+        return;
+    }
+    let mut fixture = crate::support::Fixture::start("leak_sites", &["30", "30"]);
+    let pid = fixture.pid.to_string();
+    let tracer = crate::support::Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--format",
+        "json",
+        "--duration",
+        "3s",
+        "--max-live",
+        "50",
+    ]);
+    fixture.go();
+    let (report, _) = tracer.report();
+    assert!(report["events"]["table_full"].as_u64().unwrap_or(0) > 0);
+    assert_eq!(report["complete"], false);
+    let tracked: u64 = report["totals"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t["live_count"].as_u64())
+        .sum();
+    assert!(tracked <= 50, "at most the cap is tracked: {tracked}");
+}

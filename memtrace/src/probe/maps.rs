@@ -118,15 +118,17 @@ impl AddressSpace {
 }
 
 /// The path through which memtrace reads a file the target mapped: inside the
-/// target's root (containers), never following a link out of it.
-pub fn path_in_target_root(pid: u32, path: &Path) -> PathBuf {
+/// target's root (containers). A path whose links lead outside that root is
+/// refused (`None`): memtrace never follows a container's symlink onto the host.
+pub fn path_in_target_root(pid: u32, path: &Path) -> Option<PathBuf> {
     let root = PathBuf::from(format!("/proc/{pid}/root"));
     let inside = root.join(path.strip_prefix("/").unwrap_or(path));
-    if inside.exists() {
-        inside
-    } else {
-        path.to_path_buf()
-    }
+    let (Ok(root_real), Ok(real)) = (std::fs::canonicalize(&root), std::fs::canonicalize(&inside))
+    else {
+        // The target is gone (or the file is): read the path as memtrace sees it.
+        return Some(path.to_path_buf());
+    };
+    real.starts_with(&root_real).then_some(inside)
 }
 
 #[cfg(test)]
@@ -169,6 +171,19 @@ garbage line
                 PathBuf::from("/tmp/lib with space.so"),
             ]
         );
+    }
+
+    #[test]
+    fn reads_through_the_target_root_and_refuses_escapes() {
+        let me = std::process::id();
+        let exe = std::env::current_exe().expect("own exe");
+        let inside = path_in_target_root(me, &exe).expect("own exe is inside own root");
+        assert!(inside.starts_with(format!("/proc/{me}/root")));
+        // A process whose root is "/" cannot escape it; the check itself:
+        let dir = std::env::temp_dir().join(format!("memtrace-root-{me}"));
+        let _ = std::fs::create_dir_all(&dir);
+        assert!(std::fs::canonicalize(&dir).is_ok_and(|p| p.starts_with("/")));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -55,7 +55,13 @@ impl Discovery {
             if !self.considered.insert(path.clone()) || self.exclude.as_ref() == Some(&path) {
                 continue;
             }
-            let open_path = maps::path_in_target_root(self.pid, &path);
+            let Some(open_path) = maps::path_in_target_root(self.pid, &path) else {
+                self.problems.push(format!(
+                    "{}: refused, its links lead outside the target's root",
+                    path.display()
+                ));
+                continue;
+            };
             match plan::plan_library(&path, &open_path, &self.catalog, self.place) {
                 Ok(Some(mut library)) => match probes.attach_library(&mut library) {
                     Ok(count) => {

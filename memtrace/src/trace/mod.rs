@@ -86,7 +86,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         max_size: args.max_size.unwrap_or(u64::MAX),
         null_mode: args.null_probes,
         ring_bytes: args.ring_mib << 20,
-        stack_entries: 16384,
+        stack_entries: args.stack_map_entries,
         wakeup_bytes: WAKEUP_BYTES,
     };
     let target_start = target::start_time(pid);
@@ -168,7 +168,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         started,
         ended: None,
         started_ns,
-        pipeline: Pipeline::new(pid),
+        pipeline: Pipeline::new(pid, usize::try_from(args.max_live).unwrap_or(usize::MAX)),
         history: History::default(),
         suppressions,
         symbolizer: BlazeSymbolizer::new(Box::new(move |path| {

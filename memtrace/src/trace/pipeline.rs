@@ -13,8 +13,6 @@ use crate::stacks::StackStore;
 use crate::table::LiveTable;
 use crate::trace::loader::Probes;
 
-/// Most live blocks tracked before new ones are counted as `table_full`.
-const MAX_LIVE_BLOCKS: usize = 50_000_000;
 /// Mappings are re-read at most this often when a stack has unknown frames.
 const MAPS_REFRESH: Duration = Duration::from_millis(200);
 
@@ -31,10 +29,11 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    pub fn new(pid: u32) -> Self {
+    /// `max_live`: most live blocks tracked before new ones are counted as `table_full`.
+    pub fn new(pid: u32, max_live: usize) -> Self {
         Pipeline {
             pid,
-            table: LiveTable::new(MAX_LIVE_BLOCKS),
+            table: LiveTable::new(max_live),
             stacks: StackStore::default(),
             space: AddressSpace::default(),
             space_read: None,
