@@ -32,11 +32,14 @@ pub struct BlazeSymbolizer {
     cache: HashMap<FileAddr, SymInfo>,
     /// How to open a module path (e.g. through `/proc/PID/root`); `None`
     /// refuses the module (its links lead outside the target's root).
-    resolve: Box<dyn Fn(&std::path::Path) -> Option<PathBuf>>,
+    resolve: ResolvePath,
 }
 
+/// Maps a module path to the path to open, or refuses it.
+pub type ResolvePath = Box<dyn Fn(&std::path::Path) -> Option<PathBuf>>;
+
 impl BlazeSymbolizer {
-    pub fn new(resolve: Box<dyn Fn(&std::path::Path) -> Option<PathBuf>>) -> Self {
+    pub fn new(resolve: ResolvePath) -> Self {
         BlazeSymbolizer {
             symbolizer: Symbolizer::new(),
             cache: HashMap::new(),
