@@ -194,22 +194,9 @@ fn sampling_and_size_filters_apply_in_the_kernel_and_say_so() {
         return;
     }
     let trace = |extra: &[&str]| {
-        let mut fixture = Fixture::start("leak_sites", &["30", "30"]);
-        let pid = fixture.pid.to_string();
-        let mut args = vec![
-            "--pid",
-            &pid,
-            "--format",
-            "json",
-            "--top",
-            "500",
-            "--duration",
-            "3s",
-        ];
+        let mut args = vec!["--duration", "3s"];
         args.extend_from_slice(extra);
-        let tracer = Tracer::attach(&args);
-        fixture.go();
-        tracer.report().0
+        crate::support::trace_fixture("leak_sites", &args)
     };
     // Size filters: leak_a's 48-byte blocks are below --min-size, leak_b's are not.
     let filtered = trace(&["--min-size", "500"]);

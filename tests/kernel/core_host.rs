@@ -6,21 +6,7 @@ use crate::support::{
 
 /// Attaches to a running `leak_sites`, lets it work, and returns the report.
 fn trace_leak_sites(fixture_name: &str) -> serde_json::Value {
-    let mut fixture = Fixture::start(fixture_name, &["30", "30"]);
-    let pid = fixture.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        &pid,
-        "--format",
-        "json",
-        "--top",
-        "200",
-        "--duration",
-        "4s",
-    ]);
-    fixture.go();
-    let (report, _) = tracer.report();
-    report
+    support::trace_fixture(fixture_name, &["--duration", "4s"])
 }
 
 #[test]

@@ -4,21 +4,7 @@
 use crate::support::{self, privileged, site_totals, sites_of, Fixture, Tracer};
 
 fn trace_fixture(name: &str) -> serde_json::Value {
-    let mut fixture = Fixture::start(name, &["30", "30"]);
-    let pid = fixture.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        &pid,
-        "--format",
-        "json",
-        "--top",
-        "500",
-        "--duration",
-        "3s",
-    ]);
-    fixture.go();
-    let (report, _) = tracer.report();
-    report
+    support::trace_fixture(name, &["--duration", "3s"])
 }
 
 /// The sites of `symbol` (a loop the compiler unrolled has one per call

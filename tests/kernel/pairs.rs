@@ -6,23 +6,9 @@ use std::process::Command;
 use crate::support::{privileged, site_totals, sites_of, Fixture, Tracer, MEMTRACE};
 
 fn trace(name: &str, extra: &[&str]) -> serde_json::Value {
-    let mut fixture = Fixture::start(name, &["30", "30"]);
-    let pid = fixture.pid.to_string();
-    let mut args = vec![
-        "--pid",
-        &pid,
-        "--format",
-        "json",
-        "--top",
-        "500",
-        "--duration",
-        "3s",
-    ];
+    let mut args = vec!["--duration", "3s"];
     args.extend_from_slice(extra);
-    let tracer = Tracer::attach(&args);
-    fixture.go();
-    let (report, _) = tracer.report();
-    report
+    crate::support::trace_fixture(name, &args)
 }
 
 fn allocator_of(report: &serde_json::Value, symbol: &str) -> String {

@@ -232,6 +232,22 @@ impl Tracer {
     }
 }
 
+/// Starts fixture `name` (waiting 30 s for its go line), attaches memtrace by
+/// pid with `--format json --top 500` plus `extra`, lets the fixture do its
+/// work, and returns the final JSON report (the last line of the stream).
+pub fn trace_fixture(name: &str, extra: &[&str]) -> Value {
+    let mut fixture = Fixture::start(name, &["30", "30"]);
+    let pid = fixture.pid.to_string();
+    let mut args = vec!["--pid", pid.as_str(), "--format", "json", "--top", "500"];
+    args.extend_from_slice(extra);
+    let tracer = Tracer::attach(&args);
+    fixture.go();
+    if !extra.contains(&"--duration") {
+        tracer.signal(libc::SIGINT);
+    }
+    tracer.report_last_line().0
+}
+
 /// Runs memtrace to completion (launch mode) and parses its JSON report.
 pub fn run_json(args: &[&str]) -> Value {
     let out = Command::new(MEMTRACE)
