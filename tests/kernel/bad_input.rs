@@ -1,32 +1,9 @@
 //! Bad input gets one clear line on stderr and a documented non-zero exit,
 //! never a panic or a backtrace.
 
-use std::process::{Command, Output};
+use std::process::Command;
 
-use crate::support::{privileged, MEMTRACE};
-
-fn memtrace(args: &[&str]) -> Output {
-    Command::new(MEMTRACE)
-        .args(args)
-        .output()
-        .expect("memtrace runs")
-}
-
-fn assert_one_clear_line(out: &Output, code: i32, needle: &str) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(code), "exit code; stderr: {stderr}");
-    assert!(
-        stderr.contains(needle),
-        "stderr mentions {needle:?}: {stderr}"
-    );
-    assert!(!stderr.contains("panicked"), "no panic: {stderr}");
-    assert!(
-        !stderr.contains("stack backtrace"),
-        "no backtrace: {stderr}"
-    );
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert!(lines.len() <= 2, "at most a line or two: {stderr}");
-}
+use crate::support::{assert_one_clear_line, memtrace, privileged, MEMTRACE};
 
 #[test]
 fn nonexistent_pid_is_a_usage_error() {

@@ -1,9 +1,7 @@
 //! User-declared resource pairs (`--pairs`, `--preset`) and hand-named
 //! libraries (`--lib`) on the real eBPF path.
 
-use std::process::Command;
-
-use crate::support::{privileged, site_totals, sites_of, Fixture, Tracer, MEMTRACE};
+use crate::support::{memtrace, privileged, site_totals, sites_of, Fixture, Tracer};
 
 fn trace(name: &str, extra: &[&str]) -> serde_json::Value {
     let mut args = vec!["--duration", "3s"];
@@ -77,13 +75,6 @@ free_checked = true
     assert_eq!(site_totals(&report, "leak_pool_handles").1, 1);
     assert_eq!(allocator_of(&report, "leak_fds"), "fd");
     assert_eq!(site_totals(&report, "leak_fds").1, 2);
-}
-
-fn memtrace(args: &[&str]) -> std::process::Output {
-    Command::new(MEMTRACE)
-        .args(args)
-        .output()
-        .expect("memtrace runs")
 }
 
 #[test]

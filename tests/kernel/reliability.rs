@@ -12,14 +12,12 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::support::{
-    fixture, privileged, site_totals, sites_of, total_for, Fixture, Tracer, MEMTRACE,
-};
+use crate::support::{fixture, privileged, site_totals, sites_of, total_for, Fixture, Tracer};
 
 /// Safety net for every wait; never a measurement.
 const SAFETY: Duration = Duration::from_secs(180);
@@ -114,26 +112,6 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn memtrace(args: &[&str]) -> Output {
-    Command::new(MEMTRACE)
-        .args(args)
-        .output()
-        .expect("memtrace runs")
-}
-
-/// Exit `code`, `needle` on stderr, at most two lines, no panic.
-fn assert_clear_refusal(out: &Output, code: i32, needle: &str) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(code), "exit code; stderr: {stderr}");
-    assert!(
-        stderr.contains(needle),
-        "stderr mentions {needle:?}: {stderr}"
-    );
-    assert!(!stderr.contains("panicked"), "no panic: {stderr}");
-    let lines = stderr.lines().filter(|l| !l.trim().is_empty()).count();
-    assert!(lines <= 2, "a line or two: {stderr}");
 }
 
 fn has_note(report: &Value, needle: &str) -> bool {
@@ -761,10 +739,10 @@ fn zombie_pid_is_refused() {
         zombie.is_some()
     });
     let zombie = zombie.expect("zombie");
-    let out = memtrace(&["--pid", &zombie]);
+    let out = crate::support::memtrace(&["--pid", &zombie]);
     let _ = parent.kill();
     let _ = parent.wait();
-    assert_clear_refusal(&out, 2, "zombie");
+    crate::support::assert_one_clear_line(&out, 2, "zombie");
 }
 
 #[test]
@@ -776,8 +754,8 @@ fn out_of_range_options_are_usage_errors() {
         ("--sample-rate", "0", "--sample-rate"),
         ("--stack-depth", "500", "--stack-depth"),
     ] {
-        let out = memtrace(&["--pid", &pid, option, value]);
-        assert_clear_refusal(&out, 2, needle);
+        let out = crate::support::memtrace(&["--pid", &pid, option, value]);
+        crate::support::assert_one_clear_line(&out, 2, needle);
     }
 }
 
@@ -798,13 +776,13 @@ fn output_in_a_missing_directory_is_refused() {
     }
     let dir = scratch_dir("missing");
     let path = dir.join("no/such/dir/report.json");
-    let out = memtrace(&[
+    let out = crate::support::memtrace(&[
         "--pid",
         &std::process::id().to_string(),
         "--output",
         path.to_str().expect("utf-8"),
     ]);
-    assert_clear_refusal(&out, 2, "cannot write");
+    crate::support::assert_one_clear_line(&out, 2, "cannot write");
     assert!(!path.exists());
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -248,6 +248,32 @@ pub fn trace_fixture(name: &str, extra: &[&str]) -> Value {
     tracer.report_last_line().0
 }
 
+/// Runs memtrace with `args` to completion and returns what it did.
+pub fn memtrace(args: &[&str]) -> std::process::Output {
+    Command::new(MEMTRACE)
+        .args(args)
+        .output()
+        .expect("memtrace runs")
+}
+
+/// Asserts a clean refusal: exit `code`, `needle` on stderr, a line or two,
+/// no panic and no backtrace.
+pub fn assert_one_clear_line(out: &std::process::Output, code: i32, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "exit code; stderr: {stderr}");
+    assert!(
+        stderr.contains(needle),
+        "stderr mentions {needle:?}: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "no panic: {stderr}");
+    assert!(
+        !stderr.contains("stack backtrace"),
+        "no backtrace: {stderr}"
+    );
+    let lines = stderr.lines().filter(|l| !l.trim().is_empty()).count();
+    assert!(lines <= 2, "a line or two: {stderr}");
+}
+
 /// Runs memtrace to completion (launch mode) and parses its JSON report.
 pub fn run_json(args: &[&str]) -> Value {
     let out = Command::new(MEMTRACE)
