@@ -130,6 +130,9 @@ pub enum EventKind {
     Realloc = 2,
     /// The call failed: `aux` is the return code, `size` the requested size.
     Failed = 3,
+    /// A traced process forked (`--follow-forks`): `pid` is the parent,
+    /// `aux` the clone flags; no spec, no address.
+    Fork = 4,
 }
 
 /// One event in the ring buffer: 48 bytes.
@@ -258,7 +261,8 @@ try_from_u8!(EventKind {
     Alloc,
     Free,
     Realloc,
-    Failed
+    Failed,
+    Fork
 });
 try_from_u8!(SpecKind {
     Alloc,
@@ -269,14 +273,16 @@ try_from_u8!(RetKind {
     Pointer,
     Status,
     MmapPointer,
-    Void
+    Void,
+    NonNegative
 });
 try_from_u8!(SpecQuirk {
     None,
     AnonMmap,
     Munmap,
     SizeOutParam,
-    Malloc3D
+    Malloc3D,
+    Handle32
 });
 
 const _: () = assert!(core::mem::size_of::<WireEvent>() == 48);
@@ -309,6 +315,7 @@ mod tests {
             EventKind::Free,
             EventKind::Realloc,
             EventKind::Failed,
+            EventKind::Fork,
         ] {
             assert_eq!(EventKind::try_from(kind as u8), Ok(kind));
         }

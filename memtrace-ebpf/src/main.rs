@@ -15,15 +15,20 @@
 //! the `STACKS` map. Calls made inside an in-flight call of the same family (or
 //! of its parent family) are nested implementation details and are skipped, so
 //! nothing is counted twice. Every loss is counted in `COUNTERS`.
+//!
+//! With `--follow-forks` a third program, `task_new` (a raw tracepoint on
+//! `task_newtask`, which runs in the forking task), reports each new process
+//! (not thread) of a traced process (`TRACED`) with a `Fork` event, waking the
+//! reader at once so it can attach the child's probes quickly.
 #![no_std]
 #![no_main]
 
 use aya_ebpf::{
     bindings::{pt_regs, BPF_F_USER_STACK},
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
-    macros::{map, uprobe, uretprobe},
+    macros::{map, raw_tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
-    programs::{ProbeContext, RetProbeContext},
+    programs::{ProbeContext, RawTracePointContext, RetProbeContext},
     EbpfContext, Global,
 };
 use aya_log_ebpf::debug;
@@ -59,6 +64,8 @@ const EEXIST: i32 = 17;
 const BPF_RB_NO_WAKEUP: u64 = 1;
 const BPF_RB_FORCE_WAKEUP: u64 = 2;
 const BPF_RB_AVAIL_DATA: u64 = 0;
+/// `clone` flag of a new thread (same process), from `linux/sched.h`.
+const CLONE_THREAD: u64 = 0x0001_0000;
 
 #[map]
 static EVENTS: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
@@ -70,6 +77,10 @@ static SPECS: Array<ProbeSpec> = Array::with_max_entries(MAX_SPECS, 0);
 static PENDING: HashMap<PendingKey, PendingCall> = HashMap::with_max_entries(65536, 0);
 #[map]
 static MMAPS: HashMap<MmapKey, u64> = HashMap::with_max_entries(65536, 0);
+/// Processes whose forks are reported (`--follow-forks`), by tgid; filled by
+/// the loader.
+#[map]
+static TRACED: HashMap<u32, u8> = HashMap::with_max_entries(1024, 0);
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
 
@@ -87,6 +98,31 @@ pub fn call_enter(ctx: ProbeContext) -> u32 {
 pub fn call_exit(ctx: RetProbeContext) -> u32 {
     if NULL_MODE.load() == 0 {
         on_exit(&ctx);
+    }
+    0
+}
+
+/// A task was created (`task_newtask(task, clone_flags)`), in the context of
+/// the task that created it. Only attached with `--follow-forks`.
+#[raw_tracepoint(tracepoint = "task_newtask")]
+pub fn task_new(ctx: RawTracePointContext) -> i32 {
+    let clone_flags: u64 = ctx.arg(1);
+    if clone_flags & CLONE_THREAD != 0 {
+        return 0;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let parent = (pid_tgid >> 32) as u32;
+    if TRACED.get_ptr(&parent).is_none() {
+        return 0;
+    }
+    let mut event = base_event(pid_tgid, 0, EventKind::Fork);
+    event.aux = clone_flags;
+    match EVENTS.reserve::<WireEvent>(0) {
+        Some(mut entry) => {
+            entry.write(event);
+            entry.submit(BPF_RB_FORCE_WAKEUP);
+        }
+        None => bump(Counter::RingbufFull),
     }
     0
 }

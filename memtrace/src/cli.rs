@@ -170,6 +170,17 @@ pub struct TraceArgs {
     #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u32).range(64..=1_048_576))]
     pub stack_map_entries: u32,
 
+    /// Trace the target's child processes too (and theirs): each new process
+    /// gets its own probes, scoped to it, as soon as the kernel reports the
+    /// fork. Without it, children are listed in a note, not traced.
+    #[arg(long)]
+    pub follow_forks: bool,
+
+    /// With --follow-forks: most processes traced at once (the target
+    /// included); further children are counted and named in a note.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_processes: u32,
+
     /// Ring-buffer size in MiB (a power of two).
     #[arg(long, default_value_t = 8, value_parser = parse_ring_mib)]
     pub ring_mib: u32,

@@ -60,6 +60,10 @@ pub enum Action {
         size: u64,
         code: i64,
     },
+    /// The process forked (`--follow-forks`); `clone_flags` as passed to the kernel.
+    Fork {
+        clone_flags: u64,
+    },
 }
 
 /// Why bytes could not be decoded.
@@ -108,6 +112,9 @@ pub fn from_wire(wire: &WireEvent) -> Result<Event, DecodeError> {
         EventKind::Failed => Action::Failed {
             size: wire.size,
             code: i64::from(wire.aux as i32),
+        },
+        EventKind::Fork => Action::Fork {
+            clone_flags: wire.aux,
         },
     };
     Ok(Event {

@@ -23,7 +23,7 @@ use crate::event;
 use crate::probe::catalog::{Allocator, Domain, Memory};
 use crate::probe::maps::{AddressSpace, FileAddr};
 use crate::probe::SpecEntry;
-use crate::report::{self, Reconciliation, Report, Settings, TargetInfo};
+use crate::report::{self, ProcessInfo, Reconciliation, Report, Settings, TargetInfo};
 use crate::stacks::{RawFrame, StackStore};
 use crate::table::LiveTable;
 
@@ -69,6 +69,9 @@ enum Line {
         missing_functions: Vec<String>,
         settings: Settings,
         reconciliation: Option<Reconciliation>,
+        /// The traced processes (absent in records of older versions).
+        #[serde(default)]
+        processes: Vec<ProcessInfo>,
     },
 }
 
@@ -192,6 +195,7 @@ impl Recorder {
             missing_functions: report.missing_functions.clone(),
             settings: report.settings.clone(),
             reconciliation: report.reconciliation.clone(),
+            processes: report.processes.clone(),
         });
         let flushed = self.out.flush();
         match self.failed.take() {
@@ -350,6 +354,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         missing,
         mut settings,
         reconciliation,
+        processes,
     ) = match footer {
         Some(Line::Footer {
             duration_ms,
@@ -361,6 +366,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
             missing_functions,
             settings,
             reconciliation,
+            processes,
         }) => {
             notes.extend(recorded);
             let thread_names: HashMap<u32, String> = thread_names.into_iter().collect();
@@ -373,6 +379,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 missing_functions,
                 settings,
                 reconciliation,
+                processes,
             )
         }
         _ => {
@@ -396,6 +403,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                     ..Settings::default()
                 },
                 None,
+                Vec::new(),
             )
         }
     };
@@ -428,6 +436,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         settings,
         notes,
         reconciliation,
+        processes,
     };
     let mut symbolizer =
         crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));

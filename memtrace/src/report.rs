@@ -44,6 +44,29 @@ pub struct Report {
     pub suppressed: Suppressed,
     /// Tracked host bytes against the target's own memory growth since attach.
     pub reconciliation: Option<Reconciliation>,
+    /// The processes traced: the target, and with `--follow-forks` each
+    /// descendant, with what each still holds.
+    pub processes: Vec<ProcessInfo>,
+}
+
+/// One traced process.
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct ProcessInfo {
+    pub pid: u32,
+    /// The traced process it forked from (none for the target).
+    pub parent: Option<u32>,
+    pub comm: String,
+    pub exe: String,
+    /// Milliseconds after tracing started when its probes were in place.
+    pub traced_from_ms: u64,
+    /// Milliseconds between the kernel reporting its fork and its probes
+    /// being in place: its allocations in that window were not seen.
+    pub attach_delay_ms: Option<u64>,
+    /// It exited (or exec'd out of reach) before the report.
+    pub exited: bool,
+    /// Filled by the report builder from the live table.
+    pub live_bytes: u64,
+    pub live_count: u64,
 }
 
 /// Blocks set aside by the allow-list or the warm-up.
@@ -140,6 +163,9 @@ pub struct Site {
     pub estimated_live_count: Option<u64>,
     /// The probed functions that made these blocks.
     pub functions: Vec<String>,
+    /// Processes holding these blocks: the target, and with
+    /// `--follow-forks` its descendants.
+    pub pids: Vec<u32>,
     /// Allocating thread ids.
     pub threads: Vec<u32>,
     /// Their names (`/proc/PID/task/TID/comm`), where known.
@@ -202,6 +228,9 @@ pub struct ReportInput<'a> {
     pub settings: Settings,
     pub notes: Vec<String>,
     pub reconciliation: Option<Reconciliation>,
+    /// What is known of the traced processes; pids seen only in the table
+    /// are added with what the table says.
+    pub processes: Vec<ProcessInfo>,
 }
 
 /// Kernel counters that mean events were lost.
@@ -221,6 +250,7 @@ struct SiteAcc {
     oldest_ts: u64,
     functions: BTreeSet<&'static str>,
     threads: BTreeSet<u32>,
+    pids: BTreeSet<u32>,
     /// (seconds since start, size) of each live block, for pattern detection.
     blocks: Vec<(f64, u64)>,
 }
@@ -248,7 +278,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         let all: Vec<FileAddr> = input
             .table
             .blocks()
-            .filter_map(|(_, _, b)| match b.stack {
+            .filter_map(|(_, _, _, b)| match b.stack {
                 StackRef::Id(id) => Some(id),
                 _ => None,
             })
@@ -265,10 +295,14 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let mut totals: BTreeMap<(Allocator, Memory), (u64, u64)> = BTreeMap::new();
     let mut sites: HashMap<SiteKey, SiteAcc> = HashMap::new();
     let mut suppressed: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-    for (_, addr, block) in input.table.blocks() {
+    let mut per_process: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    for (pid, _, addr, block) in input.table.blocks() {
         let Some(entry) = spec(block.spec) else {
             continue;
         };
+        let held = per_process.entry(pid).or_insert((0, 0));
+        held.0 += block.size;
+        held.1 += 1;
         let total = totals
             .entry((entry.allocator, entry.memory))
             .or_insert((0, 0));
@@ -294,6 +328,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         site.oldest_ts = site.oldest_ts.min(block.ts_ns);
         site.functions.insert(entry.function);
         site.threads.insert(block.tid);
+        site.pids.insert(pid);
         site.blocks.push((seconds(block.ts_ns), block.size));
     }
 
@@ -357,6 +392,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
                     .into_iter()
                     .collect(),
                 threads: acc.threads.into_iter().collect(),
+                pids: acc.pids.into_iter().collect(),
                 stack_note,
                 frames,
             }
@@ -423,6 +459,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             })
             .collect(),
     };
+    let processes = process_list(input.processes, &input.target, per_process);
     Report {
         target: input.target,
         duration_ms: input.duration_ms,
@@ -453,7 +490,43 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             .unwrap_or_default(),
         suppressed,
         reconciliation: input.reconciliation,
+        processes,
     }
+}
+
+/// The traced processes with what each holds; a pid that holds blocks but is
+/// not listed (a replay of an older record) is added, the target first.
+fn process_list(
+    mut known: Vec<ProcessInfo>,
+    target: &TargetInfo,
+    mut held: BTreeMap<u32, (u64, u64)>,
+) -> Vec<ProcessInfo> {
+    if !known.iter().any(|p| p.pid == target.pid) {
+        known.insert(
+            0,
+            ProcessInfo {
+                pid: target.pid,
+                comm: target.comm.clone(),
+                exe: target.exe.clone(),
+                ..ProcessInfo::default()
+            },
+        );
+    }
+    for process in &mut known {
+        let (bytes, count) = held.remove(&process.pid).unwrap_or((0, 0));
+        process.live_bytes = bytes;
+        process.live_count = count;
+    }
+    known.extend(
+        held.into_iter()
+            .map(|(pid, (live_bytes, live_count))| ProcessInfo {
+                pid,
+                live_bytes,
+                live_count,
+                ..ProcessInfo::default()
+            }),
+    );
+    known
 }
 
 /// Why a block is set aside (warm-up or an allow-list entry), if it is.
@@ -635,6 +708,7 @@ mod tests {
             suppressions: None,
             thread_names: &names,
             reconciliation: None,
+            processes: Vec::new(),
             table: &table,
             specs: &specs,
             stacks: &stacks,
@@ -733,6 +807,7 @@ mod tests {
             suppressions: None,
             thread_names: &names,
             reconciliation: None,
+            processes: Vec::new(),
             table: &table,
             specs: &specs,
             stacks: &stacks,

@@ -1,5 +1,7 @@
 //! The live-allocation table: every block created and not yet released,
-//! keyed by (address domain, address), with the counters of what happened.
+//! keyed by (process, address domain, address), with the counters of what
+//! happened. The process is part of the key because with `--follow-forks` a
+//! parent and its children use the same addresses for different blocks.
 //!
 //! Semantics: `realloc(p, n)` releases `p` and creates the new block;
 //! `realloc(NULL, n)` is an allocation; a release of an address the table does
@@ -9,6 +11,9 @@ use std::collections::BTreeMap;
 
 use crate::event::{Action, Event, StackRef};
 use crate::probe::catalog::Domain;
+
+/// Where a block lives: (process id, address domain, address).
+type BlockKey = (u32, Domain, u64);
 
 /// A block that is still live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,7 +42,7 @@ pub struct Counts {
 /// memory per live block; lookups cost a few hundred nanoseconds at most,
 /// noise next to a uprobe hit.
 pub struct LiveTable {
-    blocks: BTreeMap<(Domain, u64), LiveBlock>,
+    blocks: BTreeMap<BlockKey, LiveBlock>,
     counts: Counts,
     max_blocks: usize,
 }
@@ -56,9 +61,9 @@ impl LiveTable {
         match event.action {
             Action::Alloc { addr, size, stack } => {
                 self.counts.allocs += 1;
-                self.insert(domain, addr, size, event, stack);
+                self.insert((event.pid, domain, addr), size, event, stack);
             }
-            Action::Free { addr } => self.release(domain, addr),
+            Action::Free { addr } => self.release((event.pid, domain, addr)),
             Action::Realloc {
                 old,
                 new,
@@ -67,20 +72,21 @@ impl LiveTable {
                 track_new,
             } => {
                 if old != 0 {
-                    self.release(domain, old);
+                    self.release((event.pid, domain, old));
                 }
                 if track_new {
                     self.counts.allocs += 1;
-                    self.insert(domain, new, size, event, stack);
+                    self.insert((event.pid, domain, new), size, event, stack);
                 }
             }
             Action::Failed { code, .. } => {
                 *self.counts.failed.entry((event.spec, code)).or_insert(0) += 1;
             }
+            Action::Fork { .. } => {}
         }
     }
 
-    fn insert(&mut self, domain: Domain, addr: u64, size: u64, event: &Event, stack: StackRef) {
+    fn insert(&mut self, key: BlockKey, size: u64, event: &Event, stack: StackRef) {
         let block = LiveBlock {
             size,
             spec: event.spec,
@@ -88,17 +94,17 @@ impl LiveTable {
             tid: event.tid,
             stack,
         };
-        if self.blocks.len() >= self.max_blocks && !self.blocks.contains_key(&(domain, addr)) {
+        if self.blocks.len() >= self.max_blocks && !self.blocks.contains_key(&key) {
             self.counts.table_full += 1;
             return;
         }
         // An address handed out again without a release we saw (released
         // through an untraced path): the new block replaces the old one.
-        self.blocks.insert((domain, addr), block);
+        self.blocks.insert(key, block);
     }
 
-    fn release(&mut self, domain: Domain, addr: u64) {
-        if self.blocks.remove(&(domain, addr)).is_some() {
+    fn release(&mut self, key: BlockKey) {
+        if self.blocks.remove(&key).is_some() {
             self.counts.frees += 1;
         } else {
             self.counts.unmatched_frees += 1;
@@ -118,11 +124,11 @@ impl LiveTable {
         self.blocks.values().map(|b| b.size).sum()
     }
 
-    /// Every live block with its domain and address.
-    pub fn blocks(&self) -> impl Iterator<Item = (Domain, u64, &LiveBlock)> {
+    /// Every live block with its process, domain and address.
+    pub fn blocks(&self) -> impl Iterator<Item = (u32, Domain, u64, &LiveBlock)> {
         self.blocks
             .iter()
-            .map(|(&(domain, addr), block)| (domain, addr, block))
+            .map(|(&(pid, domain, addr), block)| (pid, domain, addr, block))
     }
 }
 
@@ -220,6 +226,24 @@ mod tests {
         table.apply(&alloc(0x10, 1 << 20), Domain::CudaMemory);
         table.apply(&event(Action::Free { addr: 0x10 }), Domain::CudaMemory);
         assert_eq!((table.len(), table.live_bytes()), (1, 8));
+    }
+
+    #[test]
+    fn processes_do_not_mix() {
+        let mut table = LiveTable::new(100);
+        table.apply(&alloc(0x10, 8), Domain::Heap);
+        let mut child = alloc(0x10, 24);
+        child.pid = 7;
+        table.apply(&child, Domain::Heap);
+        assert_eq!((table.len(), table.live_bytes()), (2, 32));
+        let mut child_free = event(Action::Free { addr: 0x10 });
+        child_free.pid = 7;
+        table.apply(&child_free, Domain::Heap);
+        let left: Vec<(u32, u64)> = table.blocks().map(|(p, _, _, b)| (p, b.size)).collect();
+        assert_eq!(left, vec![(1, 8)]);
+        // A free of an address only the parent holds is unmatched in the child.
+        table.apply(&child_free, Domain::Heap);
+        assert_eq!(table.counts().unmatched_frees, 1);
     }
 
     #[test]

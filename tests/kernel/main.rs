@@ -7,6 +7,7 @@ mod support;
 mod analysis;
 mod bad_input;
 mod core_host;
+mod forks;
 mod gpu;
 mod outputs;
 mod pairs;

@@ -43,14 +43,14 @@ fn wait_child(child: &mut Child, what: &str) -> ExitStatus {
 
 /// A process that speaks the fixture protocol, started from any command
 /// (`support::Fixture` only starts fixtures by name).
-struct Proc {
-    child: Child,
-    pid: u32,
+pub(crate) struct Proc {
+    pub(crate) child: Child,
+    pub(crate) pid: u32,
     stdout: BufReader<ChildStdout>,
 }
 
 impl Proc {
-    fn start(mut command: Command) -> Proc {
+    pub(crate) fn start(mut command: Command) -> Proc {
         let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -70,21 +70,21 @@ impl Proc {
         proc
     }
 
-    fn fixture(name: &str, args: &[&str]) -> Proc {
+    pub(crate) fn fixture(name: &str, args: &[&str]) -> Proc {
         let mut command = Command::new(fixture(name));
         command.args(args);
         Proc::start(command)
     }
 
     /// One line of output (panics at EOF).
-    fn line(&mut self) -> String {
+    pub(crate) fn line(&mut self) -> String {
         let mut line = String::new();
         let n = self.stdout.read_line(&mut line).expect("read stdout");
         assert!(n > 0, "process ended its output early");
         line.trim_end().to_string()
     }
 
-    fn expect(&mut self, text: &str) {
+    pub(crate) fn expect(&mut self, text: &str) {
         loop {
             if self.line() == text {
                 return;
@@ -92,14 +92,14 @@ impl Proc {
         }
     }
 
-    fn send(&mut self) {
+    pub(crate) fn send(&mut self) {
         let stdin = self.child.stdin.as_mut().expect("stdin piped");
         stdin.write_all(b"\n").expect("write stdin");
         stdin.flush().expect("flush stdin");
     }
 
     /// The rest of the output and the exit status.
-    fn finish(&mut self) -> (String, ExitStatus) {
+    pub(crate) fn finish(&mut self) -> (String, ExitStatus) {
         let mut rest = String::new();
         self.stdout.read_to_string(&mut rest).expect("read stdout");
         let status = wait_child(&mut self.child, "the process to exit");
@@ -185,7 +185,7 @@ fn bpf_object_exists(cmd: libc::c_long, id: u32) -> Result<(), i32> {
 /// `(address, byte in the file, byte in memory)`. A uprobe is an `int3`
 /// (0xcc) written into the process's private copy of the page, so this is
 /// exactly the set of breakpoints installed in that process.
-fn libc_text_patches(pid: u32) -> Vec<(u64, u8, u8)> {
+pub(crate) fn libc_text_patches(pid: u32) -> Vec<(u64, u8, u8)> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
     let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).expect("mem");
     let mut patches = Vec::new();

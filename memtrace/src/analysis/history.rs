@@ -27,7 +27,7 @@ impl History {
     pub fn record(&mut self, table: &LiveTable, specs: &[SpecEntry], t_s: f64) {
         let mut sites: HashMap<SiteKey, (u64, u64)> = HashMap::new();
         let mut totals: HashMap<(Allocator, Memory), (u64, u64)> = HashMap::new();
-        for (_, _, block) in table.blocks() {
+        for (_, _, _, block) in table.blocks() {
             let Some(spec) = specs.get(usize::from(block.spec)) else {
                 continue;
             };

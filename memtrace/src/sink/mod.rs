@@ -101,6 +101,7 @@ pub(crate) mod fixture {
             estimated_live_count: None,
             functions: vec!["malloc".into()],
             threads: vec![7],
+            pids: vec![4242],
             thread_names: vec!["worker".into()],
             stack_note: None,
             frames: Vec::new(),
@@ -135,6 +136,7 @@ pub(crate) mod fixture {
             sample(2000, Allocator::Cuda, Memory::Device, 4096, 1),
         ];
         Report {
+            processes: Vec::new(),
             target: TargetInfo {
                 pid: 4242,
                 comm: "app".into(),

@@ -58,6 +58,18 @@ impl Sink for TextSink {
         if !report.missing_functions.is_empty() {
             writeln!(out, "not found: {}", report.missing_functions.join(" "))?;
         }
+        for process in report.processes.iter().filter(|p| p.parent.is_some()) {
+            writeln!(
+                out,
+                "child: pid {} ({}) of pid {} holds {} in {} blocks{}",
+                process.pid,
+                process.comm,
+                process.parent.unwrap_or_default(),
+                human_bytes(process.live_bytes),
+                process.live_count,
+                if process.exited { ", exited" } else { "" }
+            )?;
+        }
         for note in &report.notes {
             writeln!(out, "note: {note}")?;
         }
@@ -87,6 +99,10 @@ impl Sink for TextSink {
                     .collect::<Vec<_>>()
                     .join(",")
             )?;
+            if report.processes.len() > 1 {
+                let pids: Vec<String> = site.pids.iter().map(u32::to_string).collect();
+                writeln!(out, "    in process {}", pids.join(","))?;
+            }
             writeln!(out, "    {}", judgment(site))?;
             if let Some(note) = &site.stack_note {
                 writeln!(out, "    ({note})")?;

@@ -11,9 +11,9 @@ use crate::probe::maps;
 use crate::probe::plan::{self, LibraryPlan};
 use crate::trace::loader::Probes;
 
-/// The objects considered so far and the ones probed.
+/// The objects considered so far and the ones probed (shared by every
+/// traced process: an object probed for one is probed for all).
 pub struct Discovery {
-    pid: u32,
     considered: HashSet<PathBuf>,
     exclude: Option<PathBuf>,
     place: bool,
@@ -28,14 +28,8 @@ impl Discovery {
     /// `exclude` is an object never to probe (memtrace's own executable, seen
     /// in a launched child before it execs).
     /// `place`: move probes to cheaper spots where safe (see `probe::placement`).
-    pub fn new(
-        pid: u32,
-        exclude: Option<PathBuf>,
-        place: bool,
-        catalog: Vec<&'static FuncDef>,
-    ) -> Self {
+    pub fn new(exclude: Option<PathBuf>, place: bool, catalog: Vec<&'static FuncDef>) -> Self {
         Discovery {
-            pid,
             considered: HashSet::new(),
             exclude,
             place,
@@ -45,17 +39,22 @@ impl Discovery {
         }
     }
 
-    /// Probes every object mapped in the target (plus `extra`) not seen before.
-    /// Returns the number of functions newly attached.
-    pub fn scan(&mut self, probes: &mut Probes, extra: &[PathBuf]) -> std::io::Result<usize> {
-        let mut files = maps::executable_files(&maps::read(self.pid)?);
+    /// Probes every object mapped in process `pid` (plus `extra`) not seen
+    /// before. Returns the number of functions newly attached.
+    pub fn scan(
+        &mut self,
+        pid: u32,
+        probes: &mut Probes,
+        extra: &[PathBuf],
+    ) -> std::io::Result<usize> {
+        let mut files = maps::executable_files(&maps::read(pid)?);
         files.extend(extra.iter().cloned());
         let mut attached = 0;
         for path in files {
             if !self.considered.insert(path.clone()) || self.exclude.as_ref() == Some(&path) {
                 continue;
             }
-            let Some(open_path) = maps::path_in_target_root(self.pid, &path) else {
+            let Some(open_path) = maps::path_in_target_root(pid, &path) else {
                 self.problems.push(format!(
                     "{}: refused, its links lead outside the target's root",
                     path.display()

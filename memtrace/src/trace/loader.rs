@@ -1,14 +1,17 @@
 //! Loading the embedded eBPF object with its load-time settings, attaching
-//! the two generic programs per planned function (with the spec index as attach
-//! cookie, scoped to the target process), and detaching in a safe order.
+//! the two generic programs per planned function and traced process (with the
+//! spec index as attach cookie, each link scoped to one process, never
+//! system-wide), the fork reporter for `--follow-forks`, and detaching in a
+//! safe order.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
+use std::path::PathBuf;
 
 use anyhow::Context;
-use aya::maps::{Array, MapData, PerCpuArray, RingBuf, StackTraceMap};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, StackTraceMap};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
-use aya::programs::UProbe;
+use aya::programs::{RawTracePoint, UProbe};
 use aya::{Ebpf, EbpfLoader};
 use memtrace_common::{Counter, ProbeSpec, MAX_SPECS};
 
@@ -22,6 +25,7 @@ static EBPF_OBJECT: &[u8] =
 
 const ENTER: &str = "call_enter";
 const EXIT: &str = "call_exit";
+const FORKS: &str = "task_new";
 
 /// Load-time settings of the eBPF programs.
 #[derive(Clone, Copy, Debug)]
@@ -37,14 +41,33 @@ pub struct LoadOptions {
     pub wakeup_bytes: u64,
 }
 
+/// Where one probed function is attached: enough to attach it again for
+/// another process.
+#[derive(Clone, Debug)]
+struct AttachedFunction {
+    path: PathBuf,
+    entry_offset: u64,
+    /// File offset of the function when it has a return probe.
+    return_offset: Option<u64>,
+    index: u16,
+}
+
+/// The links of one traced process.
+#[derive(Default)]
+struct ProcessLinks {
+    enter: Vec<UProbeLinkId>,
+    exit: Vec<UProbeLinkId>,
+}
+
 /// The loaded programs and the maps the event loop reads.
 pub struct Probes {
     ebpf: Ebpf,
-    pid: NonZeroU32,
     specs: Vec<SpecEntry>,
     spec_map: Array<MapData, ProbeSpec>,
-    enter_links: Vec<UProbeLinkId>,
-    exit_links: Vec<UProbeLinkId>,
+    functions: Vec<AttachedFunction>,
+    processes: BTreeMap<u32, ProcessLinks>,
+    /// Processes whose forks the kernel reports (`--follow-forks`).
+    traced: Option<HashMap<MapData, u32, u8>>,
     pub events: Option<RingBuf<MapData>>,
     stacks: StackTraceMap<MapData>,
     counters: PerCpuArray<MapData, u64>,
@@ -68,7 +91,8 @@ pub fn counter_name(counter: Counter) -> &'static str {
 }
 
 impl Probes {
-    /// Loads the programs and maps into the kernel.
+    /// Loads the programs and maps into the kernel; `pid` is the first
+    /// process to trace.
     pub fn load(pid: u32, options: &LoadOptions) -> anyhow::Result<Self> {
         if EBPF_OBJECT.is_empty() {
             return Err(Failure::runtime(
@@ -76,7 +100,9 @@ impl Probes {
             )
             .into());
         }
-        let pid = NonZeroU32::new(pid).ok_or_else(|| Failure::usage("pid 0 is not a process"))?;
+        if pid == 0 {
+            return Err(Failure::usage("pid 0 is not a process").into());
+        }
         let stacks_enabled: u32 = options.stacks.into();
         let null_mode: u32 = options.null_mode.into();
         let mut ebpf = EbpfLoader::new()
@@ -105,11 +131,11 @@ impl Probes {
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("map COUNTERS missing")?)?;
         Ok(Probes {
             ebpf,
-            pid,
             specs: Vec::new(),
             spec_map,
-            enter_links: Vec::new(),
-            exit_links: Vec::new(),
+            functions: Vec::new(),
+            processes: BTreeMap::from([(pid, ProcessLinks::default())]),
+            traced: None,
             events: Some(events),
             stacks,
             counters,
@@ -165,35 +191,30 @@ impl Probes {
             .ok_or_else(|| Failure::runtime("too many probed functions"))?;
         self.spec_map
             .set(u32::from(index), probe.def.spec(index), 0)?;
-        self.specs.push(SpecEntry::from(probe.def));
-        let scope = UProbeScope::OneProcess(self.pid);
-        let cookie = Some(u64::from(index));
-        // The return probe goes first: an entry whose return probe is not yet
-        // attached would leave a stale in-flight record behind.
-        if probe.def.needs_return_probe() {
-            let program: &mut UProbe = self
-                .ebpf
-                .program_mut(EXIT)
-                .context("call_exit missing")?
-                .try_into()?;
-            let point = UProbeAttachPoint {
-                location: UProbeAttachLocation::AbsoluteOffset(probe.file_offset),
-                cookie,
-            };
-            self.exit_links
-                .push(program.attach(point, path, scope).context("uretprobe")?);
-        }
-        let program: &mut UProbe = self
-            .ebpf
-            .program_mut(ENTER)
-            .context("call_enter missing")?
-            .try_into()?;
-        let point = UProbeAttachPoint {
-            location: UProbeAttachLocation::AbsoluteOffset(probe.file_offset + probe.probe_offset),
-            cookie,
+        let function = AttachedFunction {
+            path: path.to_path_buf(),
+            entry_offset: probe.file_offset + probe.probe_offset,
+            return_offset: probe.def.needs_return_probe().then_some(probe.file_offset),
+            index,
         };
-        self.enter_links
-            .push(program.attach(point, path, scope).context("uprobe")?);
+        // A process may have exited meanwhile: the function counts as attached
+        // when it is attached for at least one process.
+        let pids: Vec<u32> = self.processes.keys().copied().collect();
+        let mut first_error = None;
+        let mut attached = 0;
+        for pid in pids {
+            match self.attach_for(&function, pid) {
+                Ok(()) => attached += 1,
+                Err(err) => {
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        if let (0, Some(err)) = (attached, first_error) {
+            return Err(err);
+        }
+        self.specs.push(SpecEntry::from(probe.def));
+        self.functions.push(function);
         log::info!(
             "attached {} in {} at {:#x} {}",
             probe.function,
@@ -204,16 +225,133 @@ impl Probes {
         Ok(())
     }
 
-    /// Detaches entry probes first, then return probes, so no call is left
-    /// half-recorded.
+    /// Attaches one function's probes for one process.
+    fn attach_for(&mut self, function: &AttachedFunction, pid: u32) -> anyhow::Result<()> {
+        let pid_nz =
+            NonZeroU32::new(pid).ok_or_else(|| Failure::usage("pid 0 is not a process"))?;
+        let scope = UProbeScope::OneProcess(pid_nz);
+        let cookie = Some(u64::from(function.index));
+        // The return probe goes first: an entry whose return probe is not yet
+        // attached would leave a stale in-flight record behind.
+        if let Some(offset) = function.return_offset {
+            let program: &mut UProbe = self
+                .ebpf
+                .program_mut(EXIT)
+                .context("call_exit missing")?
+                .try_into()?;
+            let point = UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(offset),
+                cookie,
+            };
+            let link = program
+                .attach(point, &function.path, scope)
+                .context("uretprobe")?;
+            self.processes.entry(pid).or_default().exit.push(link);
+        }
+        let program: &mut UProbe = self
+            .ebpf
+            .program_mut(ENTER)
+            .context("call_enter missing")?
+            .try_into()?;
+        let point = UProbeAttachPoint {
+            location: UProbeAttachLocation::AbsoluteOffset(function.entry_offset),
+            cookie,
+        };
+        let link = program
+            .attach(point, &function.path, scope)
+            .context("uprobe")?;
+        self.processes.entry(pid).or_default().enter.push(link);
+        Ok(())
+    }
+
+    /// Loads and attaches the fork reporter and reports the forks of the
+    /// processes traced so far (and of each one added later). It runs on every
+    /// task creation on the machine but only looks up the creator in a hash
+    /// map: nothing per allocation.
+    pub fn watch_forks(&mut self) -> anyhow::Result<()> {
+        let map = self.ebpf.take_map("TRACED").context("map TRACED missing")?;
+        let mut traced: HashMap<MapData, u32, u8> = HashMap::try_from(map)?;
+        for &pid in self.processes.keys() {
+            traced.insert(pid, 1, 0)?;
+        }
+        self.traced = Some(traced);
+        let program: &mut RawTracePoint = self
+            .ebpf
+            .program_mut(FORKS)
+            .with_context(|| format!("program {FORKS} missing from the eBPF object"))?
+            .try_into()?;
+        program.load().map_err(|err| load_failure(&err))?;
+        program
+            .attach("task_newtask")
+            .context("cannot attach to the task_newtask tracepoint")?;
+        Ok(())
+    }
+
+    /// Starts tracing one more process (a child of a traced one): attaches
+    /// every function probed so far, scoped to it. Returns how many functions
+    /// were attached; the first failure is returned when none could be.
+    pub fn add_process(&mut self, pid: u32) -> anyhow::Result<usize> {
+        if self.processes.contains_key(&pid) {
+            return Ok(0);
+        }
+        self.processes.insert(pid, ProcessLinks::default());
+        if let Some(traced) = self.traced.as_mut() {
+            traced.insert(pid, 1, 0)?;
+        }
+        let functions = self.functions.clone();
+        let mut attached = 0;
+        let mut first_error = None;
+        for function in &functions {
+            match self.attach_for(function, pid) {
+                Ok(()) => attached += 1,
+                Err(err) => {
+                    log::debug!(
+                        "pid {pid}: cannot attach {}: {err:#}",
+                        function.path.display()
+                    );
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        match first_error {
+            Some(err) if attached == 0 => {
+                self.remove_process(pid);
+                Err(err)
+            }
+            _ => Ok(attached),
+        }
+    }
+
+    /// Stops tracing a process (it exited): detaches its probes, entries first.
+    pub fn remove_process(&mut self, pid: u32) {
+        if let Some(links) = self.processes.remove(&pid) {
+            self.detach_links(links);
+        }
+        if let Some(traced) = self.traced.as_mut() {
+            let _ = traced.remove(&pid);
+        }
+    }
+
+    /// Detaches every probe, entry probes first, then return probes, so no
+    /// call is left half-recorded.
     pub fn detach(&mut self) {
+        let all: Vec<ProcessLinks> = std::mem::take(&mut self.processes).into_values().collect();
+        let mut merged = ProcessLinks::default();
+        for links in all {
+            merged.enter.extend(links.enter);
+            merged.exit.extend(links.exit);
+        }
+        self.detach_links(merged);
+    }
+
+    fn detach_links(&mut self, links: ProcessLinks) {
         if let Some(Ok(program)) = self.ebpf.program_mut(ENTER).map(<&mut UProbe>::try_from) {
-            for link in self.enter_links.drain(..) {
+            for link in links.enter {
                 let _ = program.detach(link);
             }
         }
         if let Some(Ok(program)) = self.ebpf.program_mut(EXIT).map(<&mut UProbe>::try_from) {
-            for link in self.exit_links.drain(..) {
+            for link in links.exit {
                 let _ = program.detach(link);
             }
         }

@@ -1,9 +1,11 @@
-//! Tracing a process: load, attach, run the one event loop (ring buffer ->
-//! decode -> live table), watch the target, rescan for new libraries,
-//! snapshot the table every interval, and hand the state to the report builder
-//! and the chosen sink (and the Prometheus endpoint).
+//! Tracing a process (and with `--follow-forks` its descendants): load,
+//! attach, run the one event loop (ring buffer -> decode -> live table), watch
+//! the processes, rescan for new libraries, snapshot the table every interval,
+//! and hand the state to the report builder and the chosen sink (and the
+//! Prometheus endpoint).
 
 pub mod discovery;
+mod family;
 pub mod loader;
 mod pipeline;
 mod status;
@@ -24,10 +26,11 @@ use crate::cli::TraceArgs;
 use crate::error::{check_privilege, Failure};
 use crate::output::Output;
 use crate::probe::catalog::Allocator;
-use crate::report::{self, Reconciliation, Settings, TargetInfo};
+use crate::report::{self, ProcessInfo, Reconciliation, Settings, TargetInfo};
 use crate::symbolize::BlazeSymbolizer;
 use crate::target::{self, ChildEvent, HeldChild};
 use discovery::Discovery;
+use family::{Adoption, Family};
 use loader::{LoadOptions, Probes};
 use pipeline::Pipeline;
 
@@ -89,8 +92,19 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         stack_entries: args.stack_map_entries,
         wakeup_bytes: WAKEUP_BYTES,
     };
-    let target_start = target::start_time(pid);
     let mut probes = Probes::load(pid, &options)?;
+    // Before any probe, so a fork during attach is still reported. Without
+    // --follow-forks the reports only name the children in a note.
+    match probes.watch_forks() {
+        Ok(()) => {}
+        Err(err) if args.follow_forks => {
+            return Err(Failure::runtime(format!(
+                "--follow-forks: cannot watch for forks: {err:#}"
+            ))
+            .into());
+        }
+        Err(err) => log::warn!("fork reports unavailable, children found by polling: {err:#}"),
+    }
     // The session clock starts before any probe is attached.
     let (started, started_ns) = (Instant::now(), monotonic_ns());
     let mut kernel_log = if args.verbose > 0 {
@@ -106,13 +120,13 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         Some(child) => (own_exe, child.program.iter().cloned().collect()),
         None => (None, Vec::new()),
     };
-    let mut discovery = Discovery::new(pid, exclude, !args.entry_probes, catalog);
+    let mut discovery = Discovery::new(exclude, !args.entry_probes, catalog);
     for warning in discovery.add_libraries(&mut probes, &args.libs)? {
         eprintln!("memtrace: warning: {warning}");
         discovery.problems.push(warning);
     }
     discovery
-        .scan(&mut probes, &extra)
+        .scan(pid, &mut probes, &extra)
         .with_context(|| format!("cannot read the mappings of pid {pid}"))?;
     if probes.specs().is_empty() {
         let why = discovery.problems.join("; ");
@@ -164,11 +178,22 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let mut ring = register(probes.events.take().context("ring buffer already taken")?)?;
     let mut session = Session {
         args: &args,
-        target: target_info,
+        target: target_info.clone(),
         started,
         ended: None,
         started_ns,
-        pipeline: Pipeline::new(pid, usize::try_from(args.max_live).unwrap_or(usize::MAX)),
+        family: Family::new(
+            pid,
+            ProcessInfo {
+                pid,
+                comm: target_info.comm.clone(),
+                exe: target_info.exe.clone(),
+                ..ProcessInfo::default()
+            },
+            args.follow_forks,
+            args.max_processes,
+        ),
+        pipeline: Pipeline::new(usize::try_from(args.max_live).unwrap_or(usize::MAX)),
         history: History::default(),
         suppressions,
         symbolizer: BlazeSymbolizer::new(Box::new(move |path| {
@@ -176,9 +201,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         })),
         memory_at_attach: read_memory(pid),
         memory_last: read_memory(pid),
-        untraced_children: std::collections::BTreeSet::new(),
         notes: Vec::new(),
     };
+    // Children the target already has.
+    session.look_at_children(pid, None, &mut probes, &mut discovery);
+    session.family.reset_seen();
     if let Some(path) = &args.record {
         session.pipeline.recorder = Some(crate::record::Recorder::create(
             path,
@@ -216,43 +243,45 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 let mut guard = guard?;
                 session.pipeline.drain(guard.get_inner_mut(), &probes);
                 guard.clear_ready();
+                session.adopt_forks(&mut probes, &mut discovery);
             }
             _ = drain_tick.tick() => {
                 session.pipeline.drain(ring.get_mut(), &probes);
+                session.adopt_forks(&mut probes, &mut discovery);
             }
             _ = rescan.tick() => {
-                if held.is_none() && !target::is_alive(pid) {
-                    session.notes.push(format!("target pid {pid} exited during the trace"));
-                    eprintln!("memtrace: target pid {pid} exited; final report follows");
-                    break;
-                }
-                if held.is_none() && target::start_time(pid) != target_start {
-                    session.notes.push(format!(
-                        "target pid {pid} exited and the pid was reused by another process"
-                    ));
-                    eprintln!("memtrace: target pid {pid} exited (pid reused); final report follows");
+                if held.is_none() && session.target_gone(pid, &mut probes) {
                     break;
                 }
                 if let Some(memory) = read_memory(pid) {
                     session.memory_last = Some(memory);
                 }
-                session.follow_exec(pid);
+                session.follow_execs();
                 rescans += 1;
+                for gone in session.family.reap(&mut probes, &mut session.pipeline) {
+                    eprintln!("memtrace: child pid {gone} exited; its probes are detached");
+                }
                 if rescans.is_multiple_of(CHILDREN_EVERY_RESCANS) {
-                    session.untraced_children.extend(target::children(pid));
+                    for parent in session.family.running().collect::<Vec<_>>() {
+                        session.look_at_children(parent, None, &mut probes, &mut discovery);
+                    }
+                }
+                if held.is_none() && session.family.running().next().is_none() {
+                    eprintln!("memtrace: every traced process exited; final report follows");
+                    break;
                 }
                 let known = discovery.libraries.len();
-                match discovery.scan(&mut probes, &[]) {
-                    Ok(0) => {}
-                    Ok(count) => {
-                        for library in &discovery.libraries[known..] {
-                            eprintln!(
-                                "memtrace: probing newly loaded {} ({count} functions)",
-                                library.path.display()
-                            );
-                        }
+                for traced in session.family.running().collect::<Vec<_>>() {
+                    if let Err(err) = discovery.scan(traced, &mut probes, &[]) {
+                        log::debug!("rescan of pid {traced}: {err}");
                     }
-                    Err(err) => log::debug!("rescan: {err}"),
+                }
+                for library in &discovery.libraries[known..] {
+                    eprintln!(
+                        "memtrace: probing newly loaded {} ({} functions)",
+                        library.path.display(),
+                        library.functions.len()
+                    );
                 }
             }
             _ = status_tick.tick(), if show_status => {
@@ -278,7 +307,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 ChildEvent::Exiting(ack) => {
                     // The command is stopped just before exit: read its
                     // mappings and the events so far while they still exist.
-                    session.pipeline.refresh_space_now();
+                    session.pipeline.refresh_space_now(pid);
                     session.pipeline.drain(ring.get_mut(), &probes);
                     if let Some(memory) = read_memory(pid) {
                         session.memory_last = Some(memory);
@@ -287,7 +316,12 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 }
                 ChildEvent::Exited(exit) => {
                     session.notes.push(format!("command exited: {exit}"));
-                    break;
+                    session.family.let_go(pid, &mut probes, &mut session.pipeline);
+                    if !session.family.children_running() {
+                        break;
+                    }
+                    eprintln!("memtrace: the command exited; still tracing its child processes");
+                    held = None;
                 }
             },
             Some(guard) = log_ready(&mut kernel_log) => {
@@ -395,35 +429,106 @@ struct Session<'a> {
     symbolizer: BlazeSymbolizer,
     memory_at_attach: Option<MemoryFigures>,
     memory_last: Option<MemoryFigures>,
-    /// Child processes seen: memtrace traces one process, not its children.
-    untraced_children: std::collections::BTreeSet<u32>,
+    /// The target and the children it is followed into.
+    family: Family,
     notes: Vec<String>,
 }
 
 impl Session<'_> {
-    /// Notices the target running another image (`exec`, same pid): the
-    /// probes stay (they follow the process), the address map is re-read so
-    /// new stacks are symbolized against the new image, and the report says so.
-    fn follow_exec(&mut self, pid: u32) {
-        let Ok(exe) = std::fs::read_link(format!("/proc/{pid}/exe")) else {
-            return;
-        };
-        let exe = exe.display().to_string();
-        if exe == self.target.exe {
-            return;
+    /// Notices a traced process running another image (`exec`, same pid):
+    /// the probes stay (they follow the process), the address map is re-read
+    /// so new stacks are symbolized against the new image, and the report
+    /// says so.
+    fn follow_execs(&mut self) {
+        let target = self.target.pid;
+        for pid in self.family.running().collect::<Vec<_>>() {
+            let Some((exe, was)) = self.family.follow_exec(pid, &mut self.pipeline) else {
+                continue;
+            };
+            let who = if pid == target {
+                "target pid"
+            } else {
+                "child pid"
+            };
+            let note = format!("{who} {pid} now runs {exe} (exec; was {was})");
+            eprintln!("memtrace: {note}");
+            self.notes.push(note);
+            if pid == target {
+                match target::inspect(pid) {
+                    Ok(info) => self.target = info,
+                    Err(_) => self.target.exe = exe,
+                }
+            }
         }
-        let note = format!(
-            "target pid {pid} now runs {exe} (exec; was {})",
-            self.target.exe
-        );
-        eprintln!("memtrace: {note}");
-        self.notes.push(note);
-        if let Ok(info) = target::inspect(pid) {
-            self.target = info;
+    }
+
+    /// Checks the target itself (attach mode); true when tracing should stop
+    /// because it is gone and no followed child runs.
+    fn target_gone(&mut self, pid: u32, probes: &mut Probes) -> bool {
+        if self.family.target_exited() {
+            return false;
+        }
+        let reused = if !target::is_alive(pid) {
+            false
+        } else if target::start_time(pid) != self.family.target_start() {
+            true
         } else {
-            self.target.exe = exe;
+            return false;
+        };
+        self.notes.push(if reused {
+            format!("target pid {pid} exited and the pid was reused by another process")
+        } else {
+            format!("target pid {pid} exited during the trace")
+        });
+        self.family.let_go(pid, probes, &mut self.pipeline);
+        if self.family.children_running() {
+            eprintln!("memtrace: target pid {pid} exited; still tracing its child processes");
+            return false;
         }
-        self.pipeline.refresh_space_now();
+        eprintln!(
+            "memtrace: target pid {pid} exited{}; final report follows",
+            if reused { " (pid reused)" } else { "" }
+        );
+        true
+    }
+
+    /// Handles the forks the kernel reported since the last drain.
+    fn adopt_forks(&mut self, probes: &mut Probes, discovery: &mut Discovery) {
+        self.family
+            .forks_reported(std::mem::take(&mut self.pipeline.forks_reported));
+        for (parent, forked_ns) in std::mem::take(&mut self.pipeline.forks) {
+            self.look_at_children(parent, Some(forked_ns), probes, discovery);
+        }
+    }
+
+    /// Adopts (or notes) the children of a traced process.
+    fn look_at_children(
+        &mut self,
+        parent: u32,
+        forked_ns: Option<u64>,
+        probes: &mut Probes,
+        discovery: &mut Discovery,
+    ) {
+        let started = self.started;
+        let now = move || {
+            let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+            (ms, monotonic_ns())
+        };
+        for (child, parent, adoption) in self.family.look_at_children(
+            parent,
+            forked_ns,
+            now,
+            probes,
+            &mut self.pipeline,
+            discovery,
+        ) {
+            match adoption {
+                Adoption::Followed => {
+                    eprintln!("memtrace: following child pid {child} of pid {parent}");
+                }
+                other => eprintln!("memtrace: child pid {child} of pid {parent}: {other}"),
+            }
+        }
     }
 
     /// Records the live table for the trend analysis.
@@ -439,14 +544,7 @@ impl Session<'_> {
     fn report(&mut self, probes: &Probes, discovery: &Discovery) -> report::Report {
         let mut notes = self.notes.clone();
         notes.extend(discovery.problems.iter().cloned());
-        if !self.untraced_children.is_empty() {
-            let pids: Vec<String> = self.untraced_children.iter().map(u32::to_string).collect();
-            notes.push(format!(
-                "{} child process(es) of the target were not traced (pids {}): memtrace traces one process",
-                pids.len(),
-                pids.join(", ")
-            ));
-        }
+        notes.extend(self.family.notes());
         let args = self.args;
         let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let input = report::ReportInput {
@@ -480,6 +578,7 @@ impl Session<'_> {
             },
             notes,
             reconciliation: self.reconciliation(probes),
+            processes: self.family.processes(),
         };
         report::build(input, &mut self.symbolizer)
     }
@@ -490,13 +589,13 @@ impl Session<'_> {
             self.pipeline
                 .table()
                 .blocks()
-                .filter(|(_, _, block)| {
+                .filter(|(_, _, _, block)| {
                     probes
                         .specs()
                         .get(usize::from(block.spec))
                         .is_some_and(|s| s.allocator == allocator)
                 })
-                .map(|(_, _, block)| block.size)
+                .map(|(_, _, _, block)| block.size)
                 .sum()
         };
         let tracked_host_bytes = tracked(Allocator::Libc);

@@ -1,5 +1,7 @@
 //! The event pipeline: ring-buffer records decoded into events, applied to
-//! the live table, with each new stack read once and normalized.
+//! the live table, with each new stack read once and normalized against the
+//! address map of the process that made it. Fork reports (`--follow-forks`)
+//! are queued for the session, which attaches the children.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -16,13 +18,23 @@ use crate::trace::loader::Probes;
 /// Mappings are re-read at most this often when a stack has unknown frames.
 const MAPS_REFRESH: Duration = Duration::from_millis(200);
 
+/// The address map of one traced process, re-read when needed.
+#[derive(Default)]
+struct ProcessSpace {
+    space: AddressSpace,
+    read_at: Option<Instant>,
+}
+
 pub struct Pipeline {
-    pid: u32,
     table: LiveTable,
     stacks: StackStore,
-    space: AddressSpace,
-    space_read: Option<Instant>,
+    spaces: HashMap<u32, ProcessSpace>,
     thread_names: HashMap<u32, String>,
+    /// Traced processes that reported a fork, with when (monotonic ns), not
+    /// yet handled.
+    pub forks: Vec<(u32, u64)>,
+    /// Fork reports received since the session last took the count.
+    pub forks_reported: u64,
     /// Where the stream is recorded (`--record`).
     pub recorder: Option<Recorder>,
     pub decode_errors: u64,
@@ -30,14 +42,14 @@ pub struct Pipeline {
 
 impl Pipeline {
     /// `max_live`: most live blocks tracked before new ones are counted as `table_full`.
-    pub fn new(pid: u32, max_live: usize) -> Self {
+    pub fn new(max_live: usize) -> Self {
         Pipeline {
-            pid,
             table: LiveTable::new(max_live),
             stacks: StackStore::default(),
-            space: AddressSpace::default(),
-            space_read: None,
+            spaces: HashMap::new(),
             thread_names: HashMap::new(),
+            forks: Vec::new(),
+            forks_reported: 0,
             recorder: None,
             decode_errors: 0,
         }
@@ -78,6 +90,13 @@ impl Pipeline {
     }
 
     fn handle(&mut self, event: &Event, probes: &Probes) {
+        if let Action::Fork { .. } = event.action {
+            self.forks_reported += 1;
+            if !self.forks.iter().any(|&(pid, _)| pid == event.pid) {
+                self.forks.push((event.pid, event.ts_ns));
+            }
+            return;
+        }
         let Some(spec) = probes.specs().get(usize::from(event.spec)) else {
             self.decode_errors += 1;
             return;
@@ -91,53 +110,70 @@ impl Pipeline {
             ..
         } = event.action
         {
-            self.learn_stack(id, probes);
+            self.learn_stack(event.pid, id, probes);
         }
         self.table.apply(event, spec.domain);
-        if !self.thread_names.contains_key(&event.tid) {
-            let name =
-                std::fs::read_to_string(format!("/proc/{}/task/{}/comm", self.pid, event.tid))
-                    .map(|n| n.trim().to_string())
-                    .unwrap_or_default();
-            self.thread_names.insert(event.tid, name);
-        }
+        self.thread_names.entry(event.tid).or_insert_with(|| {
+            std::fs::read_to_string(format!("/proc/{}/task/{}/comm", event.pid, event.tid))
+                .map(|n| n.trim().to_string())
+                .unwrap_or_default()
+        });
     }
 
-    fn learn_stack(&mut self, id: u32, probes: &Probes) {
+    fn learn_stack(&mut self, pid: u32, id: u32, probes: &Probes) {
         if self.stacks.contains(id) {
             return;
         }
         let Some(ips) = probes.stack(id) else {
             return;
         };
-        if self.space.is_empty() {
-            self.refresh_space();
+        let process = self.spaces.entry(pid).or_default();
+        if process.space.is_empty() {
+            process.refresh(pid);
         }
-        self.stacks.insert(id, &ips, &self.space);
-        if self.stacks.has_unresolved(id) && self.refresh_space() {
-            self.stacks.insert(id, &ips, &self.space);
+        self.stacks.insert(id, &ips, &process.space);
+        if self.stacks.has_unresolved(id) && process.refresh(pid) {
+            self.stacks.insert(id, &ips, &process.space);
         }
         if let (Some(recorder), Some(frames)) = (self.recorder.as_mut(), self.stacks.get(id)) {
             recorder.stack(id, frames);
         }
     }
 
-    /// Re-reads the target's mappings now (the target is about to exit).
-    pub fn refresh_space_now(&mut self) {
-        self.space_read = None;
-        self.refresh_space();
+    /// Re-reads a process's mappings now (it is about to exit, or exec'd).
+    pub fn refresh_space_now(&mut self, pid: u32) {
+        let process = self.spaces.entry(pid).or_default();
+        process.read_at = None;
+        process.refresh(pid);
     }
 
-    /// Re-reads the target's mappings (rate-limited); true when it did.
-    fn refresh_space(&mut self) -> bool {
-        if self
-            .space_read
-            .is_some_and(|at| at.elapsed() < MAPS_REFRESH)
-        {
+    /// Starts a child with its own mappings, or its parent's when it cannot
+    /// be read (gone already): a forked child has its parent's layout until
+    /// it execs.
+    pub fn start_space(&mut self, child: u32, parent: u32) {
+        self.refresh_space_now(child);
+        let empty = self.spaces.get(&child).is_none_or(|c| c.space.is_empty());
+        if empty {
+            if let Some(space) = self.spaces.get(&parent).map(|p| p.space.clone()) {
+                self.spaces.entry(child).or_default().space = space;
+            }
+        }
+    }
+
+    /// Forgets the mappings of a process that is gone.
+    pub fn forget_space(&mut self, pid: u32) {
+        self.spaces.remove(&pid);
+    }
+}
+
+impl ProcessSpace {
+    /// Re-reads the mappings of `pid` (rate-limited); true when it did.
+    fn refresh(&mut self, pid: u32) -> bool {
+        if self.read_at.is_some_and(|at| at.elapsed() < MAPS_REFRESH) {
             return false;
         }
-        self.space_read = Some(Instant::now());
-        match maps::read(self.pid) {
+        self.read_at = Some(Instant::now());
+        match maps::read(pid) {
             Ok(mappings) => {
                 self.space = AddressSpace::new(mappings);
                 true

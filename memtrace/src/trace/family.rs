@@ -1,0 +1,308 @@
+//! The processes a trace covers: the target and, with `--follow-forks`, each
+//! descendant. Owns when a child is adopted (its probes attached, scoped to
+//! it), when it is let go (it exited, or its pid was reused), the cap on how
+//! many are traced at once, and the notes that say what was not traced.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::report::ProcessInfo;
+use crate::target;
+use crate::trace::discovery::Discovery;
+use crate::trace::loader::Probes;
+use crate::trace::pipeline::Pipeline;
+
+/// What became of a child memtrace saw.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Adoption {
+    /// Its probes are attached.
+    Followed,
+    /// No `--follow-forks`.
+    NotFollowed,
+    /// `--max-processes` reached.
+    OverCap,
+    /// It exited before its probes could be attached.
+    Gone,
+    /// Attaching failed, with why.
+    Failed(String),
+}
+
+impl std::fmt::Display for Adoption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Adoption::Followed => write!(f, "followed"),
+            Adoption::NotFollowed => write!(f, "not traced (use --follow-forks to trace it)"),
+            Adoption::OverCap => write!(f, "not traced: --max-processes reached"),
+            Adoption::Gone => write!(f, "exited before its probes were attached"),
+            Adoption::Failed(why) => write!(f, "could not be traced: {why}"),
+        }
+    }
+}
+
+/// One traced process and how to tell it from a later one with its pid.
+struct Member {
+    info: ProcessInfo,
+    start_time: Option<u64>,
+}
+
+/// The traced processes and the children left untraced.
+pub struct Family {
+    target: u32,
+    follow: bool,
+    max_processes: usize,
+    members: BTreeMap<u32, Member>,
+    /// Children seen but not traced (no `--follow-forks`).
+    not_followed: BTreeSet<u32>,
+    /// Children not traced because `--max-processes` was reached.
+    over_cap: BTreeSet<u32>,
+    /// Children whose probes could not be attached, with why.
+    failed: BTreeMap<u32, String>,
+    /// Children that exited before their probes were attached.
+    gone_early: BTreeSet<u32>,
+    /// Forks the kernel reported, and children seen by a look made after
+    /// attach: the difference is children that came and went unseen.
+    forks_reported: u64,
+    children_seen: u64,
+}
+
+impl Family {
+    pub fn new(target: u32, info: ProcessInfo, follow: bool, max_processes: u32) -> Self {
+        let start_time = target::start_time(target);
+        Family {
+            target,
+            follow,
+            max_processes: usize::try_from(max_processes).unwrap_or(usize::MAX),
+            members: BTreeMap::from([(target, Member { info, start_time })]),
+            not_followed: BTreeSet::new(),
+            over_cap: BTreeSet::new(),
+            failed: BTreeMap::new(),
+            gone_early: BTreeSet::new(),
+            forks_reported: 0,
+            children_seen: 0,
+        }
+    }
+
+    /// Traced processes still running.
+    pub fn running(&self) -> impl Iterator<Item = u32> + '_ {
+        self.members
+            .iter()
+            .filter(|(_, m)| !m.info.exited)
+            .map(|(&pid, _)| pid)
+    }
+
+    /// Whether a traced process other than the target still runs.
+    pub fn children_running(&self) -> bool {
+        self.running().any(|pid| pid != self.target)
+    }
+
+    /// Marks a traced process as gone and detaches its probes.
+    pub fn let_go(&mut self, pid: u32, probes: &mut Probes, pipeline: &mut Pipeline) {
+        if let Some(member) = self.members.get_mut(&pid) {
+            member.info.exited = true;
+        }
+        probes.remove_process(pid);
+        if pid != self.target {
+            pipeline.forget_space(pid);
+        }
+    }
+
+    /// Checks the traced children: the ones gone are let go.
+    pub fn reap(&mut self, probes: &mut Probes, pipeline: &mut Pipeline) -> Vec<u32> {
+        let gone: Vec<u32> = self
+            .members
+            .iter()
+            .filter(|(&pid, m)| {
+                pid != self.target
+                    && !m.info.exited
+                    && (!target::is_alive(pid) || target::start_time(pid) != m.start_time)
+            })
+            .map(|(&pid, _)| pid)
+            .collect();
+        for &pid in &gone {
+            self.let_go(pid, probes, pipeline);
+        }
+        gone
+    }
+
+    /// Looks at the children of `parent` (a traced process) and, recursively,
+    /// theirs: with `--follow-forks` each new one is adopted, else noted.
+    /// `forked_ns`: when the kernel reported the fork that prompted the look
+    /// (monotonic), to measure how long the child ran unprobed. Returns each
+    /// child seen for the first time as (child, parent, what became of it).
+    pub fn look_at_children(
+        &mut self,
+        parent: u32,
+        forked_ns: Option<u64>,
+        now: impl Fn() -> (u64, u64),
+        probes: &mut Probes,
+        pipeline: &mut Pipeline,
+        discovery: &mut Discovery,
+    ) -> Vec<(u32, u32, Adoption)> {
+        let mut seen = Vec::new();
+        let mut queue = vec![parent];
+        while let Some(parent) = queue.pop() {
+            for child in target::children(parent) {
+                if self.members.contains_key(&child)
+                    || self.over_cap.contains(&child)
+                    || self.failed.contains_key(&child)
+                    || self.not_followed.contains(&child)
+                    || self.gone_early.contains(&child)
+                {
+                    continue;
+                }
+                self.children_seen += 1;
+                if !self.follow {
+                    self.not_followed.insert(child);
+                    seen.push((child, parent, Adoption::NotFollowed));
+                    continue;
+                }
+                if self.running().count() >= self.max_processes {
+                    self.over_cap.insert(child);
+                    seen.push((child, parent, Adoption::OverCap));
+                    continue;
+                }
+                match probes.add_process(child) {
+                    Ok(_) => {
+                        let (since_start_ms, now_ns) = now();
+                        pipeline.start_space(child, parent);
+                        if let Err(err) = discovery.scan(child, probes, &[]) {
+                            log::debug!("pid {child}: cannot read its mappings: {err}");
+                        }
+                        let info = target::inspect(child).unwrap_or_default();
+                        self.members.insert(
+                            child,
+                            Member {
+                                info: ProcessInfo {
+                                    pid: child,
+                                    parent: Some(parent),
+                                    comm: info.comm,
+                                    exe: info.exe,
+                                    traced_from_ms: since_start_ms,
+                                    attach_delay_ms: forked_ns
+                                        .map(|at| now_ns.saturating_sub(at) / 1_000_000),
+                                    ..ProcessInfo::default()
+                                },
+                                start_time: target::start_time(child),
+                            },
+                        );
+                        seen.push((child, parent, Adoption::Followed));
+                        queue.push(child);
+                    }
+                    Err(_) if !target::is_alive(child) => {
+                        self.gone_early.insert(child);
+                        seen.push((child, parent, Adoption::Gone));
+                    }
+                    Err(err) => {
+                        let why = format!("{err:#}");
+                        self.failed.insert(child, why.clone());
+                        seen.push((child, parent, Adoption::Failed(why)));
+                    }
+                }
+            }
+        }
+        seen
+    }
+
+    /// Counts forks the kernel reported.
+    pub fn forks_reported(&mut self, count: u64) {
+        self.forks_reported += count;
+    }
+
+    /// Children that existed when tracing started are not counted as seen
+    /// after a fork.
+    pub fn reset_seen(&mut self) {
+        self.children_seen = 0;
+    }
+
+    /// A traced process now runs another image: its name and address map
+    /// are re-read. Returns (new image, old image) when it changed.
+    pub fn follow_exec(&mut self, pid: u32, pipeline: &mut Pipeline) -> Option<(String, String)> {
+        let member = self.members.get_mut(&pid)?;
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+        let exe = exe.display().to_string();
+        if exe == member.info.exe || member.info.exited {
+            return None;
+        }
+        let was = std::mem::replace(&mut member.info.exe, exe.clone());
+        if let Ok(info) = target::inspect(pid) {
+            member.info.comm = info.comm;
+            member.info.exe = info.exe;
+        }
+        pipeline.refresh_space_now(pid);
+        Some((exe, was))
+    }
+
+    /// Whether the target itself was let go.
+    pub fn target_exited(&self) -> bool {
+        self.members
+            .get(&self.target)
+            .is_some_and(|m| m.info.exited)
+    }
+
+    /// The start time the target had at attach.
+    pub fn target_start(&self) -> Option<u64> {
+        self.members.get(&self.target).and_then(|m| m.start_time)
+    }
+
+    pub fn processes(&self) -> Vec<ProcessInfo> {
+        self.members.values().map(|m| m.info.clone()).collect()
+    }
+
+    /// What the report says about children.
+    pub fn notes(&self) -> Vec<String> {
+        let list = |pids: &mut dyn Iterator<Item = u32>| -> String {
+            pids.map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+        };
+        let mut notes = Vec::new();
+        if !self.not_followed.is_empty() {
+            notes.push(format!(
+                "{} child process(es) of the target were not traced (pids {}): use --follow-forks to trace them",
+                self.not_followed.len(),
+                list(&mut self.not_followed.iter().copied())
+            ));
+        }
+        let children: Vec<&ProcessInfo> = self
+            .members
+            .values()
+            .map(|m| &m.info)
+            .filter(|info| info.parent.is_some())
+            .collect();
+        if !children.is_empty() {
+            let worst = children.iter().filter_map(|c| c.attach_delay_ms).max();
+            notes.push(format!(
+                "followed {} child process(es) (pids {}); each was probed {} after its fork, so its allocations before then were not seen, and its frees of blocks inherited from its parent count as unmatched",
+                children.len(),
+                list(&mut children.iter().map(|c| c.pid)),
+                match worst {
+                    Some(ms) => format!("at most {ms} ms"),
+                    None => "shortly".to_string(),
+                }
+            ));
+        }
+        if !self.over_cap.is_empty() {
+            notes.push(format!(
+                "{} child process(es) were not traced because --max-processes {} was reached (pids {})",
+                self.over_cap.len(),
+                self.max_processes,
+                list(&mut self.over_cap.iter().copied())
+            ));
+        }
+        for (pid, why) in &self.failed {
+            notes.push(format!("child pid {pid} could not be traced: {why}"));
+        }
+        if !self.gone_early.is_empty() {
+            notes.push(format!(
+                "{} child process(es) exited before their probes were attached (pids {}): their allocations are not in this report",
+                self.gone_early.len(),
+                list(&mut self.gone_early.iter().copied())
+            ));
+        }
+        let unseen = self.forks_reported.saturating_sub(self.children_seen);
+        if unseen > 0 {
+            notes.push(format!(
+                "the kernel reported {} fork(s) of traced processes; {unseen} of the children came and went before memtrace could look at them and are not in this report",
+                self.forks_reported
+            ));
+        }
+        notes
+    }
+}
