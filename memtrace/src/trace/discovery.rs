@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use crate::probe::catalog::{Allocator, FuncDef};
 use crate::probe::maps;
 use crate::probe::plan::{self, LibraryPlan};
+use crate::trace::kernel_support::{unsupported_in, Unsupported};
 use crate::trace::loader::Probes;
 
 /// The objects considered so far and the ones probed (shared by every
@@ -22,6 +23,8 @@ pub struct Discovery {
     pub libraries: Vec<LibraryPlan>,
     /// Objects that could not be read or attached, with why.
     pub problems: Vec<String>,
+    /// The first missing kernel feature an attach ran into.
+    pub unsupported: Option<Unsupported>,
 }
 
 impl Discovery {
@@ -36,6 +39,7 @@ impl Discovery {
             catalog,
             libraries: Vec::new(),
             problems: Vec::new(),
+            unsupported: None,
         }
     }
 
@@ -67,7 +71,12 @@ impl Discovery {
                         attached += count;
                         self.libraries.push(library);
                     }
-                    Err(err) => self.problems.push(format!("{err:#}")),
+                    Err(err) => {
+                        if self.unsupported.is_none() {
+                            self.unsupported = unsupported_in(&err).cloned();
+                        }
+                        self.problems.push(format!("{err:#}"));
+                    }
                 },
                 Ok(None) => {}
                 Err(err) => log::debug!("skipping {}: {err}", path.display()),
@@ -89,7 +98,13 @@ impl Discovery {
             match plan::plan_library(path, path, &self.catalog, self.place) {
                 Ok(Some(mut library)) => {
                     probes.attach_library(&mut library).map_err(|err| {
-                        crate::error::Failure::runtime(format!("--lib {}: {err:#}", path.display()))
+                        match unsupported_in(&err) {
+                            Some(unsupported) => unsupported.clone().into(),
+                            None => crate::error::Failure::runtime(format!(
+                                "--lib {}: {err:#}",
+                                path.display()
+                            )),
+                        }
                     })?;
                     self.libraries.push(library);
                 }

@@ -18,6 +18,7 @@ use memtrace_common::{Counter, ProbeSpec, MAX_SPECS};
 use crate::error::Failure;
 use crate::probe::plan::LibraryPlan;
 use crate::probe::SpecEntry;
+use crate::trace::kernel_support;
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] =
@@ -156,6 +157,7 @@ impl Probes {
     pub fn attach_library(&mut self, plan: &mut LibraryPlan) -> anyhow::Result<usize> {
         let mut attached = 0;
         let mut failures = Vec::new();
+        let mut unsupported = None;
         let mut kept = Vec::new();
         for probe in plan.functions.drain(..) {
             match self.attach_function(&plan.open_path, &probe) {
@@ -163,10 +165,17 @@ impl Probes {
                     attached += 1;
                     kept.push(probe);
                 }
-                Err(err) => failures.push(format!("{}: {err:#}", probe.function)),
+                Err(err) => {
+                    unsupported = unsupported.or(kernel_support::unsupported_in(&err).cloned());
+                    failures.push(format!("{}: {err:#}", probe.function));
+                }
             }
         }
         plan.functions = kept;
+        if let (0, Some(unsupported)) = (attached, unsupported) {
+            // The kernel lacks a feature: every function failed alike.
+            return Err(unsupported.into());
+        }
         for failure in &failures {
             log::warn!("{}: cannot attach {failure}", plan.path.display());
         }
@@ -245,7 +254,7 @@ impl Probes {
             };
             let link = program
                 .attach(point, &function.path, scope)
-                .context("uretprobe")?;
+                .map_err(|err| kernel_support::attach_error(err, "uretprobe"))?;
             self.processes.entry(pid).or_default().exit.push(link);
         }
         let program: &mut UProbe = self
@@ -259,7 +268,7 @@ impl Probes {
         };
         let link = program
             .attach(point, &function.path, scope)
-            .context("uprobe")?;
+            .map_err(|err| kernel_support::attach_error(err, "uprobe"))?;
         self.processes.entry(pid).or_default().enter.push(link);
         Ok(())
     }
@@ -379,19 +388,8 @@ impl Probes {
     }
 }
 
-/// Turns a load error into a clear failure (privilege problems get their own).
+/// Turns a load error into a clear failure (privilege problems and missing
+/// kernel features get their own, see [`kernel_support::load_failure`]).
 fn load_failure(err: &(dyn std::error::Error + 'static)) -> anyhow::Error {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(current) = source {
-        if let Some(io) = current.downcast_ref::<std::io::Error>() {
-            if matches!(io.raw_os_error(), Some(libc::EPERM)) {
-                return Failure::permission(format!(
-                    "permission denied loading eBPF programs: memtrace needs root, or CAP_BPF and CAP_PERFMON ({err})"
-                ))
-                .into();
-            }
-        }
-        source = current.source();
-    }
-    Failure::runtime(format!("cannot load the eBPF programs: {err}")).into()
+    kernel_support::load_failure(err).into()
 }

@@ -6,6 +6,7 @@
 
 pub mod discovery;
 mod family;
+mod kernel_support;
 pub mod loader;
 mod pipeline;
 mod status;
@@ -128,7 +129,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     discovery
         .scan(pid, &mut probes, &extra)
         .with_context(|| format!("cannot read the mappings of pid {pid}"))?;
-    if probes.specs().is_empty() {
+    // Not `probes.specs()`: a spec is recorded before its attach is tried.
+    if discovery.libraries.iter().all(|l| l.functions.is_empty()) {
+        if let Some(unsupported) = discovery.unsupported.take() {
+            return Err(Failure::from(unsupported).into());
+        }
         let why = discovery.problems.join("; ");
         return Err(Failure::runtime(format!(
             "found no allocator function to probe in pid {pid}{}",
