@@ -72,6 +72,8 @@ enum Line {
         /// The traced processes (absent in records of older versions).
         #[serde(default)]
         processes: Vec<ProcessInfo>,
+        #[serde(default)]
+        attach_failures: Vec<String>,
     },
 }
 
@@ -196,6 +198,7 @@ impl Recorder {
             settings: report.settings.clone(),
             reconciliation: report.reconciliation.clone(),
             processes: report.processes.clone(),
+            attach_failures: report.attach_failures.clone(),
         });
         let flushed = self.out.flush();
         match self.failed.take() {
@@ -355,6 +358,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         mut settings,
         reconciliation,
         processes,
+        attach_failures,
     ) = match footer {
         Some(Line::Footer {
             duration_ms,
@@ -367,6 +371,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
             settings,
             reconciliation,
             processes,
+            attach_failures,
         }) => {
             notes.extend(recorded);
             let thread_names: HashMap<u32, String> = thread_names.into_iter().collect();
@@ -380,6 +385,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 settings,
                 reconciliation,
                 processes,
+                attach_failures,
             )
         }
         _ => {
@@ -403,6 +409,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                     ..Settings::default()
                 },
                 None,
+                Vec::new(),
                 Vec::new(),
             )
         }
@@ -437,6 +444,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         notes,
         reconciliation,
         processes,
+        attach_failures,
     };
     let mut symbolizer =
         crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));

@@ -47,6 +47,9 @@ pub struct Report {
     /// The processes traced: the target, and with `--follow-forks` each
     /// descendant, with what each still holds.
     pub processes: Vec<ProcessInfo>,
+    /// Functions that could not be attached though others of their object
+    /// were (another tracer's conflicting probe, ...): their calls are missing.
+    pub attach_failures: Vec<String>,
 }
 
 /// One traced process.
@@ -231,6 +234,7 @@ pub struct ReportInput<'a> {
     /// What is known of the traced processes; pids seen only in the table
     /// are added with what the table says.
     pub processes: Vec<ProcessInfo>,
+    pub attach_failures: Vec<String>,
 }
 
 /// Kernel counters that mean events were lost.
@@ -442,6 +446,12 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             "{lost} events were lost: the live table is incomplete (see lost_by_cause)"
         ));
     }
+    if !input.attach_failures.is_empty() {
+        notes.push(format!(
+            "{} probed function(s) could not be attached: their calls are missing and the live table is incomplete (see attach_failures)",
+            input.attach_failures.len()
+        ));
+    }
     if rate > 1 {
         notes.push(format!(
             "sampling 1 in {rate} allocations (by address): live figures are of the sample; estimated_* fields scale them by {rate}"
@@ -464,7 +474,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         target: input.target,
         duration_ms: input.duration_ms,
         interim: false,
-        complete: lost == 0 && counts.table_full == 0,
+        complete: lost == 0 && counts.table_full == 0 && input.attach_failures.is_empty(),
         events,
         lost_by_cause,
         stack_failures_by_cause,
@@ -491,6 +501,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         suppressed,
         reconciliation: input.reconciliation,
         processes,
+        attach_failures: input.attach_failures,
     }
 }
 
@@ -709,6 +720,7 @@ mod tests {
             thread_names: &names,
             reconciliation: None,
             processes: Vec::new(),
+            attach_failures: Vec::new(),
             table: &table,
             specs: &specs,
             stacks: &stacks,
@@ -808,6 +820,7 @@ mod tests {
             thread_names: &names,
             reconciliation: None,
             processes: Vec::new(),
+            attach_failures: Vec::new(),
             table: &table,
             specs: &specs,
             stacks: &stacks,

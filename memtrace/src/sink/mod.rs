@@ -137,6 +137,7 @@ pub(crate) mod fixture {
         ];
         Report {
             processes: Vec::new(),
+            attach_failures: Vec::new(),
             target: TargetInfo {
                 pid: 4242,
                 comm: "app".into(),

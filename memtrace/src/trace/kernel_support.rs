@@ -138,6 +138,28 @@ pub fn attach_error(err: ProgramError, what: &'static str) -> anyhow::Error {
     }
 }
 
+/// What an attach failure that is not a missing feature most likely means,
+/// when memtrace can tell: `perf_event_open` refusing a uprobe with EINVAL on
+/// a valid offset is the kernel's rule that all uprobes on one (file, offset)
+/// share one `ref_ctr_offset`, system-wide, broken by another tracer.
+pub fn attach_conflict(err: &anyhow::Error) -> Option<&'static str> {
+    err.chain().find_map(|cause| {
+        let program = cause.downcast_ref::<ProgramError>()?;
+        match program {
+            ProgramError::SyscallError(SyscallError { call, io_error })
+                if *call == "perf_event_open" && io_error.raw_os_error() == Some(libc::EINVAL) =>
+            {
+                Some(
+                    "another tracer holds a uprobe on this instruction with a different ref_ctr_offset \
+                     (the kernel allows one per file offset, system-wide; bcc's Python tools pass a \
+                     garbage one, iovisor/bcc#5236: start them with tracefs mounted, or stop them)",
+                )
+            }
+            _ => None,
+        }
+    })
+}
+
 fn syscall_unsupported(call: &str, io_error: &io::Error) -> Option<Unsupported> {
     let errno = io_error.raw_os_error()?;
     match (call, errno) {
@@ -337,6 +359,16 @@ mod tests {
     fn no_attach_cookies_names_the_kernel_version() {
         let unsupported = unsupported_at_attach(&ProgramError::AttachCookieNotSupported);
         assert!(unsupported.is_some_and(|u| u.0.contains("attach cookies") && u.0.contains("5.15")));
+    }
+
+    #[test]
+    fn einval_from_perf_event_open_names_a_ref_ctr_conflict() {
+        let err = attach_error(syscall("perf_event_open", libc::EINVAL), "uprobe");
+        assert!(unsupported_in(&err).is_none());
+        let why = attach_conflict(&err).unwrap_or_default();
+        assert!(why.contains("ref_ctr_offset"), "{why}");
+        let other = attach_error(syscall("perf_event_open", libc::EBUSY), "uprobe");
+        assert_eq!(attach_conflict(&other), None);
     }
 
     #[test]

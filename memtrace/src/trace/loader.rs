@@ -67,6 +67,9 @@ pub struct Probes {
     spec_map: Array<MapData, ProbeSpec>,
     functions: Vec<AttachedFunction>,
     processes: BTreeMap<u32, ProcessLinks>,
+    /// Functions that could not be attached while others of their object
+    /// were: their calls are missing from the live table.
+    pub attach_failures: Vec<String>,
     /// Processes whose forks the kernel reports (`--follow-forks`).
     traced: Option<HashMap<MapData, u32, u8>>,
     pub events: Option<RingBuf<MapData>>,
@@ -136,6 +139,7 @@ impl Probes {
             spec_map,
             functions: Vec::new(),
             processes: BTreeMap::from([(pid, ProcessLinks::default())]),
+            attach_failures: Vec::new(),
             traced: None,
             events: Some(events),
             stacks,
@@ -167,7 +171,11 @@ impl Probes {
                 }
                 Err(err) => {
                     unsupported = unsupported.or(kernel_support::unsupported_in(&err).cloned());
-                    failures.push(format!("{}: {err:#}", probe.function));
+                    let why = match kernel_support::attach_conflict(&err) {
+                        Some(conflict) => format!("{err:#}: {conflict}"),
+                        None => format!("{err:#}"),
+                    };
+                    failures.push(format!("{}: {why}", probe.function));
                 }
             }
         }
@@ -176,8 +184,14 @@ impl Probes {
             // The kernel lacks a feature: every function failed alike.
             return Err(unsupported.into());
         }
-        for failure in &failures {
-            log::warn!("{}: cannot attach {failure}", plan.path.display());
+        if attached > 0 {
+            // Some functions of this object are traced and these are not: the
+            // trace goes on, said loudly, and the report is marked incomplete.
+            for failure in &failures {
+                let line = format!("cannot attach {failure} in {}", plan.path.display());
+                eprintln!("memtrace: warning: {line}");
+                self.attach_failures.push(line);
+            }
         }
         if attached == 0 && !failures.is_empty() {
             anyhow::bail!(

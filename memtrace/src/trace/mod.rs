@@ -584,6 +584,7 @@ impl Session<'_> {
             notes,
             reconciliation: self.reconciliation(probes),
             processes: self.family.processes(),
+            attach_failures: probes.attach_failures.clone(),
         };
         report::build(input, &mut self.symbolizer)
     }
