@@ -12,7 +12,8 @@ mod event;
 use memtrace_common::{EventKind, WireEvent};
 
 fuzz_target!(|data: &[u8]| {
-    match event::decode(data) {
+    // `event::decode` is test-only; the ring-buffer consumer does the same two steps.
+    match event::decode_wire(data).and_then(|wire| event::from_wire(&wire)) {
         Ok(ev) => {
             assert!(data.len() >= std::mem::size_of::<WireEvent>());
             // SAFETY: length checked just above; WireEvent is plain integers.

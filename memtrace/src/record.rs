@@ -19,62 +19,38 @@ use serde::{Deserialize, Serialize};
 use crate::analysis::history::History;
 use crate::analysis::Suppressions;
 use crate::error::Failure;
-use crate::event;
-use crate::probe::catalog::{Allocator, Domain, Memory};
+use crate::probe::catalog::Allocator;
 use crate::probe::maps::{AddressSpace, FileAddr};
 use crate::probe::SpecEntry;
 use crate::report::{self, ProcessInfo, Reconciliation, Report, Settings, TargetInfo};
 use crate::stacks::{RawFrame, StackStore};
 use crate::table::LiveTable;
 
-const FORMAT: &str = "memtrace-record/1";
+mod format;
+
+use format::{Item, Reader, Stop, FORMAT};
 
 /// One line of a record file.
-// One line exists at a time while reading or writing: the footer's size does not matter.
-#[allow(clippy::large_enum_variant)]
+type Line = format::Line<TargetInfo, Footer>;
+
+/// The last line: what the report needs besides the events.
 #[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-enum Line {
-    Header {
-        format: String,
-        target: TargetInfo,
-        started_ns: u64,
-    },
-    /// A probed function, in spec-index order.
-    Spec {
-        index: u16,
-        function: String,
-        allocator: String,
-        family: u8,
-        memory: Memory,
-        domain: Domain,
-    },
-    Stack {
-        id: u32,
-        /// (return address, module, file offset) per frame, innermost first.
-        frames: Vec<(u64, Option<String>, Option<u64>)>,
-    },
-    /// ts, addr, size, aux, pid, tid, stack_id, spec, kind, flags.
-    Event { e: [i64; 10] },
-    /// An interval snapshot was taken at `t_s` seconds.
-    Snapshot { t_s: f64 },
-    Footer {
-        duration_ms: u64,
-        ended_ns: u64,
-        kernel_counters: BTreeMap<String, u64>,
-        notes: Vec<String>,
-        /// (thread id, name) pairs (JSON object keys cannot be integers).
-        thread_names: Vec<(u32, String)>,
-        libraries: Vec<serde_json::Value>,
-        missing_functions: Vec<String>,
-        settings: Settings,
-        reconciliation: Option<Reconciliation>,
-        /// The traced processes (absent in records of older versions).
-        #[serde(default)]
-        processes: Vec<ProcessInfo>,
-        #[serde(default)]
-        attach_failures: Vec<String>,
-    },
+struct Footer {
+    duration_ms: u64,
+    ended_ns: u64,
+    kernel_counters: BTreeMap<String, u64>,
+    notes: Vec<String>,
+    /// (thread id, name) pairs (JSON object keys cannot be integers).
+    thread_names: Vec<(u32, String)>,
+    libraries: Vec<serde_json::Value>,
+    missing_functions: Vec<String>,
+    settings: Settings,
+    reconciliation: Option<Reconciliation>,
+    /// The traced processes (absent in records of older versions).
+    #[serde(default)]
+    processes: Vec<ProcessInfo>,
+    #[serde(default)]
+    attach_failures: Vec<String>,
 }
 
 /// Writes a record file as the trace goes.
@@ -156,18 +132,7 @@ impl Recorder {
 
     pub fn event(&mut self, wire: &WireEvent) {
         self.line(&Line::Event {
-            e: [
-                wire.ts_ns as i64,
-                wire.addr as i64,
-                wire.size as i64,
-                wire.aux as i64,
-                i64::from(wire.pid),
-                i64::from(wire.tid),
-                i64::from(wire.stack_id),
-                i64::from(wire.spec),
-                i64::from(wire.kind),
-                i64::from(wire.flags),
-            ],
+            e: format::event_fields(wire),
         });
     }
 
@@ -182,7 +147,7 @@ impl Recorder {
         ended_ns: u64,
         thread_names: &HashMap<u32, String>,
     ) -> Result<(), Failure> {
-        self.line(&Line::Footer {
+        self.line(&Line::Footer(Footer {
             duration_ms: report.duration_ms,
             ended_ns,
             kernel_counters: report.kernel_counters.clone(),
@@ -199,7 +164,7 @@ impl Recorder {
             reconciliation: report.reconciliation.clone(),
             processes: report.processes.clone(),
             attach_failures: report.attach_failures.clone(),
-        });
+        }));
         let flushed = self.out.flush();
         match self.failed.take() {
             Some(err) => Err(Failure::runtime(format!(
@@ -231,6 +196,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     let mut footer = None;
     let mut last_ts = 0u64;
     let mut problem: Option<String> = None;
+    let mut reader = Reader::default();
     for (number, line) in BufReader::new(file).lines().enumerate() {
         let number = number + 1;
         let text = match line {
@@ -240,48 +206,26 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 break;
             }
         };
-        if text.trim().is_empty() {
-            continue;
-        }
-        let parsed: Line = match serde_json::from_str(&text) {
-            Ok(parsed) => parsed,
-            Err(err) => {
-                problem = Some(format!("line {number}: {err}"));
+        let item: Item<TargetInfo, Footer> = match reader.line(number, &text) {
+            Ok(Some(item)) => item,
+            Ok(None) => continue,
+            Err(Stop::Unreadable(reason)) => {
+                return Err(Failure::usage(format!("{}: {reason}", path.display())));
+            }
+            Err(Stop::Truncated(reason)) => {
+                problem = Some(reason);
                 break;
             }
         };
-        match parsed {
-            Line::Header {
-                format,
-                target,
-                started_ns,
-            } => {
-                if format != FORMAT {
-                    return Err(Failure::usage(format!(
-                        "{}: unsupported record format '{format}' (expected {FORMAT})",
-                        path.display()
-                    )));
-                }
-                header = Some((target, started_ns));
-            }
-            _ if header.is_none() => {
-                return Err(Failure::usage(format!(
-                    "{}: not a memtrace record file (line {number} comes before any header)",
-                    path.display()
-                )));
-            }
-            Line::Spec {
-                index,
+        match item {
+            Item::Header { target, started_ns } => header = Some((target, started_ns)),
+            Item::Spec {
                 function,
                 allocator,
                 family,
                 memory,
                 domain,
             } => {
-                if usize::from(index) != specs.len() {
-                    problem = Some(format!("line {number}: spec {index} out of order"));
-                    break;
-                }
                 specs.push(SpecEntry {
                     function: Box::leak(function.into_boxed_str()),
                     allocator: Allocator::parse_builtin(&allocator).unwrap_or(Allocator::Custom {
@@ -292,7 +236,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                     domain,
                 });
             }
-            Line::Stack { id, frames } => {
+            Item::Stack { id, frames } => {
                 let ips: Vec<u64> = frames.iter().map(|f| f.0).collect();
                 let space = AddressSpace::default();
                 stacks.insert(id, &ips, &space);
@@ -310,35 +254,12 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                         .collect(),
                 );
             }
-            Line::Event { e } => {
-                let wire = WireEvent {
-                    ts_ns: e[0] as u64,
-                    addr: e[1] as u64,
-                    size: e[2] as u64,
-                    aux: e[3] as u64,
-                    pid: e[4] as u32,
-                    tid: e[5] as u32,
-                    stack_id: e[6] as i32,
-                    spec: e[7] as u16,
-                    kind: e[8] as u8,
-                    flags: e[9] as u8,
-                };
-                let Ok(event) = event::from_wire(&wire) else {
-                    problem = Some(format!("line {number}: undecodable event"));
-                    break;
-                };
-                let Some(spec) = specs.get(usize::from(event.spec)) else {
-                    problem = Some(format!(
-                        "line {number}: event of unknown spec {}",
-                        event.spec
-                    ));
-                    break;
-                };
+            Item::Event { event, domain } => {
                 last_ts = last_ts.max(event.ts_ns);
-                table.apply(&event, spec.domain);
+                table.apply(&event, domain);
             }
-            Line::Snapshot { t_s } => history.record(&table, &specs, t_s),
-            Line::Footer { .. } => footer = Some(parsed),
+            Item::Snapshot { t_s } => history.record(&table, &specs, t_s),
+            Item::Footer(read) => footer = Some(read),
         }
     }
     let Some((target, started_ns)) = header else {
@@ -360,7 +281,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         processes,
         attach_failures,
     ) = match footer {
-        Some(Line::Footer {
+        Some(Footer {
             duration_ms,
             ended_ns,
             kernel_counters,
@@ -388,7 +309,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 attach_failures,
             )
         }
-        _ => {
+        None => {
             notes.push(format!(
                 "record file {} is truncated ({}): report built from what could be read",
                 path.display(),
@@ -449,4 +370,191 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     let mut symbolizer =
         crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
     Ok(report::build(input, &mut symbolizer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options() -> ReplayOptions {
+        ReplayOptions {
+            top: None,
+            min_age_ms: None,
+            warmup_ms: None,
+            suppressions: None,
+        }
+    }
+
+    /// A small record: one spec, one stack, a leak and a freed block, a
+    /// snapshot and the footer.
+    fn record_text() -> String {
+        let wire = |ts_ns, addr, kind| WireEvent {
+            ts_ns,
+            addr,
+            size: 64,
+            aux: 0,
+            pid: 7,
+            tid: 7,
+            stack_id: 1,
+            spec: 0,
+            kind,
+            flags: 0,
+        };
+        let lines = [
+            Line::Header {
+                format: FORMAT.to_string(),
+                target: TargetInfo {
+                    pid: 7,
+                    comm: "leaky".into(),
+                    exe: "/nonexistent/leaky".into(),
+                },
+                started_ns: 1_000_000,
+            },
+            Line::Spec {
+                index: 0,
+                function: "malloc".into(),
+                allocator: "libc".into(),
+                family: 0,
+                memory: crate::probe::catalog::Memory::Host,
+                domain: crate::probe::catalog::Domain::Heap,
+            },
+            Line::Stack {
+                id: 1,
+                frames: vec![
+                    (0x1234, Some("/nonexistent/leaky".into()), Some(0x234)),
+                    (0x99, None, None),
+                ],
+            },
+            Line::Event {
+                e: format::event_fields(&wire(2_000_000, 0x1000, 0)),
+            },
+            Line::Event {
+                e: format::event_fields(&wire(3_000_000, 0x2000, 0)),
+            },
+            Line::Snapshot { t_s: 0.5 },
+            Line::Event {
+                e: format::event_fields(&wire(4_000_000, 0x2000, 1)),
+            },
+            Line::Footer(Footer {
+                duration_ms: 900,
+                ended_ns: 901_000_000,
+                kernel_counters: BTreeMap::new(),
+                notes: vec!["recorded note".into()],
+                thread_names: vec![(7, "leaky".into())],
+                libraries: Vec::new(),
+                missing_functions: Vec::new(),
+                settings: Settings {
+                    top: 5,
+                    ..Settings::default()
+                },
+                reconciliation: None,
+                processes: Vec::new(),
+                attach_failures: Vec::new(),
+            }),
+        ];
+        let mut text = String::new();
+        for line in &lines {
+            text.push_str(&serde_json::to_string(line).expect("serializes"));
+            text.push('\n');
+        }
+        text
+    }
+
+    struct TempFile(std::path::PathBuf);
+
+    impl TempFile {
+        fn new(name: &str) -> TempFile {
+            TempFile(std::env::temp_dir().join(format!(
+                "memtrace-record-unit-{}-{name}.jsonl",
+                std::process::id()
+            )))
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    #[test]
+    fn footer_fields_sit_next_to_the_type() {
+        let text = record_text();
+        let footer = text.lines().last().expect("footer line");
+        assert!(
+            footer.starts_with(r#"{"type":"footer","duration_ms":900,"#),
+            "{footer}"
+        );
+    }
+
+    #[test]
+    fn a_whole_record_replays_with_its_footer() {
+        let file = TempFile::new("whole");
+        std::fs::write(&file.0, record_text()).expect("write");
+        let report = replay(&file.0, options()).expect("replays");
+        assert_eq!(report.duration_ms, 900);
+        assert_eq!(report.settings.top, 5);
+        assert_eq!((report.events.allocs, report.events.frees), (2, 1));
+        assert_eq!(report.notes, vec!["recorded note".to_string()]);
+    }
+
+    #[test]
+    fn a_record_cut_anywhere_gives_a_report_or_an_error() {
+        let text = record_text();
+        let file = TempFile::new("cut");
+        let header_len = text.find('\n').unwrap_or(text.len());
+        for cut in 0..text.len() {
+            std::fs::write(&file.0, &text.as_bytes()[..cut]).expect("write");
+            match replay(&file.0, options()) {
+                Ok(report) => {
+                    assert!(cut >= header_len, "cut {cut}: a report without a header");
+                    // Only the final newline may go without a note.
+                    let truncated = report.notes.iter().any(|n| n.contains("truncated"));
+                    assert_eq!(
+                        truncated,
+                        cut + 1 < text.len(),
+                        "cut {cut}: {:?}",
+                        report.notes
+                    );
+                }
+                Err(err) => assert!(cut < header_len, "cut {cut}: {err}"),
+            }
+        }
+    }
+
+    #[test]
+    fn corrupt_lines_stop_the_read_without_a_panic() {
+        let text = record_text();
+        let file = TempFile::new("corrupt");
+        let mut lines: Vec<&str> = text.lines().collect();
+        // An event of a spec never declared, then one of an unknown kind.
+        let unknown_spec = r#"{"type":"event","e":[5,1,1,0,7,7,1,9,0,0]}"#;
+        let unknown_kind = r#"{"type":"event","e":[5,1,1,0,7,7,1,0,77,0]}"#;
+        for (bad, why) in [
+            (unknown_spec, "unknown spec 9"),
+            (unknown_kind, "undecodable"),
+            ("\u{0}\u{1}", "line 4"),
+            (r#"{"type":"spec","index":3}"#, "line 4"),
+        ] {
+            lines.insert(3, bad);
+            std::fs::write(&file.0, lines.join("\n")).expect("write");
+            lines.remove(3);
+            let report = replay(&file.0, options()).expect("a partial report");
+            assert!(
+                report
+                    .notes
+                    .iter()
+                    .any(|n| n.contains("truncated") && n.contains(why)),
+                "{why}: {:?}",
+                report.notes
+            );
+        }
+        // Invalid UTF-8 is a stop too.
+        let mut bytes = text.as_bytes().to_vec();
+        let second = text.find('\n').map_or(0, |i| i + 1);
+        bytes.splice(second..second, *b"\xff\xfe\n");
+        std::fs::write(&file.0, bytes).expect("write");
+        let report = replay(&file.0, options()).expect("a partial report");
+        assert!(report.notes.iter().any(|n| n.contains("line 2")));
+    }
 }

@@ -139,6 +139,22 @@ pub fn parse(
     let mut defs = Vec::new();
     for (i, pair) in file.pair.iter().enumerate() {
         let line = line_of(&format!("\"{}\"", pair.name));
+        for (key, value) in [
+            ("name", &pair.name),
+            ("alloc", &pair.alloc),
+            ("free", &pair.free),
+        ] {
+            if value.trim().is_empty() {
+                return Err(error(line, format!("{key} is empty")));
+            }
+        }
+        if Allocator::parse_builtin(&pair.name).is_some() {
+            // A replayed record would take it for the built-in allocator.
+            return Err(error(
+                line,
+                format!("name = \"{}\" is a built-in allocator's", pair.name),
+            ));
+        }
         let index = first_index + i;
         if index >= MAX_PAIRS {
             return Err(error(line, format!("at most {MAX_PAIRS} pairs")));
@@ -288,5 +304,17 @@ free_checked = true
             .expect_err("success")
             .reason
             .contains("success"));
+    }
+
+    #[test]
+    fn names_are_not_empty_nor_built_in() {
+        let empty = "[[pair]]\nname = \"x\"\nalloc = \"\"\nfree = \"f\"\n";
+        let err = parse(empty, "p.toml", 0).expect_err("empty alloc");
+        assert_eq!((err.line, err.reason.as_str()), (2, "alloc is empty"));
+        let blank = "[[pair]]\nname = \" \"\nalloc = \"a\"\nfree = \"f\"\n";
+        assert!(parse(blank, "p.toml", 0).is_err());
+        let builtin = "[[pair]]\nname = \"cuda\"\nalloc = \"a\"\nfree = \"f\"\n";
+        let err = parse(builtin, "p.toml", 0).expect_err("built-in name");
+        assert!(err.reason.contains("built-in"), "{err}");
     }
 }

@@ -7,7 +7,8 @@
 //! * DRM fdinfo: `drm-memory-*`, `drm-total-*`, `drm-resident-*` keys in
 //!   `/proc/PID/fdinfo/*`, summed per region over distinct DRM clients.
 //! * A vendor command (`--gpu-cmd 'mx-smi --show-memory'`): `key: value [unit]`
-//!   and `key=value[unit]` fields whose key mentions used/total/free/usage/capacity.
+//!   and `key=value[unit]` fields whose key mentions used/total/free/usage/capacity,
+//!   and the box-drawn table of `npu-smi info` (`npuN.hbm_used`, `npuN.hbm_total`).
 //!
 //! A source that fails mid-run yields an error string that becomes a gap note.
 
@@ -93,7 +94,7 @@ pub fn parse_fdinfo(text: &str) -> Option<(String, Vec<(String, f64)>)> {
     Some((format!("{pdev}/{client}"), mem))
 }
 
-/// `1234 KiB` / `12MiB` / `4096` -> bytes.
+/// `1234 KiB` / `12MiB` / `4096` -> bytes; `None` unless a finite number.
 pub fn parse_value_unit(text: &str) -> Option<f64> {
     let text = text.trim();
     let split = text
@@ -102,7 +103,7 @@ pub fn parse_value_unit(text: &str) -> Option<f64> {
     let (num, rest) = text.split_at(split);
     let v: f64 = num.parse().ok()?;
     let unit = rest.split_whitespace().next().unwrap_or("");
-    Some(v * unit_multiplier(unit)?)
+    Some(v * unit_multiplier(unit)?).filter(|v| v.is_finite())
 }
 
 /// Sums DRM fdinfo memory of one process over its distinct DRM clients.
@@ -187,21 +188,163 @@ fn wanted_key(key: &str) -> bool {
         .any(|w| key.contains(w))
 }
 
+/// Adds `(name, v)`, suffixing `#1`, `#2`... to a name already present;
+/// drops a figure too large to be one.
+fn push_unique(out: &mut Vec<(String, f64)>, name: String, v: f64) {
+    if !v.is_finite() {
+        return;
+    }
+    let mut unique = name.clone();
+    let mut n = 1;
+    while out.iter().any(|(k, _)| *k == unique) {
+        unique = format!("{name}#{n}");
+        n += 1;
+    }
+    out.push((unique, v));
+}
+
+/// The cells of a box-drawn table row (`| a | b |`), trimmed; `None` for
+/// other lines.
+fn table_cells(line: &str) -> Option<Vec<&str>> {
+    let inner = line.trim().strip_prefix('|')?;
+    let inner = inner.strip_suffix('|').unwrap_or(inner);
+    let cells: Vec<&str> = inner.split('|').map(str::trim).collect();
+    (cells.len() >= 3).then_some(cells)
+}
+
+fn is_number(token: &str) -> bool {
+    !token.is_empty() && token.chars().all(|c| c.is_ascii_digit())
+}
+
+/// The device table of `npu-smi info`: two header rows name the columns of
+/// the NPU row and of the chip rows under it, e.g.
+///
+/// ```text
+/// | NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+/// | Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
+/// +===========================+===============+====================================================+
+/// | 0     910B3               | OK            | 93.0        42                0    / 0             |
+/// | 0                         | 0000:C1:00.0  | 0           0    / 0          3410 / 65536         |
+/// ```
+///
+/// A `used / total` column whose header names a size unit yields
+/// `npuN.<name>_used` and `npuN.<name>_total` (`hbm`, `memory`; chips other
+/// than 0 add `.chipC`); a total of 0 means the NPU has no such memory.
+/// Any other table (the process table) ends it.
+#[derive(Default)]
+struct NpuTable {
+    /// Column names of the NPU row and of the chip rows (from the third cell on).
+    columns: Option<[Vec<String>; 2]>,
+    /// The NPU id of the last NPU row.
+    npu: Option<String>,
+}
+
+impl NpuTable {
+    /// Takes a line of the table (true) or leaves it to the key/value parser.
+    fn feed(&mut self, line: &str, out: &mut Vec<(String, f64)>) -> bool {
+        let trimmed = line.trim();
+        if trimmed.starts_with('+') && trimmed.chars().all(|c| "+-=".contains(c)) {
+            // A rule between rows: `+----+====+`.
+            return true;
+        }
+        let Some(cells) = table_cells(line) else {
+            self.columns = None;
+            return false;
+        };
+        let first: Vec<&str> = cells[0].split_whitespace().collect();
+        match first.as_slice() {
+            ["NPU", "Name", ..] => {
+                let names = cells[2..].iter().flat_map(|c| c.split_whitespace());
+                self.columns = Some([names.map(str::to_string).collect(), Vec::new()]);
+                self.npu = None;
+                return true;
+            }
+            ["Chip", ..] => {
+                if let Some(columns) = &mut self.columns {
+                    let names = cells[2..].iter().flat_map(|c| c.split_whitespace());
+                    columns[1] = names.map(str::to_string).collect();
+                    return true;
+                }
+                return false;
+            }
+            _ => {}
+        }
+        let Some(columns) = &self.columns else {
+            return false;
+        };
+        let Some(id) = first.first().copied().filter(|t| is_number(t)) else {
+            // Another table (`| NPU  Chip | Process id |...`) or a message.
+            self.columns = None;
+            self.npu = None;
+            return false;
+        };
+        let (names, prefix) = if first.iter().all(|t| is_number(t)) {
+            // A chip row: `| 0 [device] | bus id | figures |`.
+            let Some(npu) = &self.npu else {
+                return true;
+            };
+            let prefix = if id == "0" {
+                format!("npu{npu}.")
+            } else {
+                format!("npu{npu}.chip{id}.")
+            };
+            (&columns[1], prefix)
+        } else {
+            // An NPU row: `| 0  910B3 | health | figures |`.
+            self.npu = Some(id.to_string());
+            (&columns[0], format!("npu{id}."))
+        };
+        let text = cells[2..].join(" ").replace('/', " / ");
+        let tokens: Vec<&str> = text.split_whitespace().collect();
+        let mut values: Vec<(&str, Option<&str>)> = Vec::new();
+        let mut i = 0;
+        while i < tokens.len() {
+            if tokens.get(i + 1) == Some(&"/") {
+                if let Some(total) = tokens.get(i + 2) {
+                    values.push((tokens[i], Some(*total)));
+                    i += 3;
+                    continue;
+                }
+            }
+            values.push((tokens[i], None));
+            i += 1;
+        }
+        if values.len() != names.len() {
+            // Not laid out as the header says: nothing is certain.
+            return true;
+        }
+        for (name, (value, total)) in names.iter().zip(values) {
+            let Some((key, Some(unit))) = normalize_key(name) else {
+                continue;
+            };
+            let Some(v) = parse_value_unit(value) else {
+                continue;
+            };
+            match total.map(parse_value_unit) {
+                None => push_unique(out, format!("{prefix}{key}"), v * unit),
+                Some(Some(total)) if total > 0.0 => {
+                    let base = key.strip_suffix("_usage").unwrap_or(&key);
+                    push_unique(out, format!("{prefix}{base}_used"), v * unit);
+                    push_unique(out, format!("{prefix}{base}_total"), total * unit);
+                }
+                Some(_) => {}
+            }
+        }
+        true
+    }
+}
+
 /// Parses a vendor tool's output into `(metric, bytes)`. Device headers such
-/// as `GPU#0`, `NPU 1`, `Device 2` prefix the following keys (`gpu0.vram_used`).
+/// as `GPU#0`, `NPU 1`, `Device 2` prefix the following keys (`gpu0.vram_used`);
+/// the table of `npu-smi info` is read by [`NpuTable`].
 pub fn parse_smi_output(text: &str) -> Vec<(String, f64)> {
     let mut out: Vec<(String, f64)> = Vec::new();
     let mut prefix = String::new();
-    let push = |name: String, v: f64, out: &mut Vec<(String, f64)>| {
-        let mut unique = name.clone();
-        let mut n = 1;
-        while out.iter().any(|(k, _)| *k == unique) {
-            unique = format!("{name}#{n}");
-            n += 1;
-        }
-        out.push((unique, v));
-    };
+    let mut table = NpuTable::default();
     for line in text.lines() {
+        if table.feed(line, &mut out) {
+            continue;
+        }
         if let Some(dev) = device_header(line) {
             prefix = format!("{dev}.");
             continue;
@@ -233,10 +376,10 @@ pub fn parse_smi_output(text: &str) -> Vec<(String, f64)> {
                     parse_value_unit(v)
                 };
                 if let Some(val) = value {
-                    push(
+                    push_unique(
+                        &mut out,
                         format!("{prefix}{key}"),
                         val * key_unit.unwrap_or(1.0),
-                        &mut out,
                     );
                 }
             }
@@ -248,10 +391,10 @@ pub fn parse_smi_output(text: &str) -> Vec<(String, f64)> {
                 continue;
             }
             if let Some(val) = parse_value_unit(v) {
-                push(
+                push_unique(
+                    &mut out,
                     format!("{prefix}{key}"),
                     val * key_unit.unwrap_or(1.0),
-                    &mut out,
                 );
             }
         }
@@ -544,6 +687,101 @@ mod tests {
                 ("npu0.hbm_capacity".to_string(), 65536.0 * 1048576.0),
                 ("npu0.hbm_used".to_string(), 3393.0 * 1048576.0),
             ]
+        );
+    }
+
+    /// `npu-smi info` on an 8 x 910B3 host (first two NPUs), with the process
+    /// table that follows the device table.
+    const NPU_SMI_910B: &str = "\
++------------------------------------------------------------------------------------------------+
+| npu-smi 24.1.rc1                 Version: 24.1.rc1                                             |
++---------------------------+---------------+----------------------------------------------------+
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
++===========================+===============+====================================================+
+| 0     910B3               | OK            | 93.0        42                0    / 0             |
+| 0                         | 0000:C1:00.0  | 0           0    / 0          3410 / 65536         |
++===========================+===============+====================================================+
+| 1     910B3               | OK            | 96.9        36                0    / 0             |
+| 0                         | 0000:C2:00.0  | 42          0    / 0          52314/ 65536         |
++===========================+===============+====================================================+
++---------------------------+---------------+----------------------------------------------------+
+| NPU     Chip              | Process id    | Process name             | Process memory(MB)      |
++===========================+===============+====================================================+
+| 1       0                 | 1712733       | python3.9                | 48954                   |
++===========================+===============+====================================================+
+";
+
+    #[test]
+    fn npu_smi_info_table_yields_hbm_per_npu() {
+        let mb = 1048576.0;
+        assert_eq!(
+            parse_smi_output(NPU_SMI_910B),
+            vec![
+                ("npu0.hbm_used".to_string(), 3410.0 * mb),
+                ("npu0.hbm_total".to_string(), 65536.0 * mb),
+                ("npu1.hbm_used".to_string(), 52314.0 * mb),
+                ("npu1.hbm_total".to_string(), 65536.0 * mb),
+            ]
+        );
+    }
+
+    #[test]
+    fn npu_smi_info_table_of_a_duo_card_names_its_chips() {
+        // Atlas 300I Duo (310P3): two chips under one NPU id, DDR instead of HBM.
+        let text = "\
++--------------------------------------------------------------------------------------------------------+
+| npu-smi 25.0.rc1.1                               Version: 25.0.rc1.1                                   |
++-------------------------------+-----------------+------------------------------------------------------+
+| NPU     Name                  | Health          | Power(W)     Temp(C)           Hugepages-Usage(page) |
+| Chip    Device                | Bus-Id          | AICore(%)    Memory-Usage(MB)                        |
++===============================+=================+======================================================+
+| 8       310P3                 | OK              | NA           47                0     / 0             |
+| 0       0                     | 0000:01:00.0    | 0            1475 / 44280                            |
++-------------------------------+-----------------+------------------------------------------------------+
+| 8       310P3                 | OK              | NA           45                0     / 0             |
+| 1       1                     | 0000:01:00.0    | 0            1462 / 43693                            |
++===============================+=================+======================================================+
+";
+        let mb = 1048576.0;
+        assert_eq!(
+            parse_smi_output(text),
+            vec![
+                ("npu8.memory_used".to_string(), 1475.0 * mb),
+                ("npu8.memory_total".to_string(), 44280.0 * mb),
+                ("npu8.chip1.memory_used".to_string(), 1462.0 * mb),
+                ("npu8.chip1.memory_total".to_string(), 43693.0 * mb),
+            ]
+        );
+    }
+
+    #[test]
+    fn npu_smi_info_rows_out_of_layout_are_skipped() {
+        // A chip row before any NPU row, and one with a column missing.
+        let text = "\
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
+| 0                         | 0000:C1:00.0  | 0           0    / 0          3410 / 65536         |
+| 0     910B3               | OK            | 93.0        42                0    / 0             |
+| 0                         | 0000:C1:00.0  | 0           3410 / 65536                           |
+";
+        assert_eq!(parse_smi_output(text), vec![]);
+    }
+
+    #[test]
+    fn figures_too_large_for_a_number_are_dropped() {
+        let huge = "9".repeat(400);
+        assert_eq!(parse_value_unit(&huge), None);
+        assert_eq!(parse_smi_output(&format!("vram used: {huge}\n")), vec![]);
+        // Finite digits, but not once multiplied by the unit of the key.
+        let large = format!("9{}", "0".repeat(305));
+        assert_eq!(
+            parse_smi_output(&format!("HBM Used(MB): {large}\n")),
+            vec![]
+        );
+        assert_eq!(
+            parse_fdinfo(&format!("drm-client-id: 1\ndrm-memory-vram: {huge} KiB\n")),
+            Some(("/1".to_string(), vec![]))
         );
     }
 

@@ -1,0 +1,299 @@
+//! The lines of a record file and the checks made while reading them, one
+//! line at a time. Pure (no I/O, nothing of the live table or the report), so
+//! `fuzz/` drives it directly; `replay` feeds it the file and applies what it
+//! yields.
+//!
+//! The header's target and the footer are the report's types, passed in as
+//! the type parameters `T` and `F`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::{self, Event};
+use crate::probe::catalog::{Domain, Memory};
+use memtrace_common::WireEvent;
+
+pub const FORMAT: &str = "memtrace-record/1";
+
+/// One line of a record file (a JSON object tagged by `type`).
+// One line exists at a time while reading or writing: the footer's size does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Line<T, F> {
+    Header {
+        format: String,
+        target: T,
+        started_ns: u64,
+    },
+    /// A probed function, in spec-index order.
+    Spec {
+        index: u16,
+        function: String,
+        allocator: String,
+        family: u8,
+        memory: Memory,
+        domain: Domain,
+    },
+    Stack {
+        id: u32,
+        /// (return address, module, file offset) per frame, innermost first.
+        frames: Vec<(u64, Option<String>, Option<u64>)>,
+    },
+    /// ts, addr, size, aux, pid, tid, stack_id, spec, kind, flags.
+    Event { e: [i64; 10] },
+    /// An interval snapshot was taken at `t_s` seconds.
+    Snapshot { t_s: f64 },
+    /// The footer's fields, next to `type`.
+    Footer(F),
+}
+
+/// What a checked line adds to the replay.
+#[derive(Debug)]
+pub enum Item<T, F> {
+    Header {
+        target: T,
+        started_ns: u64,
+    },
+    /// The next spec (its index is the number of specs before it).
+    Spec {
+        function: String,
+        allocator: String,
+        family: u8,
+        memory: Memory,
+        domain: Domain,
+    },
+    Stack {
+        id: u32,
+        frames: Vec<(u64, Option<String>, Option<u64>)>,
+    },
+    /// A decoded event of a known spec, with that spec's domain.
+    Event {
+        event: Event,
+        domain: Domain,
+    },
+    Snapshot {
+        t_s: f64,
+    },
+    Footer(F),
+}
+
+/// Why reading stopped.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// Not a record file memtrace can read: nothing is reported.
+    Unreadable(String),
+    /// A bad line (`line N: why`): the report is built from the lines before it.
+    Truncated(String),
+}
+
+/// The state of one read through a file: whether a header was seen, and the
+/// domain of each spec so far.
+#[derive(Debug, Default)]
+pub struct Reader {
+    header: bool,
+    domains: Vec<Domain>,
+}
+
+impl Reader {
+    /// Checks line `number` (1-based) of the file; `Ok(None)` for a blank line.
+    pub fn line<T, F>(&mut self, number: usize, text: &str) -> Result<Option<Item<T, F>>, Stop>
+    where
+        T: for<'de> Deserialize<'de>,
+        F: for<'de> Deserialize<'de>,
+    {
+        if text.trim().is_empty() {
+            return Ok(None);
+        }
+        let parsed: Line<T, F> = serde_json::from_str(text)
+            .map_err(|err| Stop::Truncated(format!("line {number}: {err}")))?;
+        let item = match parsed {
+            Line::Header {
+                format,
+                target,
+                started_ns,
+            } => {
+                if format != FORMAT {
+                    return Err(Stop::Unreadable(format!(
+                        "unsupported record format '{format}' (expected {FORMAT})"
+                    )));
+                }
+                self.header = true;
+                Item::Header { target, started_ns }
+            }
+            _ if !self.header => {
+                return Err(Stop::Unreadable(format!(
+                    "not a memtrace record file (line {number} comes before any header)"
+                )));
+            }
+            Line::Spec {
+                index,
+                function,
+                allocator,
+                family,
+                memory,
+                domain,
+            } => {
+                if usize::from(index) != self.domains.len() {
+                    return Err(Stop::Truncated(format!(
+                        "line {number}: spec {index} out of order"
+                    )));
+                }
+                self.domains.push(domain);
+                Item::Spec {
+                    function,
+                    allocator,
+                    family,
+                    memory,
+                    domain,
+                }
+            }
+            Line::Stack { id, frames } => Item::Stack { id, frames },
+            Line::Event { e } => {
+                let event = event::from_wire(&wire_of(&e))
+                    .map_err(|_| Stop::Truncated(format!("line {number}: undecodable event")))?;
+                let Some(domain) = self.domains.get(usize::from(event.spec)).copied() else {
+                    return Err(Stop::Truncated(format!(
+                        "line {number}: event of unknown spec {}",
+                        event.spec
+                    )));
+                };
+                Item::Event { event, domain }
+            }
+            Line::Snapshot { t_s } => Item::Snapshot { t_s },
+            Line::Footer(footer) => Item::Footer(footer),
+        };
+        Ok(Some(item))
+    }
+}
+
+/// The fields of an `event` line as the ring buffer carried them (each
+/// narrowed back to its wire width).
+pub fn wire_of(e: &[i64; 10]) -> WireEvent {
+    WireEvent {
+        ts_ns: e[0] as u64,
+        addr: e[1] as u64,
+        size: e[2] as u64,
+        aux: e[3] as u64,
+        pid: e[4] as u32,
+        tid: e[5] as u32,
+        stack_id: e[6] as i32,
+        spec: e[7] as u16,
+        kind: e[8] as u8,
+        flags: e[9] as u8,
+    }
+}
+
+/// The fields of an `event` line for a wire event.
+pub fn event_fields(wire: &WireEvent) -> [i64; 10] {
+    [
+        wire.ts_ns as i64,
+        wire.addr as i64,
+        wire.size as i64,
+        wire.aux as i64,
+        i64::from(wire.pid),
+        i64::from(wire.tid),
+        i64::from(wire.stack_id),
+        i64::from(wire.spec),
+        i64::from(wire.kind),
+        i64::from(wire.flags),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::de::IgnoredAny;
+
+    type Read = Result<Option<Item<IgnoredAny, IgnoredAny>>, Stop>;
+
+    const HEADER: &str =
+        r#"{"type":"header","format":"memtrace-record/1","target":{},"started_ns":5}"#;
+    const SPEC0: &str = r#"{"type":"spec","index":0,"function":"malloc","allocator":"libc","family":0,"memory":"host","domain":"Heap"}"#;
+
+    #[test]
+    fn lines_before_a_header_make_the_file_unreadable() {
+        let mut reader = Reader::default();
+        let read: Read = reader.line(1, SPEC0);
+        assert!(matches!(read, Err(Stop::Unreadable(m)) if m.contains("line 1 comes before")));
+        let other = HEADER.replace("record/1", "record/9");
+        let read: Read = Reader::default().line(1, &other);
+        assert!(matches!(read, Err(Stop::Unreadable(m)) if m.contains("record/9")));
+    }
+
+    #[test]
+    fn an_event_needs_its_spec_and_a_known_kind() {
+        let mut reader = Reader::default();
+        let read: Read = reader.line(1, HEADER);
+        assert!(matches!(read, Ok(Some(Item::Header { started_ns: 5, .. }))));
+        let blank: Read = reader.line(2, "  ");
+        assert!(matches!(blank, Ok(None)));
+        let event = r#"{"type":"event","e":[9,4096,16,0,1,1,-1,0,0,0]}"#;
+        let early: Read = reader.line(3, event);
+        assert_eq!(
+            early.expect_err("no spec yet"),
+            Stop::Truncated("line 3: event of unknown spec 0".into())
+        );
+        let spec: Read = reader.line(3, SPEC0);
+        assert!(matches!(spec, Ok(Some(Item::Spec { .. }))));
+        let again: Read = reader.line(4, SPEC0);
+        assert_eq!(
+            again.expect_err("index 0 twice"),
+            Stop::Truncated("line 4: spec 0 out of order".into())
+        );
+        let read: Read = reader.line(5, event);
+        let Ok(Some(Item::Event { event, domain })) = read else {
+            panic!("event: {read:?}");
+        };
+        assert_eq!((event.ts_ns, domain), (9, Domain::Heap));
+        let bad_kind = r#"{"type":"event","e":[9,4096,16,0,1,1,-1,0,200,0]}"#;
+        let read: Read = reader.line(6, bad_kind);
+        assert_eq!(
+            read.expect_err("kind 200"),
+            Stop::Truncated("line 6: undecodable event".into())
+        );
+    }
+
+    #[test]
+    fn a_cut_line_stops_the_read() {
+        let mut reader = Reader::default();
+        let read: Read = reader.line(1, &HEADER[..HEADER.len() - 7]);
+        assert!(matches!(read, Err(Stop::Truncated(m)) if m.starts_with("line 1: EOF")));
+    }
+
+    #[test]
+    fn event_fields_round_trip() {
+        let wire = WireEvent {
+            ts_ns: u64::MAX,
+            addr: 1 << 63,
+            size: 7,
+            aux: u64::MAX - 1,
+            pid: u32::MAX,
+            tid: 3,
+            stack_id: -17,
+            spec: u16::MAX,
+            kind: 2,
+            flags: 0xff,
+        };
+        let back = wire_of(&event_fields(&wire));
+        assert_eq!(
+            (
+                back.ts_ns,
+                back.addr,
+                back.aux,
+                back.pid,
+                back.stack_id,
+                back.spec,
+                back.flags
+            ),
+            (
+                u64::MAX,
+                1 << 63,
+                u64::MAX - 1,
+                u32::MAX,
+                -17,
+                u16::MAX,
+                0xff
+            )
+        );
+    }
+}
