@@ -8,7 +8,9 @@
 //! each has a generous safety timeout only so that a hang fails instead of
 //! blocking the suite.
 
+use std::ffi::CString;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -512,7 +514,8 @@ fn seccomp_filter_without_the_uretprobe_syscall_is_probed_safely() {
 }
 
 // ---------------------------------------------------------------------------
-// 4. Coexistence with another memtrace and with bpftrace.
+// 4. Coexistence with another memtrace, with bpftrace, and with a tracer
+//    whose uprobe conflicts (bcc's Python tools).
 
 fn assert_leak_sites_found(report: &Value, who: &str) {
     // A failure here with blocks under `suppressed` "warmup" is the warm-up
@@ -620,6 +623,164 @@ fn memtrace_alongside_bpftrace_on_malloc_reports_the_leaks() {
         .unwrap_or_else(|| panic!("bpftrace printed no count: {rest}"));
     // leak_sites calls malloc at least 100 + 10 + 1000 + 32 times.
     assert!(calls >= 1142, "bpftrace saw its probe fire too: {calls}");
+}
+
+/// The file offset of the dynamic symbol `name` in the ELF file `path`: its
+/// address mapped through the `PT_LOAD` segment that contains it.
+fn dynamic_symbol_file_offset(path: &Path, name: &str) -> u64 {
+    use object::{Object, ObjectSegment, ObjectSymbol};
+    let data = std::fs::read(path).expect("read the ELF file");
+    let file = object::File::parse(&*data).expect("parse the ELF file");
+    let address = file
+        .dynamic_symbols()
+        .find(|symbol| symbol.name() == Ok(name) && symbol.address() != 0)
+        .unwrap_or_else(|| panic!("{} has no dynamic symbol {name}", path.display()))
+        .address();
+    // ELF `segments()` are the PT_LOAD program headers.
+    file.segments()
+        .find_map(|segment| {
+            let (offset, size) = segment.file_range();
+            (segment.address() <= address && address < segment.address() + size)
+                .then(|| address - segment.address() + offset)
+        })
+        .unwrap_or_else(|| panic!("{name} at {address:#x} is in no PT_LOAD segment"))
+}
+
+/// `struct perf_event_attr` up to `config2` (the fields a uprobe PMU event
+/// uses), zero-padded to `PERF_ATTR_SIZE_VER7`.
+#[repr(C)]
+#[derive(Default)]
+struct PerfEventAttr {
+    kind: u32,
+    size: u32,
+    config: u64,
+    sample_period: u64,
+    sample_type: u64,
+    read_format: u64,
+    flags: u64,
+    wakeup_events: u32,
+    bp_type: u32,
+    config1: u64,
+    config2: u64,
+    rest: [u64; 7],
+}
+
+const PERF_ATTR_SIZE_VER7: u32 = 128;
+const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 1 << 3;
+
+/// Opens an entry uprobe on `path` at `offset` for `pid` the way bcc's Python
+/// tools do (iovisor/bcc#5236): through the uprobe PMU, with
+/// `ref_ctr_offset` 6 in bits 32..63 of `config`.
+fn open_uprobe_like_bcc(path: &Path, offset: u64, pid: u32) -> std::io::Result<OwnedFd> {
+    use std::os::unix::ffi::OsStrExt;
+    let kind: u32 = std::fs::read_to_string("/sys/bus/event_source/devices/uprobe/type")
+        .expect("the uprobe PMU exists")
+        .trim()
+        .parse()
+        .expect("uprobe PMU type");
+    let path = CString::new(path.as_os_str().as_bytes()).expect("path without NUL");
+    let attr = PerfEventAttr {
+        kind,
+        size: PERF_ATTR_SIZE_VER7,
+        // ref_ctr_offset 6; bit 0 clear: an entry uprobe, not a uretprobe.
+        config: 6 << 32,
+        sample_period: 1,
+        wakeup_events: 1,
+        config1: path.as_ptr() as u64,
+        config2: offset,
+        ..PerfEventAttr::default()
+    };
+    assert_eq!(std::mem::size_of::<PerfEventAttr>(), 128);
+    // SAFETY: attr is a zero-initialised perf_event_attr whose `size` is its
+    // real size; config1 points to a NUL-terminated path that outlives the
+    // call; pid/cpu/group/flags are plain integers.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_perf_event_open,
+            &attr as *const PerfEventAttr,
+            pid as libc::pid_t,
+            -1 as libc::c_int,
+            -1 as libc::c_int,
+            PERF_FLAG_FD_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned by perf_event_open and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+#[test]
+fn conflicting_uprobe_of_another_tracer_is_named_and_marks_the_report_incomplete() {
+    if !privileged() {
+        return;
+    }
+    // Uprobes are keyed by (inode, offset) system-wide: the conflicting probe
+    // goes on a private copy of libc, so that no other process (nor another
+    // test tracing the system libc) is affected.
+    let dir = scratch_dir("conflict");
+    let system_libc = libc_path(std::process::id());
+    let private_libc = dir.join("libc.so.6");
+    std::fs::copy(&system_libc, &private_libc).expect("copy libc");
+
+    let mut command = Command::new(fixture("leak_sites"));
+    command.args(["120", "120"]).env("LD_LIBRARY_PATH", &dir);
+    let mut target = Proc::start(command);
+    assert_eq!(
+        Path::new(&libc_path(target.pid)),
+        private_libc,
+        "the target runs on the private libc"
+    );
+
+    // bcc's probe on malloc comes first, as in `memleak-bpfcc` then memtrace.
+    let malloc = dynamic_symbol_file_offset(&private_libc, "malloc");
+    let conflicting = open_uprobe_like_bcc(&private_libc, malloc, target.pid)
+        .unwrap_or_else(|err| panic!("the bcc-like uprobe on malloc ({malloc:#x}): {err}"));
+
+    let pid = target.pid.to_string();
+    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--top", "200"]);
+    target.send();
+    target.expect("done");
+    tracer.signal(libc::SIGINT);
+    // Exit 0 (checked by `report`): the trace went on without malloc.
+    let (report, stderr) = tracer.report();
+
+    let warning = stderr
+        .lines()
+        .find(|line| line.contains("warning: cannot attach malloc"))
+        .unwrap_or_else(|| panic!("no warning about malloc: {stderr}"));
+    eprintln!("memtrace said: {warning}");
+    assert!(
+        warning.contains("ref_ctr_offset"),
+        "the warning names the cause: {warning}"
+    );
+    assert_eq!(report["complete"], false, "notes: {}", report["notes"]);
+    assert!(
+        has_note(&report, "could not be attached"),
+        "{}",
+        report["notes"]
+    );
+    let failures = report["attach_failures"]
+        .as_array()
+        .expect("attach_failures");
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.as_str().is_some_and(|f| f.contains("malloc"))),
+        "attach_failures names malloc: {failures:?}"
+    );
+    // malloc was really not traced; calloc (its own probe) still is, exactly.
+    assert!(
+        sites_of(&report, "leak_a").is_empty(),
+        "malloc's leak_a cannot be seen: {}",
+        report["sites"]
+    );
+    assert_eq!(site_totals(&report, "leak_calloc"), (1000, 5));
+
+    drop(conflicting);
+    drop(target);
+    std::fs::remove_dir_all(&dir).expect("remove the private libc");
 }
 
 // ---------------------------------------------------------------------------
