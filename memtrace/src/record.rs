@@ -258,7 +258,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 last_ts = last_ts.max(event.ts_ns);
                 table.apply(&event, domain);
             }
-            Item::Snapshot { t_s } => history.record(&table, &specs, t_s),
+            Item::Snapshot { t_s } => history.record(&table, &specs, &stacks, t_s),
             Item::Footer(read) => footer = Some(read),
         }
     }

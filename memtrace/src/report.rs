@@ -65,7 +65,10 @@ pub struct ProcessInfo {
     /// Milliseconds between the kernel reporting its fork and its probes
     /// being in place: its allocations in that window were not seen.
     pub attach_delay_ms: Option<u64>,
-    /// It exited (or exec'd out of reach) before the report.
+    /// Launch mode held it before its first instruction until its probes
+    /// were in place: nothing of it was missed.
+    pub held_at_birth: bool,
+    /// It exited before the report.
     pub exited: bool,
     /// Filled by the report builder from the live table.
     pub live_bytes: u64,
@@ -322,7 +325,11 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             continue;
         }
         let site = sites
-            .entry((entry.allocator, entry.memory, block.stack))
+            .entry((
+                entry.allocator,
+                entry.memory,
+                input.stacks.canonical(block.stack),
+            ))
             .or_insert_with(|| SiteAcc {
                 oldest_ts: u64::MAX,
                 ..SiteAcc::default()

@@ -137,17 +137,29 @@ pub struct HeldChild {
 
 /// What the supervisor of a launched command reports.
 pub enum ChildEvent {
-    /// The command is about to exit, its mappings still in place; it stays
-    /// stopped until the sender is answered (or dropped).
-    Exiting(std::sync::mpsc::Sender<()>),
-    /// The command ended, described the way a shell would.
+    /// A process of the command (`pid`) is about to exit, its mappings still
+    /// in place; it stays stopped until the sender is answered (or dropped).
+    Exiting {
+        pid: u32,
+        ack: std::sync::mpsc::Sender<()>,
+    },
+    /// With fork following: `parent` forked `child`, which is held before its
+    /// first instruction until the sender is answered (or dropped).
+    Forked {
+        parent: u32,
+        child: u32,
+        ack: std::sync::mpsc::Sender<()>,
+    },
+    /// The command itself ended, described the way a shell would.
     Exited(String),
 }
 
 impl HeldChild {
     /// Forks `command`; the child waits on a pipe before it execs, so probes
-    /// attached to its pid see even its first instruction.
-    pub fn spawn(command: &[String]) -> Result<Self, Failure> {
+    /// attached to its pid see even its first instruction. With
+    /// `follow_forks`, every process it forks is held at birth and reported
+    /// ([`ChildEvent::Forked`]) so its probes are in place before it runs.
+    pub fn spawn(command: &[String], follow_forks: bool) -> Result<Self, Failure> {
         let Some(program) = command.first() else {
             return Err(Failure::usage("no command given after --"));
         };
@@ -210,7 +222,7 @@ impl HeldChild {
         let (seized_tx, seized) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("memtrace-child".into())
-            .spawn(move || supervise(pid, &seized_tx, &events_tx))
+            .spawn(move || supervise(pid, follow_forks, &seized_tx, &events_tx))
             .map_err(|err| Failure::runtime(format!("cannot start the child supervisor: {err}")))?;
         if seized.recv().is_err() {
             return Err(Failure::runtime("the child supervisor ended early"));
@@ -261,62 +273,170 @@ impl Drop for HeldChild {
 /// to the thread that made them): it is seized with `PTRACE_O_TRACEEXIT` so
 /// that it stops just before exiting, while its mappings can still be read;
 /// every other stop is resumed at once with its signal, so the command runs
-/// as it would untraced. Only its main thread is seized.
+/// as it would untraced. Only its main thread is seized. With `follow`, forks
+/// are traced too (`PTRACE_O_TRACEFORK`/`TRACEVFORK`): each new process starts
+/// stopped, is reported, and is resumed once the session has answered, and
+/// supervision goes on until every such process has ended.
 fn supervise(
     pid: u32,
+    follow: bool,
     seized: &std::sync::mpsc::Sender<bool>,
     events: &tokio::sync::mpsc::UnboundedSender<ChildEvent>,
 ) {
-    let pid = pid as libc::pid_t;
+    let main = pid as libc::pid_t;
+    let mut options = libc::PTRACE_O_TRACEEXIT;
+    if follow {
+        options |= libc::PTRACE_O_TRACEFORK | libc::PTRACE_O_TRACEVFORK;
+    }
     // SAFETY: PTRACE_SEIZE on our own child; the options word is passed as data.
     let traced = unsafe {
         libc::ptrace(
             libc::PTRACE_SEIZE,
-            pid,
+            main,
             std::ptr::null_mut::<libc::c_void>(),
-            libc::PTRACE_O_TRACEEXIT as usize as *mut libc::c_void,
+            options as usize as *mut libc::c_void,
         )
     } == 0;
     let _ = seized.send(traced);
+    let mut forks = ForkHolds::default();
+    let mut alive: std::collections::HashSet<libc::pid_t> = [main].into();
     let mut status = 0;
-    loop {
-        // SAFETY: waitpid on our own child with a valid status pointer.
-        let r = unsafe { libc::waitpid(pid, &mut status, libc::__WALL) };
-        if r != pid {
+    while !alive.is_empty() {
+        // Without fork following only the command is waited for, as before.
+        let wanted = if follow { -1 } else { main };
+        // SAFETY: waitpid on our own children with a valid status pointer.
+        let who = unsafe { libc::waitpid(wanted, &mut status, libc::__WALL) };
+        if who <= 0 {
             if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            let _ = events.send(ChildEvent::Exited("wait failed".to_string()));
+            if alive.contains(&main) {
+                let _ = events.send(ChildEvent::Exited("wait failed".to_string()));
+            }
             return;
         }
         if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
-            let _ = events.send(ChildEvent::Exited(describe_status(status)));
-            return;
+            alive.remove(&who);
+            if who == main {
+                let _ = events.send(ChildEvent::Exited(describe_status(status)));
+            }
+            continue;
         }
         if !libc::WIFSTOPPED(status) {
             continue;
         }
         let event = (status >> 16) & 0xff;
-        let (request, signal) = if event == libc::PTRACE_EVENT_EXIT {
+        let mut request = libc::PTRACE_CONT;
+        let mut signal = 0;
+        if event == libc::PTRACE_EVENT_EXIT {
             let (ack, answered) = std::sync::mpsc::channel();
-            if events.send(ChildEvent::Exiting(ack)).is_ok() {
-                let _ = answered.recv_timeout(std::time::Duration::from_secs(10));
+            if events
+                .send(ChildEvent::Exiting {
+                    pid: who as u32,
+                    ack,
+                })
+                .is_ok()
+            {
+                let _ = answered.recv_timeout(ANSWER_WITHIN);
             }
-            (libc::PTRACE_CONT, 0)
+        } else if event == libc::PTRACE_EVENT_FORK || event == libc::PTRACE_EVENT_VFORK {
+            let mut message: libc::c_ulong = 0;
+            // SAFETY: PTRACE_GETEVENTMSG on our stopped tracee into a valid c_ulong.
+            unsafe {
+                libc::ptrace(
+                    libc::PTRACE_GETEVENTMSG,
+                    who,
+                    std::ptr::null_mut::<libc::c_void>(),
+                    (&mut message as *mut libc::c_ulong).cast::<libc::c_void>(),
+                )
+            };
+            let child = message as libc::pid_t;
+            alive.insert(child);
+            let (ack, answered) = std::sync::mpsc::channel();
+            let forked = ChildEvent::Forked {
+                parent: who as u32,
+                child: child as u32,
+                ack,
+            };
+            if events.send(forked).is_ok() {
+                let _ = answered.recv_timeout(ANSWER_WITHIN);
+            }
+            if forks.probed(child) {
+                resume(child, libc::PTRACE_CONT, 0);
+            }
+        } else if event == libc::PTRACE_EVENT_STOP && forks.born(who, &alive) {
+            // A new process's first stop: it runs once its probes are in
+            // place (now, or when its fork is reported).
+            if !forks.may_run(who) {
+                continue;
+            }
         } else if event == libc::PTRACE_EVENT_STOP {
-            (libc::PTRACE_LISTEN, 0)
+            request = libc::PTRACE_LISTEN;
         } else {
-            (libc::PTRACE_CONT, libc::WSTOPSIG(status))
-        };
-        // SAFETY: resuming our own stopped tracee; the signal is passed as data.
-        unsafe {
-            libc::ptrace(
-                request,
-                pid,
-                std::ptr::null_mut::<libc::c_void>(),
-                signal as usize as *mut libc::c_void,
-            )
-        };
+            signal = libc::WSTOPSIG(status);
+        }
+        resume(who, request, signal);
+    }
+}
+
+/// How long a held process waits for the session's answer at most.
+const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Resumes a stopped tracee.
+fn resume(pid: libc::pid_t, request: libc::c_uint, signal: i32) {
+    // SAFETY: resuming our own stopped tracee; the signal is passed as data.
+    unsafe {
+        libc::ptrace(
+            request,
+            pid,
+            std::ptr::null_mut::<libc::c_void>(),
+            signal as usize as *mut libc::c_void,
+        )
+    };
+}
+
+/// The two things that must both happen before a forked process runs: its
+/// fork was reported and answered (probes attached), and it reached its first
+/// stop. They arrive in either order.
+#[derive(Default)]
+struct ForkHolds {
+    /// Children whose fork was answered but whose first stop is still to come.
+    answered: std::collections::HashSet<libc::pid_t>,
+    /// Children stopped at birth whose fork is not answered yet.
+    waiting: std::collections::HashSet<libc::pid_t>,
+    /// Children past their first stop.
+    started: std::collections::HashSet<libc::pid_t>,
+}
+
+impl ForkHolds {
+    /// The fork of `child` was answered; true when it already waits at its
+    /// first stop and can be resumed now.
+    fn probed(&mut self, child: libc::pid_t) -> bool {
+        if self.waiting.remove(&child) {
+            self.started.insert(child);
+            true
+        } else {
+            self.answered.insert(child);
+            false
+        }
+    }
+
+    /// Whether this event-stop of `pid` is a new process's first stop.
+    fn born(&self, pid: libc::pid_t, alive: &std::collections::HashSet<libc::pid_t>) -> bool {
+        !self.started.contains(&pid) && (self.answered.contains(&pid) || !alive.contains(&pid))
+    }
+
+    /// At a new process's first stop: true when its fork was answered (it
+    /// runs now), else it waits for the answer.
+    fn may_run(&mut self, pid: libc::pid_t) -> bool {
+        self.started.insert(pid);
+        if self.answered.remove(&pid) {
+            true
+        } else {
+            self.started.remove(&pid);
+            self.waiting.insert(pid);
+            false
+        }
     }
 }
 

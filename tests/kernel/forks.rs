@@ -193,3 +193,53 @@ fn max_processes_caps_the_followed_family() {
         .unwrap_or_else(|| panic!("no cap note: {}", report["notes"]));
     assert!(note.contains(&grandchild.to_string()), "{note}");
 }
+
+#[test]
+fn launched_command_children_are_held_at_birth_and_traced_exactly() {
+    if !privileged() {
+        return;
+    }
+    // Three children that live a few milliseconds each: only holding them
+    // at birth (launch mode traces forks with ptrace) catches all of them.
+    let leak_sites = crate::support::fixture("leak_sites");
+    let script = format!(
+        "for i in 1 2 3; do {} 0 0 </dev/null >/dev/null; done",
+        leak_sites.display()
+    );
+    let report = crate::support::run_json(&[
+        "--follow-forks",
+        "--format",
+        "json",
+        "--top",
+        "500",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let children: Vec<&Value> = report["processes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| !p["parent"].is_null())
+        .collect();
+    assert_eq!(children.len(), 3, "{}", report["processes"]);
+    for child in &children {
+        assert_eq!(child["held_at_birth"], true, "{child}");
+        assert_eq!(
+            child["comm"], "leak_sites",
+            "its exec was followed: {child}"
+        );
+    }
+    // One site per call path across the three processes, with each
+    // process's leaks counted exactly once.
+    assert_eq!(site_totals(&report, "leak_a"), (3 * 4800, 3 * 100));
+    assert_eq!(site_totals(&report, "leak_b"), (3 * 10000, 3 * 10));
+    assert_eq!(site_pids(&report, "leak_a").len(), 3);
+    assert!(
+        note_with(&report, "held at birth").is_some(),
+        "{}",
+        report["notes"]
+    );
+    assert_eq!(report["events"]["lost"], 0);
+}

@@ -16,6 +16,8 @@ use crate::trace::pipeline::Pipeline;
 pub enum Adoption {
     /// Its probes are attached.
     Followed,
+    /// It was followed already (seen by another path first).
+    Known,
     /// No `--follow-forks`.
     NotFollowed,
     /// `--max-processes` reached.
@@ -29,13 +31,23 @@ pub enum Adoption {
 impl std::fmt::Display for Adoption {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Adoption::Followed => write!(f, "followed"),
+            Adoption::Followed | Adoption::Known => write!(f, "followed"),
             Adoption::NotFollowed => write!(f, "not traced (use --follow-forks to trace it)"),
             Adoption::OverCap => write!(f, "not traced: --max-processes reached"),
             Adoption::Gone => write!(f, "exited before its probes were attached"),
             Adoption::Failed(why) => write!(f, "could not be traced: {why}"),
         }
     }
+}
+
+/// What adopting a child needs: the probes to attach, the pipeline that
+/// keeps its address map, and the discovery that probes its objects.
+pub struct Tools<'a> {
+    pub probes: &'a mut Probes,
+    pub pipeline: &'a mut Pipeline,
+    pub discovery: &'a mut Discovery,
+    /// (milliseconds since tracing started, monotonic ns) now.
+    pub now: &'a dyn Fn() -> (u64, u64),
 }
 
 /// One traced process and how to tell it from a later one with its pid.
@@ -132,10 +144,7 @@ impl Family {
         &mut self,
         parent: u32,
         forked_ns: Option<u64>,
-        now: impl Fn() -> (u64, u64),
-        probes: &mut Probes,
-        pipeline: &mut Pipeline,
-        discovery: &mut Discovery,
+        tools: &mut Tools<'_>,
     ) -> Vec<(u32, u32, Adoption)> {
         let mut seen = Vec::new();
         let mut queue = vec![parent];
@@ -155,48 +164,11 @@ impl Family {
                     seen.push((child, parent, Adoption::NotFollowed));
                     continue;
                 }
-                if self.running().count() >= self.max_processes {
-                    self.over_cap.insert(child);
-                    seen.push((child, parent, Adoption::OverCap));
-                    continue;
+                let adoption = self.adopt(child, parent, forked_ns, false, tools);
+                if adoption == Adoption::Followed {
+                    queue.push(child);
                 }
-                match probes.add_process(child) {
-                    Ok(_) => {
-                        let (since_start_ms, now_ns) = now();
-                        pipeline.start_space(child, parent);
-                        if let Err(err) = discovery.scan(child, probes, &[]) {
-                            log::debug!("pid {child}: cannot read its mappings: {err}");
-                        }
-                        let info = target::inspect(child).unwrap_or_default();
-                        self.members.insert(
-                            child,
-                            Member {
-                                info: ProcessInfo {
-                                    pid: child,
-                                    parent: Some(parent),
-                                    comm: info.comm,
-                                    exe: info.exe,
-                                    traced_from_ms: since_start_ms,
-                                    attach_delay_ms: forked_ns
-                                        .map(|at| now_ns.saturating_sub(at) / 1_000_000),
-                                    ..ProcessInfo::default()
-                                },
-                                start_time: target::start_time(child),
-                            },
-                        );
-                        seen.push((child, parent, Adoption::Followed));
-                        queue.push(child);
-                    }
-                    Err(_) if !target::is_alive(child) => {
-                        self.gone_early.insert(child);
-                        seen.push((child, parent, Adoption::Gone));
-                    }
-                    Err(err) => {
-                        let why = format!("{err:#}");
-                        self.failed.insert(child, why.clone());
-                        seen.push((child, parent, Adoption::Failed(why)));
-                    }
-                }
+                seen.push((child, parent, adoption));
             }
         }
         seen
@@ -211,6 +183,69 @@ impl Family {
     /// after a fork.
     pub fn reset_seen(&mut self) {
         self.children_seen = 0;
+    }
+
+    /// Starts tracing `child` of `parent`: attaches its probes (unless the
+    /// cap is reached) and records it. `held`: it has not run yet (launch
+    /// mode holds forked children at birth), so nothing of it was missed.
+    pub fn adopt(
+        &mut self,
+        child: u32,
+        parent: u32,
+        forked_ns: Option<u64>,
+        held: bool,
+        tools: &mut Tools<'_>,
+    ) -> Adoption {
+        if let Some(member) = self.members.get_mut(&child) {
+            // Launch mode reports every fork with the child held, even when
+            // the kernel's fork report got the child adopted first.
+            if held {
+                member.info.held_at_birth = true;
+                member.info.attach_delay_ms = None;
+            }
+            return Adoption::Known;
+        }
+        if self.running().count() >= self.max_processes {
+            self.over_cap.insert(child);
+            return Adoption::OverCap;
+        }
+        match tools.probes.add_process(child) {
+            Ok(_) => {
+                let (since_start_ms, now_ns) = (tools.now)();
+                tools.pipeline.start_space(child, parent);
+                if let Err(err) = tools.discovery.scan(child, tools.probes, &[]) {
+                    log::debug!("pid {child}: cannot read its mappings: {err}");
+                }
+                let info = target::inspect(child).unwrap_or_default();
+                self.members.insert(
+                    child,
+                    Member {
+                        info: ProcessInfo {
+                            pid: child,
+                            parent: Some(parent),
+                            comm: info.comm,
+                            exe: info.exe,
+                            traced_from_ms: since_start_ms,
+                            attach_delay_ms: forked_ns
+                                .map(|at| now_ns.saturating_sub(at) / 1_000_000),
+                            held_at_birth: held,
+                            ..ProcessInfo::default()
+                        },
+                        start_time: target::start_time(child),
+                    },
+                );
+                Adoption::Followed
+            }
+            Err(_) if !target::is_alive(child) => {
+                self.gone_early.insert(child);
+                Adoption::Gone
+            }
+            Err(err) => {
+                let why = format!("{err:#}");
+                self.failed.insert(child, why.clone());
+                Adoption::Failed(why)
+            }
+        }
     }
 
     /// A traced process now runs another image: its name and address map
@@ -266,7 +301,13 @@ impl Family {
             .map(|m| &m.info)
             .filter(|info| info.parent.is_some())
             .collect();
-        if !children.is_empty() {
+        if !children.is_empty() && children.iter().all(|c| c.held_at_birth) {
+            notes.push(format!(
+                "followed {} child process(es) (pids {}); each was held at birth until its probes were in place, so none of its allocations were missed; its frees of blocks inherited from its parent count as unmatched",
+                children.len(),
+                list(&mut children.iter().map(|c| c.pid)),
+            ));
+        } else if !children.is_empty() {
             let worst = children.iter().filter_map(|c| c.attach_delay_ms).max();
             notes.push(format!(
                 "followed {} child process(es) (pids {}); each was probed {} after its fork, so its allocations before then were not seen, and its frees of blocks inherited from its parent count as unmatched",

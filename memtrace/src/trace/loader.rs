@@ -280,11 +280,26 @@ impl Probes {
             location: UProbeAttachLocation::AbsoluteOffset(function.entry_offset),
             cookie,
         };
-        let link = program
-            .attach(point, &function.path, scope)
-            .map_err(|err| kernel_support::attach_error(err, "uprobe"))?;
-        self.processes.entry(pid).or_default().enter.push(link);
-        Ok(())
+        match program.attach(point, &function.path, scope) {
+            Ok(link) => {
+                self.processes.entry(pid).or_default().enter.push(link);
+                Ok(())
+            }
+            Err(err) => {
+                // No half-attached function: its return probe alone would
+                // only produce unpaired returns.
+                if function.return_offset.is_some() {
+                    let orphan = self.processes.get_mut(&pid).and_then(|l| l.exit.pop());
+                    if let Some(orphan) = orphan {
+                        self.detach_links(ProcessLinks {
+                            enter: Vec::new(),
+                            exit: vec![orphan],
+                        });
+                    }
+                }
+                Err(kernel_support::attach_error(err, "uprobe"))
+            }
+        }
     }
 
     /// Loads and attaches the fork reporter and reports the forks of the

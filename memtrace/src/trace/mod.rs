@@ -31,7 +31,7 @@ use crate::report::{self, ProcessInfo, Reconciliation, Settings, TargetInfo};
 use crate::symbolize::BlazeSymbolizer;
 use crate::target::{self, ChildEvent, HeldChild};
 use discovery::Discovery;
-use family::{Adoption, Family};
+use family::{Adoption, Family, Tools};
 use loader::{LoadOptions, Probes};
 use pipeline::Pipeline;
 
@@ -77,7 +77,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
             (None, pid)
         }
         None => {
-            let child = HeldChild::spawn(&args.command)?;
+            let child = HeldChild::spawn(&args.command, args.follow_forks)?;
             let pid = child.pid;
             (Some(child), pid)
         }
@@ -309,14 +309,23 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 }
             }
             event = child_event(&mut held) => match event {
-                ChildEvent::Exiting(ack) => {
-                    // The command is stopped just before exit: read its
-                    // mappings and the events so far while they still exist.
-                    session.pipeline.refresh_space_now(pid);
+                ChildEvent::Exiting { pid: exiting, ack } => {
+                    // A process of the command is stopped just before exit:
+                    // read its mappings and the events so far while they
+                    // still exist.
+                    session.pipeline.refresh_space_now(exiting);
                     session.pipeline.drain(ring.get_mut(), &probes);
-                    if let Some(memory) = read_memory(pid) {
-                        session.memory_last = Some(memory);
+                    session.follow_execs();
+                    if exiting == pid {
+                        if let Some(memory) = read_memory(pid) {
+                            session.memory_last = Some(memory);
+                        }
                     }
+                    let _ = ack.send(());
+                }
+                ChildEvent::Forked { parent, child, ack } => {
+                    session.pipeline.drain(ring.get_mut(), &probes);
+                    session.adopt_held(child, parent, &mut probes, &mut discovery);
                     let _ = ack.send(());
                 }
                 ChildEvent::Exited(exit) => {
@@ -514,33 +523,56 @@ impl Session<'_> {
         probes: &mut Probes,
         discovery: &mut Discovery,
     ) {
+        let now = self.clock();
+        let mut tools = Tools {
+            probes,
+            pipeline: &mut self.pipeline,
+            discovery,
+            now: &now,
+        };
+        for (child, parent, adoption) in self.family.look_at_children(parent, forked_ns, &mut tools)
+        {
+            say_adoption(child, parent, &adoption);
+        }
+    }
+
+    /// Adopts a child that launch mode holds at birth.
+    fn adopt_held(
+        &mut self,
+        child: u32,
+        parent: u32,
+        probes: &mut Probes,
+        discovery: &mut Discovery,
+    ) {
+        let now = self.clock();
+        let mut tools = Tools {
+            probes,
+            pipeline: &mut self.pipeline,
+            discovery,
+            now: &now,
+        };
+        let adoption = self.family.adopt(child, parent, None, true, &mut tools);
+        say_adoption(child, parent, &adoption);
+    }
+
+    /// (milliseconds since tracing started, monotonic ns), for adoption records.
+    fn clock(&self) -> impl Fn() -> (u64, u64) {
         let started = self.started;
-        let now = move || {
+        move || {
             let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
             (ms, monotonic_ns())
-        };
-        for (child, parent, adoption) in self.family.look_at_children(
-            parent,
-            forked_ns,
-            now,
-            probes,
-            &mut self.pipeline,
-            discovery,
-        ) {
-            match adoption {
-                Adoption::Followed => {
-                    eprintln!("memtrace: following child pid {child} of pid {parent}");
-                }
-                other => eprintln!("memtrace: child pid {child} of pid {parent}: {other}"),
-            }
         }
     }
 
     /// Records the live table for the trend analysis.
     fn snapshot(&mut self, probes: &Probes) {
         let t_s = self.started.elapsed().as_secs_f64();
-        self.history
-            .record(self.pipeline.table(), probes.specs(), t_s);
+        self.history.record(
+            self.pipeline.table(),
+            probes.specs(),
+            self.pipeline.stacks(),
+            t_s,
+        );
         if let Some(recorder) = self.pipeline.recorder.as_mut() {
             recorder.snapshot(t_s);
         }
@@ -618,6 +650,15 @@ impl Session<'_> {
             explained_ratio,
             note: "tracked heap bytes are what was allocated since attach and is still live; memory allocated before attach, allocator overhead, freed-but-cached heap and untraced allocators are not in it; mappings count virtual size".to_string(),
         })
+    }
+}
+
+/// One stderr line per child memtrace saw.
+fn say_adoption(child: u32, parent: u32, adoption: &Adoption) {
+    match adoption {
+        Adoption::Followed => eprintln!("memtrace: following child pid {child} of pid {parent}"),
+        Adoption::Known => {}
+        other => eprintln!("memtrace: child pid {child} of pid {parent}: {other}"),
     }
 }
 

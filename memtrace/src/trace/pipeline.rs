@@ -23,6 +23,9 @@ const MAPS_REFRESH: Duration = Duration::from_millis(200);
 struct ProcessSpace {
     space: AddressSpace,
     read_at: Option<Instant>,
+    /// The image the process ran when the map was read: an `exec` since
+    /// makes the map stale at once, whatever the rate limit.
+    exe: Option<std::path::PathBuf>,
 }
 
 pub struct Pipeline {
@@ -169,10 +172,12 @@ impl Pipeline {
 impl ProcessSpace {
     /// Re-reads the mappings of `pid` (rate-limited); true when it did.
     fn refresh(&mut self, pid: u32) -> bool {
-        if self.read_at.is_some_and(|at| at.elapsed() < MAPS_REFRESH) {
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+        if self.read_at.is_some_and(|at| at.elapsed() < MAPS_REFRESH) && exe == self.exe {
             return false;
         }
         self.read_at = Some(Instant::now());
+        self.exe = exe;
         match maps::read(pid) {
             Ok(mappings) => {
                 self.space = AddressSpace::new(mappings);
