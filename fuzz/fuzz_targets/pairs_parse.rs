@@ -1,9 +1,12 @@
 //! `--pairs FILE` parsing (`memtrace/src/probe/pairs.rs`): arbitrary text
-//! never panics; an accepted file yields, per pair, an alloc and a free
-//! definition that the eBPF side can use (named, argument slots in range,
-//! families past the built-ins, a handle read from memory only with a status
-//! return); a rejected one names a line of the file.
+//! never panics; an accepted file yields, per pair, at least one alloc and
+//! one free definition that the eBPF side can use (named, argument slots in
+//! range, families past the built-ins, a handle read from memory only with a
+//! status return), each alloc function once, each release function in one
+//! domain; a rejected one names a line of the file.
 #![no_main]
+
+use std::collections::{BTreeMap, BTreeSet};
 
 use libfuzzer_sys::fuzz_target;
 use memtrace_common::{RetKind, SpecKind, ARG_NONE};
@@ -40,32 +43,64 @@ fuzz_target!(|data: &[u8]| {
     let first_index = usize::from(first % 8) * 25;
     match pairs::parse(text, "fuzz.toml", first_index) {
         Ok(defs) => {
-            assert_eq!(defs.len() % 2, 0);
-            for (i, pair) in defs.chunks(2).enumerate() {
-                let (alloc, free) = (pair[0], pair[1]);
-                assert_eq!(alloc.kind, SpecKind::Alloc);
-                assert_eq!(free.kind, SpecKind::Free);
-                assert!(!alloc.name.trim().is_empty());
-                assert!(!free.name.trim().is_empty());
-                let name = alloc.allocator.name();
+            // Families are numbered on from first_index, one per pair, each
+            // with at least one alloc and one free definition: a caller
+            // numbering the next file by `defs.len() / 2` never reuses one.
+            let mut families: BTreeMap<u8, (usize, usize)> = BTreeMap::new();
+            let mut allocs: BTreeSet<&str> = BTreeSet::new();
+            let mut releases: BTreeMap<&str, catalog::Domain> = BTreeMap::new();
+            for def in &defs {
+                assert!(!def.name.trim().is_empty());
+                let name = def.allocator.name();
                 assert!(!name.trim().is_empty());
                 assert!(catalog::Allocator::parse_builtin(name).is_none());
-                assert_eq!(alloc.allocator, free.allocator);
-                assert_eq!(alloc.domain, free.domain);
-                assert_eq!(alloc.memory, free.memory);
-                let family = alloc.allocator.family();
-                assert_eq!(usize::from(family), 8 + first_index + i);
-                assert_eq!(alloc.domain, catalog::Domain::Custom(family));
-                for slot in [alloc.size_arg, alloc.out_arg, alloc.ptr_arg, free.ptr_arg] {
-                    assert!(slot_ok(slot), "slot {slot}");
+                let family = def.allocator.family();
+                assert!(usize::from(family) >= 8 + first_index);
+                // A pair's handles live in its own domain or an earlier pair's
+                // (one whose release it shares).
+                let catalog::Domain::Custom(domain) = def.domain else {
+                    panic!("domain {:?}", def.domain);
+                };
+                assert!(domain <= family && usize::from(domain) >= 8 + first_index);
+                let counts = families.entry(family).or_insert((0, 0));
+                match def.kind {
+                    SpecKind::Alloc => {
+                        counts.0 += 1;
+                        assert!(allocs.insert(def.name), "alloc {} twice", def.name);
+                        for slot in [def.size_arg, def.out_arg, def.ptr_arg] {
+                            assert!(slot_ok(slot), "slot {slot}");
+                        }
+                        if def.out_arg != ARG_NONE {
+                            assert_eq!(def.ret, RetKind::Status);
+                        }
+                    }
+                    SpecKind::Free => {
+                        counts.1 += 1;
+                        assert!(def.ptr_arg < 6);
+                        assert!(matches!(def.ret, RetKind::Void | RetKind::Status));
+                        let shared = *releases.entry(def.name).or_insert(def.domain);
+                        assert_eq!(shared, def.domain, "release {} split", def.name);
+                    }
+                    other => panic!("kind {other:?}"),
                 }
-                assert!(free.ptr_arg < 6);
-                if alloc.out_arg != ARG_NONE {
-                    assert_eq!(alloc.ret, RetKind::Status);
-                }
-                assert_eq!(alloc.quirk, free.quirk);
-                assert!(matches!(free.ret, RetKind::Void | RetKind::Status));
             }
+            for name in releases.keys() {
+                assert!(!allocs.contains(name), "{name} is alloc and free");
+            }
+            for (i, (&family, &(allocs, frees))) in families.iter().enumerate() {
+                assert_eq!(usize::from(family), 8 + first_index + i);
+                assert!(allocs >= 1 && frees >= 1, "family {family}");
+                // One pair, one way of calling: memory and quirk agree.
+                let mut own = defs.iter().filter(|d| d.allocator.family() == family);
+                let first = own.next().expect("a definition");
+                for def in own {
+                    assert_eq!(def.allocator, first.allocator);
+                    assert_eq!(def.memory, first.memory);
+                    assert_eq!(def.quirk, first.quirk);
+                    assert_eq!(def.domain, first.domain);
+                }
+            }
+            assert!(defs.len() / 2 >= families.len());
         }
         Err(err) => {
             assert!(err.line >= 1);

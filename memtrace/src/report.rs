@@ -464,6 +464,13 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             "sampling 1 in {rate} allocations (by address): live figures are of the sample; estimated_* fields scale them by {rate}"
         ));
     }
+    if let Some(note) = size_filter_note(
+        &input.settings,
+        counts.unmatched_frees,
+        &input.kernel_counters,
+    ) {
+        notes.push(note);
+    }
     let suppressed = Suppressed {
         live_bytes: suppressed.values().map(|v| v.0).sum(),
         live_count: suppressed.values().map(|v| v.1).sum(),
@@ -510,6 +517,33 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         processes,
         attach_failures: input.attach_failures,
     }
+}
+
+/// Whether `--min-size`/`--max-size` narrowed what is traced.
+pub fn size_filtered(settings: &Settings) -> bool {
+    settings.min_size > 0 || settings.max_size.is_some()
+}
+
+/// Why unmatched frees are expected under a size filter. The kernel drops an
+/// allocation outside the size range at its return, but a free carries no
+/// size and cannot be told apart: the free of every filtered-out block
+/// reaches the live table and finds nothing there.
+fn size_filter_note(
+    settings: &Settings,
+    unmatched_frees: u64,
+    kernel_counters: &BTreeMap<String, u64>,
+) -> Option<String> {
+    if !size_filtered(settings) || unmatched_frees == 0 {
+        return None;
+    }
+    let range = match settings.max_size {
+        Some(max) => format!("{}..={max} bytes", settings.min_size),
+        None => format!(">= {} bytes", settings.min_size),
+    };
+    let filtered = kernel_counters.get("filtered").copied().unwrap_or(0);
+    Some(format!(
+        "{unmatched_frees} unmatched frees are expected, not an anomaly: only allocations of {range} are traced (the kernel skipped {filtered}), but frees carry no size, so the frees of the skipped blocks find no block"
+    ))
 }
 
 /// The traced processes with what each holds; a pid that holds blocks but is
@@ -850,5 +884,76 @@ mod tests {
             .notes
             .iter()
             .any(|n| n.contains("5 events were lost")));
+    }
+
+    #[test]
+    fn unmatched_frees_under_a_size_filter_get_a_note_not_a_warning() {
+        let specs = specs();
+        let mut table = LiveTable::new(10);
+        table.apply(&alloc(0, 0x100, 1000, 1, 0), Domain::Heap);
+        // Two frees of blocks the kernel filtered out (too small to trace).
+        for addr in [0x300, 0x400] {
+            let free = Event {
+                ts_ns: 5,
+                pid: 1,
+                tid: 7,
+                spec: 0,
+                action: Action::Free { addr },
+            };
+            table.apply(&free, Domain::Heap);
+        }
+        let stacks = StackStore::default();
+        let names = HashMap::new();
+        let build_with = |settings: Settings| {
+            let input = ReportInput {
+                target: TargetInfo::default(),
+                duration_ms: 1,
+                now_ns: 1,
+                started_ns: 0,
+                history: None,
+                suppressions: None,
+                thread_names: &names,
+                reconciliation: None,
+                processes: Vec::new(),
+                attach_failures: Vec::new(),
+                table: &table,
+                specs: &specs,
+                stacks: &stacks,
+                kernel_counters: [("filtered".to_string(), 7)].into_iter().collect(),
+                libraries: Vec::new(),
+                missing_functions: Vec::new(),
+                settings,
+                notes: Vec::new(),
+            };
+            build(input, &mut FakeSymbols)
+        };
+        let filtered = build_with(Settings {
+            min_size: 500,
+            ..Settings::default()
+        });
+        assert_eq!(filtered.events.unmatched_frees, 2);
+        // Expected frees do not make the report incomplete.
+        assert!(filtered.complete);
+        let note = filtered
+            .notes
+            .iter()
+            .find(|n| n.contains("unmatched frees are expected"))
+            .expect("a note");
+        assert!(note.starts_with("2 unmatched frees"), "{note}");
+        assert!(note.contains(">= 500 bytes"), "{note}");
+        assert!(note.contains("skipped 7"), "{note}");
+        let ranged = build_with(Settings {
+            min_size: 16,
+            max_size: Some(4096),
+            ..Settings::default()
+        });
+        assert!(
+            ranged.notes.iter().any(|n| n.contains("16..=4096 bytes")),
+            "{:?}",
+            ranged.notes
+        );
+        // No filter: unmatched frees are blocks from before the attach, no note.
+        let plain = build_with(Settings::default());
+        assert!(plain.notes.iter().all(|n| !n.contains("unmatched")));
     }
 }

@@ -212,6 +212,18 @@ fn sampling_and_size_filters_apply_in_the_kernel_and_say_so() {
             >= 100
     );
     assert_eq!(filtered["settings"]["min_size"], 500);
+    // The balanced function's 64-byte blocks were filtered out but their
+    // frees were not (a free has no size): unmatched, expected, and said so.
+    assert!(filtered["events"]["unmatched_frees"].as_u64().unwrap_or(0) >= 1000);
+    assert!(
+        filtered["notes"]
+            .as_array()
+            .is_some_and(|n| n.iter().any(|n| n
+                .as_str()
+                .is_some_and(|n| n.contains("unmatched frees are expected")))),
+        "{}",
+        filtered["notes"]
+    );
 
     // Sampling by address: a subset of blocks, each with its matching free.
     let sampled = trace(&["--sample-rate", "4"]);

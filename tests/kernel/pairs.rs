@@ -1,7 +1,7 @@
 //! User-declared resource pairs (`--pairs`, `--preset`) and hand-named
 //! libraries (`--lib`) on the real eBPF path.
 
-use crate::support::{memtrace, privileged, site_totals, sites_of, Fixture, Tracer};
+use crate::support::{memtrace, privileged, site_totals, sites_of, total_for, Fixture, Tracer};
 
 fn trace(name: &str, extra: &[&str]) -> serde_json::Value {
     let mut args = vec!["--duration", "3s"];
@@ -75,6 +75,55 @@ free_checked = true
     assert_eq!(site_totals(&report, "leak_pool_handles").1, 1);
     assert_eq!(allocator_of(&report, "leak_fds"), "fd");
     assert_eq!(site_totals(&report, "leak_fds").1, 2);
+}
+
+/// (live bytes, live count) of `allocator`'s sites whose first frame is
+/// `symbol` (a handle pair without a size counts handles, not bytes).
+fn totals_of(report: &serde_json::Value, symbol: &str, allocator: &str) -> (u64, u64) {
+    sites_of(report, symbol)
+        .iter()
+        .filter(|site| site["allocator"] == allocator)
+        .fold((0, 0), |(bytes, count), site| {
+            (
+                bytes + site["live_bytes"].as_u64().unwrap_or(0),
+                count + site["live_count"].as_u64().unwrap_or(0),
+            )
+        })
+}
+
+#[test]
+fn fd_and_file_presets_report_exactly_the_leaked_descriptors_and_streams() {
+    if !privileged() {
+        return;
+    }
+    let report = trace("fd_leaks", &["--preset", "fds", "--preset", "files"]);
+    // Each creator's leaks at its own site, as one "fd" resource.
+    for (symbol, count) in [("leak_openat", 2), ("leak_dup", 2), ("leak_socket", 1)] {
+        assert_eq!(totals_of(&report, symbol, "fd").1, count, "{symbol}");
+        assert_eq!(sites_of(&report, symbol)[0]["memory"], "handle");
+    }
+    assert_eq!(totals_of(&report, "leak_stream", "file").1, 1);
+    // Nothing else: the closed ones (by close, closedir's and fclose's
+    // internal close) released whatever function created them — open,
+    // creat, dup2, dup3, eventfd, accept, accept4, opendir, fopen. The one
+    // more fd is the leaked stream's, opened inside fopen.
+    assert_eq!(
+        total_for(&report, "fd").1,
+        6,
+        "{}",
+        serde_json::to_string_pretty(&report["sites"]).unwrap_or_default()
+    );
+    assert_eq!(total_for(&report, "file").1, 1);
+    assert!(sites_of(&report, "balanced_fds").is_empty());
+    // close is probed once, whatever number of creators it serves.
+    let closes = report["libraries"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|lib| lib["functions"].as_array().into_iter().flatten())
+        .filter(|f| f["function"] == "close")
+        .count();
+    assert_eq!(closes, 1);
 }
 
 #[test]

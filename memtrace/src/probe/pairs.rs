@@ -1,22 +1,34 @@
 //! User-declared resource pairs (`--pairs FILE`, `--preset NAME`): any
 //! create/destroy pair in any library — descriptors, streams, model handles,
 //! file descriptors, custom pools — traced by the same generic probes as the
-//! built-in allocators. A small TOML file names, per pair, the two functions,
+//! built-in allocators. A small TOML file names, per pair, the functions,
 //! which argument or return value is the handle, which is the size, and which
 //! return value means success.
 //!
 //! ```toml
 //! [[pair]]
 //! name = "acl-tensor-desc"        # allocator name in reports
-//! alloc = "aclCreateTensorDesc"
-//! free = "aclDestroyTensorDesc"
+//! alloc = "aclCreateTensorDesc"   # one function, or a list of them
+//! free = "aclDestroyTensorDesc"   # one function, or a list of them
 //! handle = "return"               # return | argN | outN (outN: a pointer to the handle)
 //! handle_bits = 64                # 32 for int / uint32_t handles
 //! size = "arg1"                   # optional: bytes; otherwise handles are counted
 //! success = "nonnull"             # nonnull | nonnegative | zero | an integer status
-//! free_handle = "arg0"            # the free function's handle argument
-//! free_checked = false            # true: the free only counts when it returns 0
+//! free_handle = "arg0"            # the free functions' handle argument
+//! free_checked = false            # true: a free only counts when it returns 0
 //! ```
+//!
+//! A pair is one kind of resource: each of its `alloc` functions creates
+//! handles (all called alike: same handle, size and success), and each of its
+//! `free` functions releases a handle whichever function created it
+//! (`alloc = ["open", "openat", "dup"]`, `free = "close"`). A function is
+//! probed once, so a release function named by several pairs (of one file, or
+//! of every source given to one [`PairsParser`]) is one probe: those pairs
+//! share one address domain and it releases handles of any of them; they must
+//! then call it alike (`free_handle`, `free_checked`, `handle_bits`). An
+//! alloc function belongs to one pair only.
+
+use std::collections::HashMap;
 
 use serde::Deserialize;
 
@@ -32,6 +44,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("acl-handles", include_str!("presets/acl-handles.toml")),
     ("cuda-handles", include_str!("presets/cuda-handles.toml")),
     ("fds", include_str!("presets/fds.toml")),
+    ("files", include_str!("presets/files.toml")),
 ];
 
 /// A pairs file that could not be used, naming where.
@@ -54,8 +67,8 @@ struct PairsFile {
 #[serde(deny_unknown_fields)]
 struct PairSpec {
     name: String,
-    alloc: String,
-    free: String,
+    alloc: Names,
+    free: Names,
     #[serde(default = "default_handle")]
     handle: String,
     #[serde(default = "default_bits")]
@@ -67,6 +80,31 @@ struct PairSpec {
     free_handle: String,
     #[serde(default)]
     free_checked: bool,
+}
+
+/// `alloc`/`free`: one function name (the original format) or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged, expecting = "a function name or a list of function names")]
+enum Names {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Names {
+    /// The names, each once, in the order given.
+    fn list(&self) -> Vec<&str> {
+        let all: Vec<&str> = match self {
+            Names::One(name) => vec![name.as_str()],
+            Names::Many(names) => names.iter().map(String::as_str).collect(),
+        };
+        let mut unique: Vec<&str> = Vec::with_capacity(all.len());
+        for name in all {
+            if !unique.contains(&name) {
+                unique.push(name);
+            }
+        }
+        unique
+    }
 }
 
 fn default_handle() -> String {
@@ -112,127 +150,290 @@ fn leak(text: &str) -> &'static str {
     Box::leak(text.to_string().into_boxed_str())
 }
 
-/// Parses a pairs file into probe definitions (two per pair). Definitions live
-/// for the whole run, so they are leaked on purpose.
+/// A release function as the first pair naming it declared it.
+#[derive(Clone, Debug)]
+struct Release {
+    pair: String,
+    domain: Domain,
+    ptr_arg: u8,
+    ret: RetKind,
+    quirk: SpecQuirk,
+}
+
+/// Parses pairs sources one after another, numbering their pairs on and
+/// remembering every alloc and release function declared so far, so that a
+/// release named again shares its domain and an alloc is not claimed twice.
+#[derive(Debug, Default)]
+pub struct PairsParser {
+    next_index: usize,
+    releases: HashMap<String, Release>,
+    /// Alloc function -> the pair that declared it.
+    allocs: HashMap<String, String>,
+}
+
+impl PairsParser {
+    /// A parser whose first pair takes pair index `first_index`.
+    pub fn new(first_index: usize) -> Self {
+        PairsParser {
+            next_index: first_index,
+            ..PairsParser::default()
+        }
+    }
+
+    /// The pair index the next source's first pair will take.
+    // Used through `parse_sources`, which `trace::catalog_for` is to call.
+    #[allow(dead_code)]
+    pub fn next_index(&self) -> usize {
+        self.next_index
+    }
+
+    /// Parses one source into probe definitions: one per alloc function and
+    /// one per (pair, free function), so at least two per pair. A release
+    /// function named by several pairs yields one definition per pair, all
+    /// alike but for the allocator name; they sit at one address, where the
+    /// attach plan probes the function once. Definitions live for the whole
+    /// run, so they are leaked on purpose. On error nothing is remembered.
+    pub fn parse(
+        &mut self,
+        text: &str,
+        source_name: &str,
+    ) -> Result<Vec<&'static FuncDef>, PairsError> {
+        let mut next = PairsParser {
+            next_index: self.next_index,
+            releases: self.releases.clone(),
+            allocs: self.allocs.clone(),
+        };
+        let defs = next.parse_into(text, source_name)?;
+        *self = next;
+        Ok(defs)
+    }
+
+    fn parse_into(
+        &mut self,
+        text: &str,
+        source_name: &str,
+    ) -> Result<Vec<&'static FuncDef>, PairsError> {
+        let error = |line: usize, reason: String| PairsError {
+            source_name: source_name.to_string(),
+            line,
+            reason,
+        };
+        let file: PairsFile = toml::from_str(text).map_err(|err| {
+            let line = err
+                .span()
+                .map(|span| text[..span.start.min(text.len())].lines().count().max(1))
+                .unwrap_or(1);
+            error(line, err.message().to_string())
+        })?;
+        let line_of = |needle: &str| {
+            text.lines()
+                .position(|l| l.contains(needle))
+                .map_or(1, |i| i + 1)
+        };
+        let mut defs = Vec::new();
+        for pair in &file.pair {
+            let line = line_of(&format!("\"{}\"", pair.name));
+            let allocs = pair.alloc.list();
+            let frees = pair.free.list();
+            if pair.name.trim().is_empty() {
+                return Err(error(line, "name is empty".into()));
+            }
+            for (key, names) in [("alloc", &allocs), ("free", &frees)] {
+                if names.is_empty() || names.iter().any(|n| n.trim().is_empty()) {
+                    return Err(error(line, format!("{key} is empty")));
+                }
+            }
+            if Allocator::parse_builtin(&pair.name).is_some() {
+                // A replayed record would take it for the built-in allocator.
+                return Err(error(
+                    line,
+                    format!("name = \"{}\" is a built-in allocator's", pair.name),
+                ));
+            }
+            let index = self.next_index;
+            if index >= MAX_PAIRS {
+                return Err(error(line, format!("at most {MAX_PAIRS} pairs")));
+            }
+            self.next_index += 1;
+            let family = FIRST_FAMILY + index as u8;
+            let allocator = Allocator::Custom {
+                name: leak(&pair.name),
+                family,
+            };
+            let memory = if pair.size.is_some() {
+                Memory::Host
+            } else {
+                Memory::Handle
+            };
+
+            // How every alloc function of the pair is called.
+            let mut template = FuncDef::new("", allocator, memory, Domain::Custom(family));
+            match parse_slot(&pair.handle).map_err(|r| error(line, r))? {
+                Slot::Return => {}
+                Slot::Out(n) => template.out_arg = n,
+                Slot::Arg(_) => {
+                    return Err(error(line, "handle must be return or outN".into()));
+                }
+            }
+            if let Some(size) = &pair.size {
+                match parse_slot(size).map_err(|r| error(line, r))? {
+                    Slot::Arg(n) => template.size_arg = n,
+                    _ => return Err(error(line, "size must be argN".into())),
+                }
+            } else {
+                // Counted, not measured: each handle weighs one "byte".
+                template.size_arg = ARG_NONE;
+            }
+            match &pair.success {
+                toml::Value::String(s) if s == "nonnull" => template.ret = RetKind::Pointer,
+                toml::Value::String(s) if s == "nonnegative" => {
+                    template.ret = RetKind::NonNegative
+                }
+                toml::Value::String(s) if s == "zero" => template.ret = RetKind::Status,
+                toml::Value::Integer(code) => {
+                    template.ret = RetKind::Status;
+                    template.success_code = *code;
+                }
+                other => {
+                    return Err(error(
+                        line,
+                        format!("success = {other:?}: expected \"nonnull\", \"nonnegative\", \"zero\" or an integer"),
+                    ))
+                }
+            }
+            if template.out_arg != ARG_NONE && template.ret != RetKind::Status {
+                return Err(error(
+                    line,
+                    "an outN handle needs success = \"zero\" or an integer status".into(),
+                ));
+            }
+            let quirk = match pair.handle_bits {
+                64 => SpecQuirk::None,
+                32 => SpecQuirk::Handle32,
+                other => {
+                    return Err(error(
+                        line,
+                        format!("handle_bits = {other}: expected 32 or 64"),
+                    ))
+                }
+            };
+            template.quirk = quirk;
+            let release = Release {
+                pair: pair.name.clone(),
+                domain: Domain::Custom(family),
+                ptr_arg: match parse_slot(&pair.free_handle).map_err(|r| error(line, r))? {
+                    Slot::Arg(n) => n,
+                    _ => return Err(error(line, "free_handle must be argN".into())),
+                },
+                ret: if pair.free_checked {
+                    RetKind::Status
+                } else {
+                    RetKind::Void
+                },
+                quirk,
+            };
+
+            // Which functions are already someone's: a release shared with
+            // earlier pairs puts this pair's handles in their domain.
+            for name in &allocs {
+                if frees.contains(name) || self.releases.contains_key(*name) {
+                    return Err(error(
+                        line,
+                        format!("\"{name}\" is both an alloc and a free function"),
+                    ));
+                }
+                if let Some(owner) = self.allocs.get(*name) {
+                    return Err(error(
+                        line,
+                        format!("alloc \"{name}\" is already pair \"{owner}\"'s"),
+                    ));
+                }
+            }
+            let mut domain = release.domain;
+            let mut shared_with: Option<&Release> = None;
+            for name in &frees {
+                if let Some(owner) = self.allocs.get(*name) {
+                    return Err(error(
+                        line,
+                        format!("\"{name}\" is pair \"{owner}\"'s alloc function and this pair's free function"),
+                    ));
+                }
+                let Some(earlier) = self.releases.get(*name) else {
+                    continue;
+                };
+                if (earlier.ptr_arg, earlier.ret, earlier.quirk)
+                    != (release.ptr_arg, release.ret, release.quirk)
+                {
+                    return Err(error(
+                        line,
+                        format!("free \"{name}\" is also pair \"{}\"'s, which calls it differently (free_handle, free_checked and handle_bits must agree)", earlier.pair),
+                    ));
+                }
+                match shared_with {
+                    Some(first) if first.domain != earlier.domain => {
+                        return Err(error(
+                            line,
+                            format!(
+                                "its free functions are releases of two other pairs (\"{}\" and \"{}\"): a handle can be released by one set of functions only",
+                                first.pair, earlier.pair
+                            ),
+                        ));
+                    }
+                    _ => shared_with = Some(earlier),
+                }
+            }
+            if let Some(first) = shared_with {
+                domain = first.domain;
+            }
+            template.domain = domain;
+
+            for name in &allocs {
+                let mut alloc = template;
+                alloc.name = leak(name);
+                self.allocs.insert(name.to_string(), pair.name.clone());
+                defs.push(&*Box::leak(Box::new(alloc)));
+            }
+            for name in &frees {
+                let mut free = FuncDef::new(leak(name), allocator, memory, domain);
+                free.kind = SpecKind::Free;
+                free.quirk = quirk;
+                free.ptr_arg = release.ptr_arg;
+                free.ret = release.ret;
+                self.releases
+                    .entry(name.to_string())
+                    .or_insert_with(|| Release {
+                        domain,
+                        ..release.clone()
+                    });
+                defs.push(&*Box::leak(Box::new(free)));
+            }
+        }
+        Ok(defs)
+    }
+}
+
+/// Parses one pairs source on its own, its first pair taking pair index
+/// `first_index` (see [`PairsParser::parse`]).
 pub fn parse(
     text: &str,
     source_name: &str,
     first_index: usize,
 ) -> Result<Vec<&'static FuncDef>, PairsError> {
-    let error = |line: usize, reason: String| PairsError {
-        source_name: source_name.to_string(),
-        line,
-        reason,
-    };
-    let file: PairsFile = toml::from_str(text).map_err(|err| {
-        let line = err
-            .span()
-            .map(|span| text[..span.start.min(text.len())].lines().count().max(1))
-            .unwrap_or(1);
-        error(line, err.message().to_string())
-    })?;
-    let line_of = |needle: &str| {
-        text.lines()
-            .position(|l| l.contains(needle))
-            .map_or(1, |i| i + 1)
-    };
+    PairsParser::new(first_index).parse(text, source_name)
+}
+
+/// Parses every source (name, text) in order, pairs numbered from 0 across
+/// them, a release function named in several sources shared by their pairs
+/// (an alloc function claimed by two sources is an error).
+// The drop-in for `trace::catalog_for`'s loop over `parse`, which numbers
+// sources by `defs.len() / 2` (still at least the pairs used) but cannot share
+// a release across sources.
+#[allow(dead_code)]
+pub fn parse_sources(sources: &[(String, String)]) -> Result<Vec<&'static FuncDef>, PairsError> {
+    let mut parser = PairsParser::new(0);
     let mut defs = Vec::new();
-    for (i, pair) in file.pair.iter().enumerate() {
-        let line = line_of(&format!("\"{}\"", pair.name));
-        for (key, value) in [
-            ("name", &pair.name),
-            ("alloc", &pair.alloc),
-            ("free", &pair.free),
-        ] {
-            if value.trim().is_empty() {
-                return Err(error(line, format!("{key} is empty")));
-            }
-        }
-        if Allocator::parse_builtin(&pair.name).is_some() {
-            // A replayed record would take it for the built-in allocator.
-            return Err(error(
-                line,
-                format!("name = \"{}\" is a built-in allocator's", pair.name),
-            ));
-        }
-        let index = first_index + i;
-        if index >= MAX_PAIRS {
-            return Err(error(line, format!("at most {MAX_PAIRS} pairs")));
-        }
-        let family = FIRST_FAMILY + index as u8;
-        let allocator = Allocator::Custom {
-            name: leak(&pair.name),
-            family,
-        };
-        let domain = Domain::Custom(family);
-        let memory = if pair.size.is_some() {
-            Memory::Host
-        } else {
-            Memory::Handle
-        };
-        let mut alloc = FuncDef::new(leak(&pair.alloc), allocator, memory, domain);
-        match parse_slot(&pair.handle).map_err(|r| error(line, r))? {
-            Slot::Return => {}
-            Slot::Out(n) => alloc.out_arg = n,
-            Slot::Arg(_) => {
-                return Err(error(line, "handle must be return or outN".into()));
-            }
-        }
-        if let Some(size) = &pair.size {
-            match parse_slot(size).map_err(|r| error(line, r))? {
-                Slot::Arg(n) => alloc.size_arg = n,
-                _ => return Err(error(line, "size must be argN".into())),
-            }
-        } else {
-            // Counted, not measured: each handle weighs one "byte".
-            alloc.size_arg = ARG_NONE;
-        }
-        match &pair.success {
-            toml::Value::String(s) if s == "nonnull" => alloc.ret = RetKind::Pointer,
-            toml::Value::String(s) if s == "nonnegative" => alloc.ret = RetKind::NonNegative,
-            toml::Value::String(s) if s == "zero" => alloc.ret = RetKind::Status,
-            toml::Value::Integer(code) => {
-                alloc.ret = RetKind::Status;
-                alloc.success_code = *code;
-            }
-            other => {
-                return Err(error(
-                    line,
-                    format!("success = {other:?}: expected \"nonnull\", \"nonnegative\", \"zero\" or an integer"),
-                ))
-            }
-        }
-        if alloc.out_arg != ARG_NONE && alloc.ret != RetKind::Status {
-            return Err(error(
-                line,
-                "an outN handle needs success = \"zero\" or an integer status".into(),
-            ));
-        }
-        let quirk = match pair.handle_bits {
-            64 => SpecQuirk::None,
-            32 => SpecQuirk::Handle32,
-            other => {
-                return Err(error(
-                    line,
-                    format!("handle_bits = {other}: expected 32 or 64"),
-                ))
-            }
-        };
-        alloc.quirk = quirk;
-        let mut free = FuncDef::new(leak(&pair.free), allocator, memory, domain);
-        free.kind = SpecKind::Free;
-        free.quirk = quirk;
-        free.ptr_arg = match parse_slot(&pair.free_handle).map_err(|r| error(line, r))? {
-            Slot::Arg(n) => n,
-            _ => return Err(error(line, "free_handle must be argN".into())),
-        };
-        free.ret = if pair.free_checked {
-            RetKind::Status
-        } else {
-            RetKind::Void
-        };
-        defs.push(&*Box::leak(Box::new(alloc)));
-        defs.push(&*Box::leak(Box::new(free)));
+    for (name, text) in sources {
+        defs.extend(parser.parse(text, name)?);
     }
     Ok(defs)
 }
@@ -257,6 +458,150 @@ mod tests {
             assert!(!defs.is_empty(), "{name}");
             index += defs.len() / 2;
         }
+        // Together too: no preset claims another's functions.
+        let sources: Vec<(String, String)> = PRESETS
+            .iter()
+            .map(|(name, text)| (name.to_string(), text.to_string()))
+            .collect();
+        parse_sources(&sources).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    fn frees(defs: &[&'static FuncDef]) -> Vec<&'static str> {
+        defs.iter()
+            .filter(|d| d.kind == SpecKind::Free)
+            .map(|d| d.name)
+            .collect()
+    }
+
+    #[test]
+    fn fd_preset_covers_the_descriptor_makers_with_one_close() {
+        let defs = parse(preset("fds").expect("fds"), "fds", 0).expect("parses");
+        let allocs: Vec<&str> = defs
+            .iter()
+            .filter(|d| d.kind == SpecKind::Alloc)
+            .map(|d| d.name)
+            .collect();
+        for name in [
+            "open", "open64", "openat", "openat64", "creat", "dup", "dup2", "dup3", "socket",
+            "accept", "accept4",
+        ] {
+            assert!(allocs.contains(&name), "{name} in {allocs:?}");
+        }
+        // close is declared once, and one domain holds every descriptor.
+        assert_eq!(frees(&defs), ["close", "__close_nocancel"]);
+        let domain = defs[0].domain;
+        for def in &defs {
+            assert_eq!(def.domain, domain, "{}", def.name);
+            assert_eq!(def.allocator.name(), "fd");
+            assert_eq!(def.quirk, SpecQuirk::Handle32);
+            if def.kind == SpecKind::Alloc {
+                assert_eq!(def.ret, RetKind::NonNegative, "{}", def.name);
+                assert_eq!(def.size_arg, ARG_NONE);
+            } else {
+                assert_eq!((def.ptr_arg, def.ret), (0, RetKind::Void));
+            }
+        }
+        let files = parse(preset("files").expect("files"), "files", 1).expect("parses");
+        assert_eq!(frees(&files), ["fclose"]);
+        assert!(files.iter().any(|d| d.name == "fdopen"));
+        assert!(files.iter().all(|d| d.allocator.name() == "file"));
+    }
+
+    #[test]
+    fn pairs_naming_one_release_share_its_domain() {
+        let text = r#"
+[[pair]]
+name = "file-fd"
+alloc = "open"
+free = "close"
+handle_bits = 32
+success = "nonnegative"
+
+[[pair]]
+name = "socket-fd"
+alloc = ["socket", "accept"]
+free = "close"
+handle_bits = 32
+success = "nonnegative"
+"#;
+        let defs = parse(text, "t.toml", 0).expect("parses");
+        let names: Vec<&str> = defs.iter().map(|d| d.name).collect();
+        assert_eq!(names, ["open", "close", "socket", "accept", "close"]);
+        // Each pair keeps its own name and family (nesting), but both
+        // closes release in the first pair's domain: probed once at one
+        // address, the close releases descriptors of either pair.
+        assert_eq!(defs[0].allocator.family(), FIRST_FAMILY);
+        assert_eq!(defs[2].allocator.family(), FIRST_FAMILY + 1);
+        assert_eq!(defs[2].allocator.name(), "socket-fd");
+        assert!(defs
+            .iter()
+            .all(|d| d.domain == Domain::Custom(FIRST_FAMILY)));
+        // Still at least two definitions per pair (callers number on by len / 2).
+        assert!(defs.len() / 2 >= 2);
+    }
+
+    #[test]
+    fn a_release_is_shared_across_sources_of_one_parser() {
+        let mine = "[[pair]]\nname = \"sock\"\nalloc = \"my_socket\"\nfree = \"close\"\nhandle_bits = 32\nsuccess = \"nonnegative\"\n";
+        let sources = vec![
+            (
+                "preset fds".to_string(),
+                preset("fds").expect("fds").to_string(),
+            ),
+            ("mine.toml".to_string(), mine.to_string()),
+        ];
+        let defs = parse_sources(&sources).expect("parses");
+        let my_socket = defs.iter().find(|d| d.name == "my_socket").expect("mine");
+        assert_eq!(my_socket.allocator.family(), FIRST_FAMILY + 1);
+        assert_eq!(my_socket.domain, Domain::Custom(FIRST_FAMILY));
+
+        let mut parser = PairsParser::new(3);
+        parser.parse(mine, "a.toml").expect("parses");
+        assert_eq!(parser.next_index(), 4);
+        // The same alloc again is refused, and a failed source changes nothing.
+        let err = parser.parse(mine, "b.toml").expect_err("claimed twice");
+        assert!(err.reason.contains("already pair \"sock\"'s"), "{err}");
+        assert_eq!(parser.next_index(), 4);
+    }
+
+    #[test]
+    fn shared_releases_must_agree_and_stay_releases() {
+        let pair = |name: &str, alloc: &str, free: &str, extra: &str| {
+            format!(
+                "[[pair]]\nname = \"{name}\"\nalloc = \"{alloc}\"\nfree = \"{free}\"\n{extra}\n"
+            )
+        };
+        let checked =
+            pair("a", "open_a", "close", "") + &pair("b", "open_b", "close", "free_checked = true");
+        let err = parse(&checked, "t.toml", 0).expect_err("disagree");
+        assert!(err.reason.contains("calls it differently"), "{err}");
+        let bits =
+            pair("a", "open_a", "close", "") + &pair("b", "open_b", "close", "handle_bits = 32");
+        assert!(parse(&bits, "t.toml", 0).is_err());
+        let both = pair("a", "f", "f", "");
+        assert!(parse(&both, "t.toml", 0)
+            .expect_err("alloc and free")
+            .reason
+            .contains("both an alloc and a free"));
+        let crossed = pair("a", "open_a", "close_a", "") + &pair("b", "close_a", "close_b", "");
+        assert!(parse(&crossed, "t.toml", 0).is_err());
+        let two_domains = pair("a", "open_a", "close_a", "")
+            + &pair("b", "open_b", "close_b", "")
+            + "[[pair]]\nname = \"c\"\nalloc = \"open_c\"\nfree = [\"close_a\", \"close_b\"]\n";
+        let err = parse(&two_domains, "t.toml", 0).expect_err("two domains");
+        assert_eq!(err.line, 12, "{err}");
+        assert!(err.reason.contains("two other pairs"), "{err}");
+        for empty in ["alloc = []", "alloc = [\"a\", \" \"]"] {
+            let text = format!("[[pair]]\nname = \"x\"\n{empty}\nfree = \"f\"\n");
+            let err = parse(&text, "t.toml", 0).expect_err(empty);
+            assert_eq!(err.reason, "alloc is empty", "{empty}");
+        }
+        let wrong_type = "[[pair]]\nname = \"x\"\nalloc = 3\nfree = \"f\"\n";
+        let err = parse(wrong_type, "t.toml", 0).expect_err("number");
+        assert!(err.reason.contains("list of function names"), "{err}");
+        // Repeats within one list are one function.
+        let repeated = "[[pair]]\nname = \"x\"\nalloc = [\"a\", \"a\"]\nfree = \"f\"\n";
+        assert_eq!(parse(repeated, "t.toml", 0).expect("parses").len(), 2);
     }
 
     #[test]

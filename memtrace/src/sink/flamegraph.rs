@@ -1,12 +1,14 @@
 //! Flame-graph sink: an interactive SVG of live bytes by allocation site,
 //! drawn by inferno from the folded stacks. Only the final report is drawn.
+//! With `--sample-rate N` its widths and the subtitle's totals are estimates
+//! (the sample times N), and the subtitle says so.
 
 use std::io::Write;
 
 use inferno::flamegraph::color::{BasicPalette, Palette};
 use inferno::flamegraph::{self, Options};
 
-use super::{folded, human_bytes, Sink};
+use super::{folded, human_bytes, scaled, scaling_note, site_live, Sink};
 use crate::report::Report;
 
 pub struct FlamegraphSink;
@@ -18,7 +20,7 @@ impl Sink for FlamegraphSink {
         }
         let title = title(report);
         let lines = folded::lines(report);
-        let total: u64 = report.sites.iter().map(|s| s.live_bytes).sum();
+        let total: u64 = report.sites.iter().map(|s| site_live(report, s).0).sum();
         if total == 0 {
             // inferno refuses an empty graph; say so in a valid SVG instead.
             return empty_svg(&title, out);
@@ -53,12 +55,15 @@ fn subtitle(report: &Report) -> String {
                 "{} {}: {} in {} blocks",
                 t.allocator.name(),
                 t.memory.name(),
-                human_bytes(t.live_bytes),
-                t.live_count
+                human_bytes(scaled(report, t.live_bytes)),
+                scaled(report, t.live_count)
             )
         })
         .collect();
     parts.push(format!("traced {:.1}s", report.duration_ms as f64 / 1000.0));
+    if let Some(note) = scaling_note(report) {
+        parts.push(note);
+    }
     if !report.complete {
         parts.push("incomplete: events were lost".into());
     }
@@ -119,6 +124,20 @@ mod tests {
         assert!(svg.contains("[no stack]"));
         assert!(svg.contains("memtrace: live bytes by allocation site (pid 4242 app)"));
         assert!(svg.contains("bytes"));
+    }
+
+    #[test]
+    fn flamegraph_of_a_sampled_report_shows_estimates_and_says_so() {
+        let mut report = fixture::report();
+        report.settings.sample_rate = 2;
+        let line = subtitle(&report);
+        assert!(line.contains("cuda device: 8.0 KiB in 2 blocks"), "{line}");
+        assert!(line.contains("scaled by 2"), "{line}");
+        let svg = render(&report, false);
+        assert!(svg.contains("scaled by 2"));
+        // Widths follow the scaled bytes: 4096 * 2 for the CUDA site.
+        assert!(svg.contains("8,192 bytes"), "scaled widths");
+        assert!(!subtitle(&fixture::report()).contains("scaled"));
     }
 
     #[test]

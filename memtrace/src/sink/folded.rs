@@ -1,11 +1,13 @@
 //! Folded sink: collapsed stacks weighted by live bytes, the input format of
 //! flame-graph tools (inferno, FlameGraph, speedscope). One line per stack:
-//! `outermost;...;innermost;[allocator memory] live_bytes`.
+//! `outermost;...;innermost;[allocator memory] live_bytes`. With
+//! `--sample-rate N` the weight is the estimate (the sample times N, the JSON
+//! report's `estimated_live_bytes`); the format has no room to say so.
 
 use std::collections::HashMap;
 use std::io::Write;
 
-use super::{frame_name, Sink};
+use super::{frame_name, site_live, Sink};
 use crate::report::{Report, Site};
 
 pub struct FoldedSink;
@@ -31,10 +33,11 @@ pub(super) fn lines(report: &Report) -> Vec<String> {
     let mut bytes: HashMap<String, u64> = HashMap::new();
     for site in &report.sites {
         let stack = stack(site);
+        let (weight, _) = site_live(report, site);
         match bytes.get_mut(&stack) {
-            Some(total) => *total += site.live_bytes,
+            Some(total) => *total = total.saturating_add(weight),
             None => {
-                bytes.insert(stack.clone(), site.live_bytes);
+                bytes.insert(stack.clone(), weight);
                 order.push(stack);
             }
         }
@@ -103,6 +106,21 @@ mod tests {
                 "main;alloc_buffers;[cuda device] 4096",
                 "main;app+0x100;[libc host] 300",
                 "[no stack];[libc host] 50",
+            ]
+        );
+    }
+
+    #[test]
+    fn folded_weights_of_a_sampled_report_are_the_estimates() {
+        let mut report = fixture::report();
+        report.settings.sample_rate = 8;
+        report.sites[0].estimated_live_bytes = Some(4096 * 8);
+        assert_eq!(
+            lines(&report),
+            vec![
+                "main;alloc_buffers;[cuda device] 32768",
+                "main;app+0x100;[libc host] 2400",
+                "[no stack];[libc host] 400",
             ]
         );
     }

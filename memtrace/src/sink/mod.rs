@@ -1,5 +1,11 @@
 //! Output sinks: each renders a [`Report`] in one format behind one trait, so
 //! the event pipeline is the same whatever the user asked for.
+//!
+//! Sampling (`--sample-rate N`): the text and JSON sinks show what was traced
+//! and, per site, the estimate (`estimated_live_bytes`/`estimated_live_count`,
+//! the sample times N); the sinks that draw or profile (pprof, folded, flame
+//! graph, timeline) show estimates only, so their figures compare with an
+//! unsampled run, and say so where the format has room for it.
 
 mod flamegraph;
 mod folded;
@@ -11,7 +17,7 @@ mod timeline;
 use std::io::Write;
 
 use crate::cli::Format;
-use crate::report::{Frame, Report};
+use crate::report::{Frame, Report, Site};
 
 /// Renders reports in one format.
 pub trait Sink {
@@ -29,6 +35,39 @@ pub fn for_format(format: Format) -> Box<dyn Sink> {
         Format::Pprof => Box::new(pprof::PprofSink),
         Format::Timeline => Box::new(timeline::TimelineSink),
     }
+}
+
+/// The report's sampling rate, 1 when every allocation was traced.
+pub fn sample_rate(report: &Report) -> u64 {
+    u64::from(report.settings.sample_rate.max(1))
+}
+
+/// A figure of the traced sample as an estimate for the whole process: with
+/// `--sample-rate N`, the figure times N (saturating), else the figure.
+pub fn scaled(report: &Report, value: u64) -> u64 {
+    value.saturating_mul(sample_rate(report))
+}
+
+/// A site's live bytes and blocks as the profile sinks (pprof, folded,
+/// flame graph) weigh it: the JSON report's `estimated_live_bytes` and
+/// `estimated_live_count` when sampled, else what was traced.
+pub fn site_live(report: &Report, site: &Site) -> (u64, u64) {
+    (
+        site.estimated_live_bytes
+            .unwrap_or_else(|| scaled(report, site.live_bytes)),
+        site.estimated_live_count
+            .unwrap_or_else(|| scaled(report, site.live_count)),
+    )
+}
+
+/// What the sinks that scale say about it, when the report is sampled.
+pub fn scaling_note(report: &Report) -> Option<String> {
+    let rate = sample_rate(report);
+    (rate > 1).then(|| {
+        format!(
+            "sampled: one allocation in {rate} traced (by address); bytes and blocks are estimates, the sample scaled by {rate}"
+        )
+    })
 }
 
 /// Human-readable byte count (binary units).

@@ -2,7 +2,9 @@
 //! `go tool pprof` and friends, with `inuse_space`/bytes and
 //! `inuse_objects`/count per site. Each site's root is an `[allocator memory]`
 //! pseudo-frame and its sample carries `allocator`/`memory` labels (for
-//! `-tagfocus`). The messages are declared here with prost (no protoc at build time).
+//! `-tagfocus`). With `--sample-rate N` the values are the estimates (the
+//! sample times N, as the JSON report's `estimated_*`), `period` is N and a
+//! comment says so. The messages are declared here with prost (no protoc at build time).
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -12,7 +14,7 @@ use flate2::write::GzEncoder;
 use flate2::Compression;
 use prost::Message;
 
-use super::{frame_name, Sink};
+use super::{frame_name, sample_rate, scaling_note, site_live, Sink};
 use crate::report::{Frame, Report, Site};
 
 pub struct PprofSink;
@@ -276,7 +278,9 @@ impl Builder {
     /// Leaf first: the frames, then the allocator as the root, so that
     /// `-top` shows the allocating functions and the graph splits by
     /// allocator first.
-    fn sample(&mut self, site: &Site) {
+    /// `bytes` and `count` are the site's figures as the profile shows them
+    /// (scaled when sampled, see [`super::site_live`]).
+    fn sample(&mut self, site: &Site, bytes: u64, count: u64) {
         let mut location_id = Vec::with_capacity(site.frames.len() + 2);
         for frame in &site.frames {
             location_id.push(self.frame(frame));
@@ -295,7 +299,7 @@ impl Builder {
         ];
         self.profile.sample.push(proto::Sample {
             location_id,
-            value: vec![saturate(site.live_bytes), saturate(site.live_count)],
+            value: vec![saturate(bytes), saturate(count)],
             label,
         });
     }
@@ -325,7 +329,9 @@ pub(crate) fn profile(report: &Report) -> proto::Profile {
     b.profile.default_sample_type = space.r#type;
     b.profile.sample_type = vec![space.clone(), objects];
     b.profile.period_type = Some(space);
-    b.profile.period = i64::from(report.settings.sample_rate.max(1));
+    // The sampling period, for the record: the values are already scaled by
+    // it (pprof does not scale them itself).
+    b.profile.period = saturate(sample_rate(report));
     // pprof takes the first mapping for the main binary: the target's executable.
     if let Some(frame) = report
         .sites
@@ -338,18 +344,15 @@ pub(crate) fn profile(report: &Report) -> proto::Profile {
         b.mapping(&report.target.exe, addr, offset);
     }
     for site in &report.sites {
-        b.sample(site);
+        let (bytes, count) = site_live(report, site);
+        b.sample(site, bytes, count);
     }
     let comment = format!(
         "memtrace: live allocations of pid {} ({}) {}",
         report.target.pid, report.target.comm, report.target.exe
     );
     let mut comments = vec![b.string(&comment)];
-    if report.settings.sample_rate > 1 {
-        let note = format!(
-            "sampled: one allocation in {} traced",
-            report.settings.sample_rate
-        );
+    if let Some(note) = scaling_note(report) {
         comments.push(b.string(&note));
     }
     if !report.complete {
@@ -476,6 +479,42 @@ mod tests {
             .filter(|f| p.string_table[f.name as usize] == "main")
             .count();
         assert_eq!(mains, 1);
+    }
+
+    #[test]
+    fn pprof_values_of_a_sampled_report_are_the_estimates() {
+        let mut report = fixture::report();
+        report.settings.sample_rate = 4;
+        for site in &mut report.sites {
+            site.estimated_live_bytes = Some(site.live_bytes * 4);
+            site.estimated_live_count = Some(site.live_count * 4);
+        }
+        // A site without estimates (an older report) is scaled all the same.
+        report.sites[2].estimated_live_bytes = None;
+        report.sites[2].estimated_live_count = None;
+        let p = decode(&report);
+        let values: Vec<Vec<i64>> = p.sample.iter().map(|s| s.value.clone()).collect();
+        assert_eq!(values, [[4096 * 4, 4], [300 * 4, 3 * 4], [50 * 4, 4]]);
+        assert_eq!(p.period, 4);
+        let comments: Vec<&str> = p
+            .comment
+            .iter()
+            .map(|&i| p.string_table[i as usize].as_str())
+            .collect();
+        assert!(
+            comments
+                .iter()
+                .any(|c| c.contains("one allocation in 4") && c.contains("scaled by 4")),
+            "{comments:?}"
+        );
+        // Unsampled: as traced, and no such comment.
+        let p = decode(&fixture::report());
+        assert_eq!(p.period, 1);
+        assert_eq!(p.sample[1].value, [300, 3]);
+        assert!(p
+            .comment
+            .iter()
+            .all(|&i| !p.string_table[i as usize].contains("scaled")));
     }
 
     #[test]

@@ -21,9 +21,16 @@ impl Sink for TextSink {
             report.duration_ms as f64 / 1000.0
         )?;
         let e = &report.events;
+        // Under a size filter the frees of skipped blocks are unmatched by
+        // design (see the note): say so where the count is.
+        let expected = if e.unmatched_frees > 0 && crate::report::size_filtered(&report.settings) {
+            " (expected: size filter)"
+        } else {
+            ""
+        };
         writeln!(
             out,
-            "events: {} allocs, {} frees, {} lost, {} unmatched frees, {} stack failures, {} failed calls",
+            "events: {} allocs, {} frees, {} lost, {} unmatched frees{expected}, {} stack failures, {} failed calls",
             e.allocs, e.frees, e.lost, e.unmatched_frees, e.stack_failures, e.failed_calls
         )?;
         if report.totals.is_empty() {
@@ -99,6 +106,16 @@ impl Sink for TextSink {
                     .collect::<Vec<_>>()
                     .join(",")
             )?;
+            if let (Some(bytes), Some(count)) =
+                (site.estimated_live_bytes, site.estimated_live_count)
+            {
+                writeln!(
+                    out,
+                    "    estimated {} in {count} blocks (sampled 1 in {})",
+                    human_bytes(bytes),
+                    report.settings.sample_rate
+                )?;
+            }
             if report.processes.len() > 1 {
                 let pids: Vec<String> = site.pids.iter().map(u32::to_string).collect();
                 writeln!(out, "    in process {}", pids.join(","))?;
@@ -161,4 +178,44 @@ fn frame_line(frame: &Frame) -> String {
         ));
     }
     line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::fixture;
+
+    fn render(report: &Report) -> String {
+        let mut out = Vec::new();
+        TextSink.write(report, false, &mut out).expect("writes");
+        String::from_utf8(out).expect("utf-8")
+    }
+
+    #[test]
+    fn sampled_sites_show_their_estimate_under_the_traced_figures() {
+        let mut report = fixture::report();
+        report.settings.sample_rate = 4;
+        report.sites[1].estimated_live_bytes = Some(1200);
+        report.sites[1].estimated_live_count = Some(12);
+        let text = render(&report);
+        assert!(text.contains("#2 300 B (300 bytes) in 3 blocks"), "{text}");
+        assert!(
+            text.contains("    estimated 1.2 KiB in 12 blocks (sampled 1 in 4)"),
+            "{text}"
+        );
+        assert!(!render(&fixture::report()).contains("estimated"));
+    }
+
+    #[test]
+    fn unmatched_frees_under_a_size_filter_are_marked_expected() {
+        let mut report = fixture::report();
+        assert!(render(&report).contains(" 1 unmatched frees, "));
+        report.settings.min_size = 64;
+        assert!(render(&report).contains(" 1 unmatched frees (expected: size filter), "));
+        report.settings.min_size = 0;
+        report.settings.max_size = Some(4096);
+        assert!(render(&report).contains("(expected: size filter)"));
+        report.events.unmatched_frees = 0;
+        assert!(!render(&report).contains("expected"));
+    }
 }

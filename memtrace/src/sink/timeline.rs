@@ -3,13 +3,15 @@
 //! counter per timeline sample (one series per allocator and memory), an
 //! instant marker at each interval boundary, names for the target's process
 //! and track, and a final counter at the end of the trace from the totals.
+//! With `--sample-rate N` the counters are estimates (the sample times N) and
+//! `otherData` carries `sample_rate` and a `note` saying so.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 
 use serde_json::{json, Map, Value};
 
-use super::Sink;
+use super::{sample_rate, scaled, scaling_note, Sink};
 use crate::report::Report;
 
 pub struct TimelineSink;
@@ -38,8 +40,8 @@ pub(super) fn trace(report: &Report) -> Value {
         let entry = point
             .entry(series(sample.allocator.name(), sample.memory.name()))
             .or_default();
-        entry.0 += sample.live_bytes;
-        entry.1 += sample.live_count;
+        entry.0 += scaled(report, sample.live_bytes);
+        entry.1 += scaled(report, sample.live_count);
     }
     let boundaries: Vec<u64> = points.keys().copied().collect();
     let last = points.entry(report.duration_ms).or_default();
@@ -48,8 +50,8 @@ pub(super) fn trace(report: &Report) -> Value {
         let entry = last
             .entry(series(total.allocator.name(), total.memory.name()))
             .or_default();
-        entry.0 += total.live_bytes;
-        entry.1 += total.live_count;
+        entry.0 += scaled(report, total.live_bytes);
+        entry.1 += scaled(report, total.live_count);
     }
     // Every counter event names every series, so a series that drops out
     // reads 0 rather than keeping its last value.
@@ -93,16 +95,21 @@ pub(super) fn trace(report: &Report) -> Value {
         "ts": report.duration_ms.saturating_mul(1000), "pid": pid, "tid": tid,
         "args": {"complete": report.complete},
     }));
+    let mut other = json!({
+        "tool": "memtrace",
+        "pid": pid.to_string(),
+        "comm": report.target.comm,
+        "exe": report.target.exe,
+        "complete": report.complete.to_string(),
+    });
+    if let Some(note) = scaling_note(report) {
+        other["sample_rate"] = sample_rate(report).to_string().into();
+        other["note"] = note.into();
+    }
     json!({
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "otherData": {
-            "tool": "memtrace",
-            "pid": pid.to_string(),
-            "comm": report.target.comm,
-            "exe": report.target.exe,
-            "complete": report.complete.to_string(),
-        },
+        "otherData": other,
     })
 }
 
@@ -157,6 +164,25 @@ mod tests {
         for counter in counters {
             assert_eq!(counter["pid"], 4242);
         }
+    }
+
+    #[test]
+    fn timeline_of_a_sampled_report_counts_estimates_and_says_so() {
+        let mut report = fixture::report();
+        report.settings.sample_rate = 3;
+        let doc = trace(&report);
+        let counters = events(&doc, "C", "live bytes");
+        assert_eq!(
+            counters[1]["args"],
+            json!({"libc host": 1050, "cuda device": 12288})
+        );
+        assert_eq!(counters[2]["args"]["libc host"], 1050);
+        assert_eq!(events(&doc, "C", "live blocks")[1]["args"]["libc host"], 12);
+        assert_eq!(doc["otherData"]["sample_rate"], "3");
+        assert!(doc["otherData"]["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("scaled by 3")));
+        assert!(parsed()["otherData"].get("note").is_none());
     }
 
     #[test]
