@@ -41,7 +41,7 @@ fuzz_target!(|data: &[u8]| {
     };
     // The first byte picks how many pairs earlier files declared.
     let first_index = usize::from(first % 8) * 25;
-    match pairs::parse(text, "fuzz.toml", first_index) {
+    match pairs::PairsParser::new(first_index).parse(text, "fuzz.toml") {
         Ok(defs) => {
             // Families are numbered on from first_index, one per pair, each
             // with at least one alloc and one free definition: a caller

@@ -181,8 +181,7 @@ impl PairsParser {
     }
 
     /// The pair index the next source's first pair will take.
-    // Used through `parse_sources`, which `trace::catalog_for` is to call.
-    #[allow(dead_code)]
+    #[cfg(test)]
     pub fn next_index(&self) -> usize {
         self.next_index
     }
@@ -414,6 +413,7 @@ impl PairsParser {
 
 /// Parses one pairs source on its own, its first pair taking pair index
 /// `first_index` (see [`PairsParser::parse`]).
+#[cfg(test)]
 pub fn parse(
     text: &str,
     source_name: &str,
@@ -425,10 +425,6 @@ pub fn parse(
 /// Parses every source (name, text) in order, pairs numbered from 0 across
 /// them, a release function named in several sources shared by their pairs
 /// (an alloc function claimed by two sources is an error).
-// The drop-in for `trace::catalog_for`'s loop over `parse`, which numbers
-// sources by `defs.len() / 2` (still at least the pairs used) but cannot share
-// a release across sources.
-#[allow(dead_code)]
 pub fn parse_sources(sources: &[(String, String)]) -> Result<Vec<&'static FuncDef>, PairsError> {
     let mut parser = PairsParser::new(0);
     let mut defs = Vec::new();

@@ -399,13 +399,9 @@ fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::F
             .map_err(|err| Failure::usage(format!("--pairs {}: {err}", path.display())))?;
         sources.push((path.display().to_string(), text));
     }
-    let mut pair_count = 0;
-    for (name, text) in &sources {
-        let parsed =
-            pairs::parse(text, name, pair_count).map_err(|err| Failure::usage(err.to_string()))?;
-        pair_count += parsed.len() / 2;
-        defs.extend(parsed);
-    }
+    // All sources at once: pairs from different files that name the same
+    // release function share it.
+    defs.extend(pairs::parse_sources(&sources).map_err(|err| Failure::usage(err.to_string()))?);
     Ok(defs)
 }
 
