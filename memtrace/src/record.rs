@@ -111,6 +111,7 @@ impl Recorder {
                 family: spec.allocator.family(),
                 memory: spec.memory,
                 domain: spec.domain,
+                module: spec.module.map(str::to_string),
             });
         }
         self.specs_written = specs.len();
@@ -225,8 +226,10 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 family,
                 memory,
                 domain,
+                module,
             } => {
                 specs.push(SpecEntry {
+                    module: module.map(|m| &*Box::leak(m.into_boxed_str())),
                     function: Box::leak(function.into_boxed_str()),
                     allocator: Allocator::parse_builtin(&allocator).unwrap_or(Allocator::Custom {
                         name: Box::leak(allocator.into_boxed_str()),
@@ -417,6 +420,7 @@ mod tests {
                 family: 0,
                 memory: crate::probe::catalog::Memory::Host,
                 domain: crate::probe::catalog::Domain::Heap,
+                module: Some("/lib/libc.so.6".into()),
             },
             Line::Stack {
                 id: 1,

@@ -169,6 +169,10 @@ pub struct Site {
     pub estimated_live_count: Option<u64>,
     /// The probed functions that made these blocks.
     pub functions: Vec<String>,
+    /// The allocator's own library made these blocks for itself (its caller
+    /// is inside that library: thread stacks, malloc arenas, stdio buffers,
+    /// locale data): usually caches, ranked last within their trend.
+    pub internal: bool,
     /// Processes holding these blocks: the target, and with
     /// `--follow-forks` its descendants.
     pub pids: Vec<u32>,
@@ -256,6 +260,8 @@ struct SiteAcc {
     live_count: u64,
     oldest_ts: u64,
     functions: BTreeSet<&'static str>,
+    /// The objects defining those functions.
+    modules: BTreeSet<&'static str>,
     threads: BTreeSet<u32>,
     pids: BTreeSet<u32>,
     /// (seconds since start, size) of each live block, for pattern detection.
@@ -338,6 +344,9 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         site.live_count += 1;
         site.oldest_ts = site.oldest_ts.min(block.ts_ns);
         site.functions.insert(entry.function);
+        if let Some(module) = entry.module {
+            site.modules.insert(module);
+        }
         site.threads.insert(block.tid);
         site.pids.insert(pid);
         site.blocks.push((seconds(block.ts_ns), block.size));
@@ -345,21 +354,28 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
 
     let trace_s = input.duration_ms as f64 / 1000.0;
     let interval_ends: &[f64] = input.history.map_or(&[], |h| h.interval_ends.as_slice());
-    let mut judged: Vec<(SiteKey, SiteAcc, TrendVerdict, Option<Pattern>)> = sites
+    // A statically linked program defines its allocator itself: its own
+    // calls are not the library's.
+    let programs: BTreeSet<&str> = std::iter::once(input.target.exe.as_str())
+        .chain(input.processes.iter().map(|p| p.exe.as_str()))
+        .collect();
+    let mut judged: Vec<(SiteKey, SiteAcc, TrendVerdict, Option<Pattern>, bool)> = sites
         .into_iter()
         .map(|(key, acc)| {
             let series = input.history.map_or(&[][..], |h| h.series(&key));
             let verdict = classify_trend(series, 0);
             let pattern = classify(&acc.blocks, verdict.trend, trace_s);
-            (key, acc, verdict, pattern)
+            let internal = allocated_inside_allocator(key.2, input.stacks, &acc.modules, &programs);
+            (key, acc, verdict, pattern, internal)
         })
         .collect();
     judged.sort_by(|a, b| {
-        suspicion_rank(a.2.trend, a.2.growth_bytes_per_s, a.1.live_bytes)
+        suspicion_rank(a.2.trend, a.2.growth_bytes_per_s, a.1.live_bytes, a.4)
             .cmp(&suspicion_rank(
                 b.2.trend,
                 b.2.growth_bytes_per_s,
                 b.1.live_bytes,
+                b.4,
             ))
             .then(b.1.live_count.cmp(&a.1.live_count))
             .then(a.0.cmp(&b.0))
@@ -380,34 +396,37 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let rate = u64::from(input.settings.sample_rate.max(1));
     let sites = judged
         .into_iter()
-        .map(|((allocator, memory, stack), acc, verdict, pattern)| {
-            let (frames, stack_note) = site_frames(stack, input.stacks, depth, &symbols);
-            Site {
-                allocator,
-                memory,
-                live_bytes: acc.live_bytes,
-                live_count: acc.live_count,
-                oldest_age_ms: input.now_ns.saturating_sub(acc.oldest_ts) / 1_000_000,
-                trend: verdict.trend,
-                growth_bytes_per_s: verdict.growth_bytes_per_s,
-                pattern,
-                survived_intervals: survived_intervals(seconds(acc.oldest_ts), interval_ends),
-                estimated_live_bytes: (rate > 1).then(|| acc.live_bytes.saturating_mul(rate)),
-                estimated_live_count: (rate > 1).then(|| acc.live_count.saturating_mul(rate)),
-                functions: acc.functions.into_iter().map(str::to_string).collect(),
-                thread_names: acc
-                    .threads
-                    .iter()
-                    .filter_map(|tid| input.thread_names.get(tid).cloned())
-                    .collect::<BTreeSet<String>>()
-                    .into_iter()
-                    .collect(),
-                threads: acc.threads.into_iter().collect(),
-                pids: acc.pids.into_iter().collect(),
-                stack_note,
-                frames,
-            }
-        })
+        .map(
+            |((allocator, memory, stack), acc, verdict, pattern, internal)| {
+                let (frames, stack_note) = site_frames(stack, input.stacks, depth, &symbols);
+                Site {
+                    allocator,
+                    memory,
+                    live_bytes: acc.live_bytes,
+                    live_count: acc.live_count,
+                    oldest_age_ms: input.now_ns.saturating_sub(acc.oldest_ts) / 1_000_000,
+                    trend: verdict.trend,
+                    growth_bytes_per_s: verdict.growth_bytes_per_s,
+                    pattern,
+                    survived_intervals: survived_intervals(seconds(acc.oldest_ts), interval_ends),
+                    estimated_live_bytes: (rate > 1).then(|| acc.live_bytes.saturating_mul(rate)),
+                    estimated_live_count: (rate > 1).then(|| acc.live_count.saturating_mul(rate)),
+                    functions: acc.functions.into_iter().map(str::to_string).collect(),
+                    internal,
+                    thread_names: acc
+                        .threads
+                        .iter()
+                        .filter_map(|tid| input.thread_names.get(tid).cloned())
+                        .collect::<BTreeSet<String>>()
+                        .into_iter()
+                        .collect(),
+                    threads: acc.threads.into_iter().collect(),
+                    pids: acc.pids.into_iter().collect(),
+                    stack_note,
+                    frames,
+                }
+            },
+        )
         .collect();
 
     let counts = input.table.counts();
@@ -581,6 +600,28 @@ fn process_list(
     known
 }
 
+/// Whether a stack's innermost frame (the allocator's caller) lies in a
+/// library (not a traced program) that defines the allocator functions of
+/// the site: the library allocated for itself.
+fn allocated_inside_allocator(
+    stack: StackRef,
+    stacks: &StackStore,
+    modules: &BTreeSet<&'static str>,
+    programs: &BTreeSet<&str>,
+) -> bool {
+    let StackRef::Id(id) = stack else {
+        return false;
+    };
+    stacks
+        .get(id)
+        .and_then(|frames| frames.first())
+        .and_then(|frame| frame.file.as_ref())
+        .is_some_and(|file| {
+            let caller = file.module.display().to_string();
+            !programs.contains(caller.as_str()) && modules.iter().any(|m| *m == caller)
+        })
+}
+
 /// Why a block is set aside (warm-up or an allow-list entry), if it is.
 fn suppression(
     input: &ReportInput<'_>,
@@ -709,12 +750,14 @@ mod tests {
                 allocator: Allocator::Libc,
                 memory: Memory::Host,
                 domain: Domain::Heap,
+                module: Some("/lib/libc.so.6"),
             },
             SpecEntry {
                 function: "cudaMalloc",
                 allocator: Allocator::Cuda,
                 memory: Memory::Device,
                 domain: Domain::CudaMemory,
+                module: None,
             },
         ]
     }
@@ -796,6 +839,60 @@ mod tests {
             .find(|t| t.allocator == Allocator::Libc)
             .expect("libc total");
         assert_eq!((libc_total.live_bytes, libc_total.live_count), (350, 4));
+    }
+
+    #[test]
+    fn sites_allocated_inside_the_allocator_library_are_internal_and_last() {
+        let specs = specs();
+        let mut table = LiveTable::new(1000);
+        // A big block from libc itself (a thread stack), a small one from the program.
+        table.apply(&alloc(0, 0x100, 1 << 20, 1, 0), Domain::Heap);
+        table.apply(&alloc(0, 0x200, 10, 2, 0), Domain::Heap);
+        let space = AddressSpace::new(parse(
+            "1000-2000 r-xp 00000000 fe:01 5 /bin/app\n5000-6000 r-xp 00000000 fe:01 6 /lib/libc.so.6\n",
+        ));
+        let mut stacks = StackStore::default();
+        stacks.insert(1, &[0x5100, 0x1200], &space);
+        stacks.insert(2, &[0x1300], &space);
+        let names = HashMap::new();
+        let report = build(
+            ReportInput {
+                target: TargetInfo {
+                    pid: 1,
+                    comm: "app".into(),
+                    exe: "/bin/app".into(),
+                },
+                duration_ms: 1000,
+                now_ns: 1_000_000_000,
+                started_ns: 0,
+                history: None,
+                suppressions: None,
+                thread_names: &names,
+                reconciliation: None,
+                processes: Vec::new(),
+                attach_failures: Vec::new(),
+                table: &table,
+                specs: &specs,
+                stacks: &stacks,
+                kernel_counters: BTreeMap::new(),
+                libraries: Vec::new(),
+                missing_functions: Vec::new(),
+                settings: Settings {
+                    stack_depth: 4,
+                    top: 10,
+                    sample_rate: 1,
+                    ..Settings::default()
+                },
+                notes: Vec::new(),
+            },
+            &mut FakeSymbols,
+        );
+        let flags: Vec<(u64, bool)> = report
+            .sites
+            .iter()
+            .map(|s| (s.live_bytes, s.internal))
+            .collect();
+        assert_eq!(flags, vec![(10, false), (1 << 20, true)]);
     }
 
     #[test]

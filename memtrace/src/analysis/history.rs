@@ -131,6 +131,7 @@ mod tests {
             allocator: Allocator::Libc,
             memory: Memory::Host,
             domain: Domain::Heap,
+            module: None,
         }];
         let stacks = StackStore::default();
         let mut history = History::default();

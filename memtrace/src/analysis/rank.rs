@@ -1,6 +1,7 @@
 //! Ordering sites by how suspicious they are: growing sites first (fastest
 //! growth first), then new, stable and shrinking sites (most live bytes
-//! first within each).
+//! first within each); within a class, sites the allocator's own library
+//! allocated for itself (thread stacks, arenas, stdio buffers) come last.
 
 use std::cmp::Ordering;
 
@@ -11,13 +12,19 @@ use super::trend::Trend;
 #[derive(Clone, Copy, Debug)]
 pub struct SuspicionRank {
     class: u8,
+    internal: bool,
     /// Growth rate (growing sites only; 0 otherwise), finite.
     rate: f64,
     live_bytes: u64,
 }
 
 /// The sort key of a site; see [`SuspicionRank`].
-pub fn suspicion_rank(trend: Trend, growth_bytes_per_s: f64, live_bytes: u64) -> SuspicionRank {
+pub fn suspicion_rank(
+    trend: Trend,
+    growth_bytes_per_s: f64,
+    live_bytes: u64,
+    internal: bool,
+) -> SuspicionRank {
     let class = match trend {
         Trend::Growing => 0,
         Trend::New => 1,
@@ -31,6 +38,7 @@ pub fn suspicion_rank(trend: Trend, growth_bytes_per_s: f64, live_bytes: u64) ->
     };
     SuspicionRank {
         class,
+        internal,
         rate,
         live_bytes,
     }
@@ -40,6 +48,7 @@ impl Ord for SuspicionRank {
     fn cmp(&self, other: &Self) -> Ordering {
         self.class
             .cmp(&other.class)
+            .then(self.internal.cmp(&other.internal))
             .then(other.rate.total_cmp(&self.rate))
             .then(other.live_bytes.cmp(&self.live_bytes))
     }
@@ -75,7 +84,7 @@ mod tests {
             ("growing-nan", Trend::Growing, f64::NAN, 5),
             ("shrinking-small", Trend::Shrinking, -1.0, 1),
         ];
-        sites.sort_by_key(|&(_, trend, rate, bytes)| suspicion_rank(trend, rate, bytes));
+        sites.sort_by_key(|&(_, trend, rate, bytes)| suspicion_rank(trend, rate, bytes, false));
         let names: Vec<&str> = sites.iter().map(|s| s.0).collect();
         assert_eq!(
             names,
@@ -95,9 +104,21 @@ mod tests {
     #[test]
     fn equal_keys_compare_equal() {
         assert_eq!(
-            suspicion_rank(Trend::Stable, 5.0, 10),
-            suspicion_rank(Trend::Stable, -7.0, 10)
+            suspicion_rank(Trend::Stable, 5.0, 10, false),
+            suspicion_rank(Trend::Stable, -7.0, 10, false)
         );
-        assert!(suspicion_rank(Trend::Growing, 1.0, 0) < suspicion_rank(Trend::New, 0.0, u64::MAX));
+        assert!(
+            suspicion_rank(Trend::Growing, 1.0, 0, false)
+                < suspicion_rank(Trend::New, 0.0, u64::MAX, false)
+        );
+        // Allocator-internal sites last within their class, not below it.
+        assert!(
+            suspicion_rank(Trend::Stable, 0.0, 1, false)
+                < suspicion_rank(Trend::Stable, 0.0, 1 << 30, true)
+        );
+        assert!(
+            suspicion_rank(Trend::Growing, 1.0, 1, true)
+                < suspicion_rank(Trend::Stable, 0.0, 1 << 30, false)
+        );
     }
 }

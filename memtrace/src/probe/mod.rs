@@ -17,6 +17,9 @@ pub struct SpecEntry {
     pub allocator: Allocator,
     pub memory: Memory,
     pub domain: Domain,
+    /// The object defining the function, as the target names it (unknown in
+    /// records of older versions).
+    pub module: Option<&'static str>,
 }
 
 impl From<&FuncDef> for SpecEntry {
@@ -26,6 +29,7 @@ impl From<&FuncDef> for SpecEntry {
             allocator: def.allocator,
             memory: def.memory,
             domain: def.domain,
+            module: None,
         }
     }
 }

@@ -33,6 +33,9 @@ pub enum Line<T, F> {
         family: u8,
         memory: Memory,
         domain: Domain,
+        /// The object defining the function (absent in older records).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        module: Option<String>,
     },
     Stack {
         id: u32,
@@ -61,6 +64,7 @@ pub enum Item<T, F> {
         family: u8,
         memory: Memory,
         domain: Domain,
+        module: Option<String>,
     },
     Stack {
         id: u32,
@@ -132,6 +136,7 @@ impl Reader {
                 family,
                 memory,
                 domain,
+                module,
             } => {
                 if usize::from(index) != self.domains.len() {
                     return Err(Stop::Truncated(format!(
@@ -145,6 +150,7 @@ impl Reader {
                     family,
                     memory,
                     domain,
+                    module,
                 }
             }
             Line::Stack { id, frames } => Item::Stack { id, frames },

@@ -139,6 +139,7 @@ pub(crate) mod fixture {
             estimated_live_bytes: None,
             estimated_live_count: None,
             functions: vec!["malloc".into()],
+            internal: false,
             threads: vec![7],
             pids: vec![4242],
             thread_names: vec!["worker".into()],

@@ -159,6 +159,9 @@ fn judgment(site: &crate::report::Site) -> String {
         Some(Pattern::SmallAccumulating) => text.push_str("; small blocks accumulating"),
         None => {}
     }
+    if site.internal {
+        text.push_str("; made by the allocator's own library for itself (a cache, usually)");
+    }
     if !site.thread_names.is_empty() {
         text.push_str(&format!("; threads {}", site.thread_names.join(",")));
     }

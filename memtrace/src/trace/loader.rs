@@ -164,7 +164,7 @@ impl Probes {
         let mut unsupported = None;
         let mut kept = Vec::new();
         for probe in plan.functions.drain(..) {
-            match self.attach_function(&plan.open_path, &probe) {
+            match self.attach_function(&plan.open_path, &plan.path, &probe) {
                 Ok(()) => {
                     attached += 1;
                     kept.push(probe);
@@ -206,6 +206,7 @@ impl Probes {
     fn attach_function(
         &mut self,
         path: &std::path::Path,
+        module: &std::path::Path,
         probe: &crate::probe::plan::PlannedProbe,
     ) -> anyhow::Result<()> {
         let index = u16::try_from(self.specs.len())
@@ -236,7 +237,11 @@ impl Probes {
         if let (0, Some(err)) = (attached, first_error) {
             return Err(err);
         }
-        self.specs.push(SpecEntry::from(probe.def));
+        self.specs.push(SpecEntry {
+            // Bounded: at most MAX_SPECS specs a session.
+            module: Some(Box::leak(module.display().to_string().into_boxed_str())),
+            ..SpecEntry::from(probe.def)
+        });
         self.functions.push(function);
         log::info!(
             "attached {} in {} at {:#x} {}",
