@@ -743,6 +743,35 @@ mod tests {
         }
     }
 
+    /// A report input over these tables with every other field empty.
+    fn input<'a>(
+        table: &'a LiveTable,
+        specs: &'a [SpecEntry],
+        stacks: &'a StackStore,
+        names: &'a HashMap<u32, String>,
+    ) -> ReportInput<'a> {
+        ReportInput {
+            target: TargetInfo::default(),
+            duration_ms: 1,
+            now_ns: 1,
+            started_ns: 0,
+            history: None,
+            suppressions: None,
+            thread_names: names,
+            reconciliation: None,
+            processes: Vec::new(),
+            attach_failures: Vec::new(),
+            table,
+            specs,
+            stacks,
+            kernel_counters: BTreeMap::new(),
+            libraries: Vec::new(),
+            missing_functions: Vec::new(),
+            settings: Settings::default(),
+            notes: Vec::new(),
+        }
+    }
+
     fn specs() -> Vec<SpecEntry> {
         vec![
             SpecEntry {
@@ -798,19 +827,7 @@ mod tests {
             },
             duration_ms: 5000,
             now_ns: 2_500_000_000,
-            started_ns: 0,
-            history: None,
-            suppressions: None,
-            thread_names: &names,
-            reconciliation: None,
-            processes: Vec::new(),
-            attach_failures: Vec::new(),
-            table: &table,
-            specs: &specs,
-            stacks: &stacks,
             kernel_counters: [("ringbuf_full".to_string(), 0)].into_iter().collect(),
-            libraries: Vec::new(),
-            missing_functions: Vec::new(),
             settings: Settings {
                 stack_depth: 2,
                 min_age_ms: 1000,
@@ -818,7 +835,7 @@ mod tests {
                 sample_rate: 1,
                 ..Settings::default()
             },
-            notes: Vec::new(),
+            ..input(&table, &specs, &stacks, &names)
         };
         build(input, &mut FakeSymbols)
     }
@@ -864,26 +881,13 @@ mod tests {
                 },
                 duration_ms: 1000,
                 now_ns: 1_000_000_000,
-                started_ns: 0,
-                history: None,
-                suppressions: None,
-                thread_names: &names,
-                reconciliation: None,
-                processes: Vec::new(),
-                attach_failures: Vec::new(),
-                table: &table,
-                specs: &specs,
-                stacks: &stacks,
-                kernel_counters: BTreeMap::new(),
-                libraries: Vec::new(),
-                missing_functions: Vec::new(),
                 settings: Settings {
                     stack_depth: 4,
                     top: 10,
                     sample_rate: 1,
                     ..Settings::default()
                 },
-                notes: Vec::new(),
+                ..input(&table, &specs, &stacks, &names)
             },
             &mut FakeSymbols,
         );
@@ -950,28 +954,13 @@ mod tests {
         let names = HashMap::new();
         let input = ReportInput {
             target: TargetInfo::default(),
-            duration_ms: 1,
-            now_ns: 1,
-            started_ns: 0,
-            history: None,
-            suppressions: None,
-            thread_names: &names,
-            reconciliation: None,
-            processes: Vec::new(),
-            attach_failures: Vec::new(),
-            table: &table,
-            specs: &specs,
-            stacks: &stacks,
             kernel_counters: [
                 ("ringbuf_full".to_string(), 5),
                 ("stack_fault".to_string(), 2),
             ]
             .into_iter()
             .collect(),
-            libraries: Vec::new(),
-            missing_functions: Vec::new(),
-            settings: Settings::default(),
-            notes: Vec::new(),
+            ..input(&table, &specs, &stacks, &names)
         };
         let report = build(input, &mut FakeSymbols);
         assert!(!report.complete);
@@ -1004,23 +993,9 @@ mod tests {
         let build_with = |settings: Settings| {
             let input = ReportInput {
                 target: TargetInfo::default(),
-                duration_ms: 1,
-                now_ns: 1,
-                started_ns: 0,
-                history: None,
-                suppressions: None,
-                thread_names: &names,
-                reconciliation: None,
-                processes: Vec::new(),
-                attach_failures: Vec::new(),
-                table: &table,
-                specs: &specs,
-                stacks: &stacks,
                 kernel_counters: [("filtered".to_string(), 7)].into_iter().collect(),
-                libraries: Vec::new(),
-                missing_functions: Vec::new(),
                 settings,
-                notes: Vec::new(),
+                ..input(&table, &specs, &stacks, &names)
             };
             build(input, &mut FakeSymbols)
         };

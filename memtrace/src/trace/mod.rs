@@ -519,15 +519,10 @@ impl Session<'_> {
         probes: &mut Probes,
         discovery: &mut Discovery,
     ) {
-        let now = self.clock();
-        let mut tools = Tools {
-            probes,
-            pipeline: &mut self.pipeline,
-            discovery,
-            now: &now,
-        };
-        for (child, parent, adoption) in self.family.look_at_children(parent, forked_ns, &mut tools)
-        {
+        let seen = self.with_tools(probes, discovery, |family, tools| {
+            family.look_at_children(parent, forked_ns, tools)
+        });
+        for (child, parent, adoption) in seen {
             say_adoption(child, parent, &adoption);
         }
     }
@@ -540,6 +535,19 @@ impl Session<'_> {
         probes: &mut Probes,
         discovery: &mut Discovery,
     ) {
+        let adoption = self.with_tools(probes, discovery, |family, tools| {
+            family.adopt(child, parent, None, true, tools)
+        });
+        say_adoption(child, parent, &adoption);
+    }
+
+    /// Runs `adopt` on the family with what adopting a child needs.
+    fn with_tools<T>(
+        &mut self,
+        probes: &mut Probes,
+        discovery: &mut Discovery,
+        adopt: impl FnOnce(&mut Family, &mut Tools<'_>) -> T,
+    ) -> T {
         let now = self.clock();
         let mut tools = Tools {
             probes,
@@ -547,8 +555,7 @@ impl Session<'_> {
             discovery,
             now: &now,
         };
-        let adoption = self.family.adopt(child, parent, None, true, &mut tools);
-        say_adoption(child, parent, &adoption);
+        adopt(&mut self.family, &mut tools)
     }
 
     /// (milliseconds since tracing started, monotonic ns), for adoption records.
