@@ -52,6 +52,18 @@ fn attach_to_running_process_finds_each_leak_exactly() {
         .collect();
     assert_eq!(threads.len(), 4, "four worker threads: {threads:?}");
     assert!(!threads.contains(&report["target"]["pid"].as_u64().unwrap_or(0)));
+    // The workers were joined before the report: said in a note, by tid.
+    let note = report["notes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n.as_str())
+        .find(|n| n.contains("allocating thread(s) exited during the trace"))
+        .unwrap_or_else(|| panic!("no note on exited threads: {}", report["notes"]));
+    assert!(note.starts_with("4 allocating"), "{note}");
+    for tid in &threads {
+        assert!(note.contains(&tid.to_string()), "{note}");
+    }
     // Site metadata and frames.
     let leak_a = sites_of(&report, "leak_a")[0];
     assert_eq!(leak_a["allocator"], "libc");

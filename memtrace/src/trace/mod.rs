@@ -585,6 +585,17 @@ impl Session<'_> {
         let mut notes = self.notes.clone();
         notes.extend(discovery.problems.iter().cloned());
         notes.extend(self.family.notes());
+        let exited = self.pipeline.exited_threads();
+        if !exited.is_empty() {
+            const SHOWN: usize = 10;
+            let shown: Vec<String> = exited.iter().take(SHOWN).map(u32::to_string).collect();
+            notes.push(format!(
+                "{} allocating thread(s) exited during the trace (tids {}{}); their blocks stay attributed to them",
+                exited.len(),
+                shown.join(", "),
+                if exited.len() > SHOWN { ", ..." } else { "" }
+            ));
+        }
         let args = self.args;
         let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let input = report::ReportInput {

@@ -33,6 +33,8 @@ pub struct Pipeline {
     stacks: StackStore,
     spaces: HashMap<u32, ProcessSpace>,
     thread_names: HashMap<u32, String>,
+    /// The process of each thread seen allocating.
+    thread_process: HashMap<u32, u32>,
     /// Traced processes that reported a fork, with when (monotonic ns), not
     /// yet handled.
     pub forks: Vec<(u32, u64)>,
@@ -51,6 +53,7 @@ impl Pipeline {
             stacks: StackStore::default(),
             spaces: HashMap::new(),
             thread_names: HashMap::new(),
+            thread_process: HashMap::new(),
             forks: Vec::new(),
             forks_reported: 0,
             recorder: None,
@@ -69,6 +72,22 @@ impl Pipeline {
     /// Names of the threads seen allocating.
     pub fn thread_names(&self) -> &HashMap<u32, String> {
         &self.thread_names
+    }
+
+    /// Threads seen allocating that have exited while their process runs on.
+    pub fn exited_threads(&self) -> Vec<u32> {
+        let mut gone: Vec<u32> = self
+            .thread_process
+            .iter()
+            .filter(|&(&tid, &pid)| {
+                tid != pid
+                    && std::path::Path::new(&format!("/proc/{pid}")).exists()
+                    && !std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
+            })
+            .map(|(&tid, _)| tid)
+            .collect();
+        gone.sort_unstable();
+        gone
     }
 
     /// Drains every record waiting in the ring buffer.
@@ -116,6 +135,7 @@ impl Pipeline {
             self.learn_stack(event.pid, id, probes);
         }
         self.table.apply(event, spec.domain);
+        self.thread_process.entry(event.tid).or_insert(event.pid);
         self.thread_names.entry(event.tid).or_insert_with(|| {
             std::fs::read_to_string(format!("/proc/{}/task/{}/comm", event.pid, event.tid))
                 .map(|n| n.trim().to_string())
