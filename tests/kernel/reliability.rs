@@ -873,6 +873,80 @@ fn overflowing_a_tiny_ring_is_counted_and_reported_incomplete() {
     assert!(has_note(&report, "incomplete"), "{}", report["notes"]);
 }
 
+#[test]
+fn after_an_overload_memtrace_recovers_and_sees_new_leaks_exactly() {
+    if !privileged() {
+        return;
+    }
+    // Phase 1 overflows a 1 MiB ring while memtrace is stopped; phase 2,
+    // once memtrace has caught up, leaks 50 x 4000 B at a known site.
+    let mut work = Proc::fixture("overload_then_leak", &["120", "120", "300000"]);
+    let pid = work.pid.to_string();
+    let mut memtrace = Command::new(crate::support::MEMTRACE)
+        .args(["--pid", &pid, "--format", "json", "--ring-mib", "1"])
+        .args(["--interval", "200ms", "--top", "50"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("memtrace starts");
+    let mut reports = BufReader::new(memtrace.stdout.take().expect("stdout piped"));
+    let mut next_report = || -> Value {
+        let mut line = String::new();
+        let n = reports.read_line(&mut line).expect("read memtrace stdout");
+        assert!(n > 0, "memtrace ended early");
+        serde_json::from_str(&line).unwrap_or_else(|err| panic!("bad JSON ({err}): {line}"))
+    };
+    // The first interim report: memtrace is attached.
+    next_report();
+    // SAFETY: kill with our own child's pid and a valid signal.
+    unsafe { libc::kill(memtrace.id() as i32, libc::SIGSTOP) };
+    work.send();
+    work.expect("overloaded");
+    // SAFETY: as above.
+    unsafe { libc::kill(memtrace.id() as i32, libc::SIGCONT) };
+    // Caught up: two interim reports in a row with the same counts (the
+    // target is paused, so nothing new arrives once the ring is drained).
+    let counts = |r: &Value| {
+        (
+            r["events"]["allocs"].as_u64(),
+            r["events"]["frees"].as_u64(),
+            r["events"]["lost"].as_u64(),
+        )
+    };
+    let mut last = counts(&next_report());
+    loop {
+        let now = counts(&next_report());
+        if now == last && now.2.is_some_and(|lost| lost > 0) {
+            break;
+        }
+        last = now;
+    }
+    let lost_in_overload = last.2.unwrap_or(0);
+    work.send();
+    work.expect("done");
+    // SAFETY: as above.
+    unsafe { libc::kill(memtrace.id() as i32, libc::SIGINT) };
+    let mut final_report = Value::Null;
+    let mut line = String::new();
+    while reports.read_line(&mut line).expect("read memtrace stdout") > 0 {
+        final_report = serde_json::from_str(&line).unwrap_or(Value::Null);
+        line.clear();
+    }
+    let status = wait_child(&mut memtrace, "memtrace to exit");
+    assert!(status.success(), "{status}");
+    assert_eq!(final_report["interim"], false, "{final_report}");
+    // Nothing more was lost after the overload, and the new leak is exact.
+    assert_eq!(final_report["events"]["lost"], lost_in_overload);
+    assert_eq!(site_totals(&final_report, "after_overload"), (200_000, 50));
+    // The table lost blocks in the overload: still said.
+    assert_eq!(final_report["complete"], false);
+    assert!(
+        has_note(&final_report, "incomplete"),
+        "{}",
+        final_report["notes"]
+    );
+}
+
 // ---------------------------------------------------------------------------
 // 7. More bad input (see also bad_input.rs).
 
