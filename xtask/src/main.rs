@@ -1,4 +1,4 @@
-//! memtrace's build tasks: `cargo xtask build-ebpf | build | fixtures | test | demo | bench`.
+//! memtrace's build tasks: `cargo xtask build-ebpf | build | fixtures | test | demo | bench | soak`.
 //!
 //! Each task installs what it needs first (nightly rust-src, bpf-linker built
 //! against rustc's own LLVM) and is idempotent: cheap when already done.
@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod soak;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "memtrace build tasks")]
@@ -36,6 +37,8 @@ enum Task {
     Demo,
     /// Measure memtrace against the probe floor and its peers (writes BENCHMARKS.md).
     Bench(bench::BenchArgs),
+    /// Trace a steady workload for 30 minutes and judge memtrace's own memory.
+    Soak(soak::SoakArgs),
 }
 
 fn main() -> Result<()> {
@@ -46,6 +49,7 @@ fn main() -> Result<()> {
         Task::Test { args } => test(&args),
         Task::Demo => demo(),
         Task::Bench(args) => bench::bench(args),
+        Task::Soak(args) => soak::soak(args),
     }
 }
 
