@@ -2051,9 +2051,9 @@ fn render(doc: &Doc) -> String {
     );
     let _ = writeln!(
         s,
-        "| Measured program | Configuration | How | Runs | Min ns/iteration | Median ns/iteration | x untraced | Events memtrace saw | Lost events |"
+        "| Measured program | Configuration | How | Runs | Min ns/iteration | Median ns/iteration | Max ns/iteration | x untraced | Events memtrace saw | Lost events |"
     );
-    let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---|");
+    let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---|");
     for prog in &doc.collateral.programs {
         let untraced = prog.configs.first().and_then(|c| median(&c.samples));
         for c in &prog.configs {
@@ -2061,7 +2061,7 @@ fn render(doc: &Doc) -> String {
             if let Some(why) = &c.unavailable {
                 let _ = writeln!(
                     s,
-                    "| {label} | {} | {} | 0 | - | - | - | - | skipped: {} |",
+                    "| {label} | {} | {} | 0 | - | - | - | - | - | skipped: {} |",
                     c.name,
                     c.how,
                     one_line(why)
@@ -2080,12 +2080,13 @@ fn render(doc: &Doc) -> String {
             };
             let _ = writeln!(
                 s,
-                "| {label} | {} | {} | {} | {} | {} | {} | {seen} | {} |",
+                "| {label} | {} | {} | {} | {} | {} | {} | {} | {seen} | {} |",
                 c.name,
                 c.how,
                 c.samples.len(),
                 fmt_ns(min(&c.samples)),
                 fmt_ns(med),
+                fmt_ns(max(&c.samples)),
                 fmt_ratio(med, untraced),
                 lost_summary(&c.reports)
             );
@@ -2094,9 +2095,12 @@ fn render(doc: &Doc) -> String {
     let _ = writeln!(s);
     let _ = writeln!(
         s,
-        "- Expected: every ratio ~1.00x. Noise on this shared VM is a few percent from run to run, \
-         so a ratio within a few percent of 1.00x is no measured cost; the spread of the untraced \
-         runs themselves, below, gives the scale."
+        "- Expected: every ratio ~1.00x (memtrace costs an unrelated process nothing). Noise on \
+         this shared VM is a few percent over many runs, but single short runs drift more: \
+         back-to-back untraced mallocbench runs, nothing traced, have spread by ~20% (fastest to \
+         slowest) here. \
+         So with few rounds a ratio a few percent (up to ~1.15x with --quick) either side of \
+         1.00x is noise, not cost; the untraced runs' own range, below, gives this run's scale."
     );
     for prog in &doc.collateral.programs {
         let Some(untraced) = prog.configs.first() else {
