@@ -26,7 +26,14 @@ struct ProcessSpace {
     /// The image the process ran when the map was read: an `exec` since
     /// makes the map stale at once, whatever the rate limit.
     exe: Option<std::path::PathBuf>,
+    /// Stacks of this process learned with frames the map did not cover
+    /// (it was read before an exec or a dlopen): normalized again at the
+    /// next read of the map. Bounded by [`MAX_UNRESOLVED`].
+    unresolved: Vec<(u32, Vec<u64>)>,
 }
+
+/// Most stacks a process keeps waiting for a better map.
+const MAX_UNRESOLVED: usize = 4096;
 
 pub struct Pipeline {
     table: LiveTable,
@@ -157,9 +164,34 @@ impl Pipeline {
         self.stacks.insert(id, &ips, &process.space);
         if self.stacks.has_unresolved(id) && process.refresh(pid) {
             self.stacks.insert(id, &ips, &process.space);
+            self.renormalize(pid);
+        }
+        if self.stacks.has_unresolved(id) {
+            let process = self.spaces.entry(pid).or_default();
+            if process.unresolved.len() < MAX_UNRESOLVED {
+                process.unresolved.push((id, ips));
+            }
         }
         if let (Some(recorder), Some(frames)) = (self.recorder.as_mut(), self.stacks.get(id)) {
             recorder.stack(id, frames);
+        }
+    }
+
+    /// Normalizes again, against a map just read, the stacks of `pid` that
+    /// an older map did not cover; the ones now complete leave the list.
+    fn renormalize(&mut self, pid: u32) {
+        let Some(process) = self.spaces.get_mut(&pid) else {
+            return;
+        };
+        let waiting = std::mem::take(&mut process.unresolved);
+        for (id, ips) in waiting {
+            self.stacks.insert(id, &ips, &process.space);
+            if let (Some(recorder), Some(frames)) = (self.recorder.as_mut(), self.stacks.get(id)) {
+                recorder.stack(id, frames);
+            }
+            if self.stacks.has_unresolved(id) {
+                process.unresolved.push((id, ips));
+            }
         }
     }
 
@@ -167,7 +199,9 @@ impl Pipeline {
     pub fn refresh_space_now(&mut self, pid: u32) {
         let process = self.spaces.entry(pid).or_default();
         process.read_at = None;
-        process.refresh(pid);
+        if process.refresh(pid) {
+            self.renormalize(pid);
+        }
     }
 
     /// Starts a child with its own mappings, or its parent's when it cannot
