@@ -6,6 +6,8 @@
 //! the user side with `TryFrom`, never transmuted.
 #![no_std]
 
+pub mod unwind;
+
 /// Marker for "this argument slot is not used" in a [`ProbeSpec`].
 pub const ARG_NONE: u8 = 0xff;
 
@@ -133,6 +135,10 @@ pub enum EventKind {
     /// A traced process forked (`--follow-forks`): `pid` is the parent,
     /// `aux` the clone flags; no spec, no address.
     Fork = 4,
+    /// The unwinder met a PC outside every executable mapping it knows of
+    /// process `pid` (a library mapped since its last update): user space
+    /// re-reads the mappings at once. Rate-limited per process.
+    MapsStale = 5,
 }
 
 /// One event in the ring buffer: 48 bytes.
@@ -220,13 +226,27 @@ pub enum Counter {
     Nested = 9,
     /// Events skipped by sampling or size filters in the kernel.
     Filtered = 10,
+    /// A DWARF stack reached `--stack-depth` with frames left: truncated by depth.
+    UnwindDepth = 11,
+    /// A DWARF stack ended early: reading the target's stack faulted.
+    UnwindReadFault = 12,
+    /// A DWARF stack ended early: a PC had no CFI and frame pointers did not continue.
+    UnwindNoTable = 13,
+    /// A DWARF stack ended early: a CFI rule the unwinder cannot follow.
+    UnwindBadRule = 14,
+    /// A DWARF stack ended early: the object's table did not fit the table memory cap.
+    UnwindTableCap = 15,
+    /// A DWARF stack ended early: the process's executable mappings exceed the unwinder's view.
+    UnwindNoMappings = 16,
+    /// DWARF stacks written to the stack map for the first time.
+    UnwindNewStack = 17,
 }
 
 /// Number of [`Counter`] slots.
-pub const COUNTER_SLOTS: u32 = 16;
+pub const COUNTER_SLOTS: u32 = 32;
 
 impl Counter {
-    pub const ALL: [Counter; 11] = [
+    pub const ALL: [Counter; 18] = [
         Counter::RingbufFull,
         Counter::StackFault,
         Counter::StackCollision,
@@ -238,6 +258,13 @@ impl Counter {
         Counter::MmapTableFull,
         Counter::Nested,
         Counter::Filtered,
+        Counter::UnwindDepth,
+        Counter::UnwindReadFault,
+        Counter::UnwindNoTable,
+        Counter::UnwindBadRule,
+        Counter::UnwindTableCap,
+        Counter::UnwindNoMappings,
+        Counter::UnwindNewStack,
     ];
 }
 
@@ -262,7 +289,8 @@ try_from_u8!(EventKind {
     Free,
     Realloc,
     Failed,
-    Fork
+    Fork,
+    MapsStale
 });
 try_from_u8!(SpecKind {
     Alloc,

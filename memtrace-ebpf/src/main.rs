@@ -32,14 +32,18 @@ use aya_ebpf::{
     EbpfContext, Global,
 };
 use aya_log_ebpf::debug;
+mod unwind;
+
 use memtrace_common::{
+    unwind::{STACK_MODE_DWARF, STACK_MODE_FP},
     Counter, EventKind, MmapKey, PendingCall, PendingKey, ProbeSpec, RetKind, SpecKind, SpecQuirk,
     WireEvent, ARG_NONE, COUNTER_SLOTS, MAX_SPECS, STACK_NONE,
 };
 
-/// 1: capture a user stack per allocation; 0: no stacks (`--stack-depth 0`).
+/// How stacks are captured: `STACK_MODE_NONE` (`--stack-depth 0`),
+/// `STACK_MODE_FP` (`--stacks fp`) or `STACK_MODE_DWARF` (the default).
 #[no_mangle]
-static STACKS_ENABLED: Global<u32> = Global::new(1);
+static STACK_MODE: Global<u32> = Global::new(STACK_MODE_DWARF);
 /// Trace one address in this many (`--sample-rate`); 1 traces everything.
 #[no_mangle]
 static SAMPLE_RATE: Global<u32> = Global::new(1);
@@ -117,13 +121,7 @@ pub fn task_new(ctx: RawTracePointContext) -> i32 {
     }
     let mut event = base_event(pid_tgid, 0, EventKind::Fork);
     event.aux = clone_flags;
-    match EVENTS.reserve::<WireEvent>(0) {
-        Some(mut entry) => {
-            entry.write(event);
-            entry.submit(BPF_RB_FORCE_WAKEUP);
-        }
-        None => bump(Counter::RingbufFull),
-    }
+    emit_now(event);
     0
 }
 
@@ -233,6 +231,18 @@ fn emit(event: WireEvent) {
                 BPF_RB_NO_WAKEUP
             };
             entry.submit(flags);
+        }
+        None => bump(Counter::RingbufFull),
+    }
+}
+
+/// Emits `event` and wakes the reader at once.
+#[inline(always)]
+fn emit_now(event: WireEvent) {
+    match EVENTS.reserve::<WireEvent>(0) {
+        Some(mut entry) => {
+            entry.write(event);
+            entry.submit(BPF_RB_FORCE_WAKEUP);
         }
         None => bump(Counter::RingbufFull),
     }
@@ -527,7 +537,10 @@ fn finish_call(
     if !new_sampled {
         event.flags |= memtrace_common::FLAG_NEW_UNSAMPLED;
     }
-    if STACKS_ENABLED.load() != 0 {
+    let stack_mode = STACK_MODE.load();
+    if stack_mode == STACK_MODE_DWARF {
+        event.stack_id = unwind::capture(ctx);
+    } else if stack_mode == STACK_MODE_FP {
         event.stack_id = match ctx.get_stackid_user() {
             Ok(id) => id,
             Err(err) => {

@@ -28,6 +28,18 @@ pub enum Command {
     Monitor(Box<crate::monitor::MonitorArgs>),
     /// Re-run the analysis of a `--record` file and render any format, offline.
     Report(ReportArgs),
+    /// Build the DWARF unwind table of each object file and print what it
+    /// takes (rows, FDEs, build time, kernel bytes) as JSON lines, without
+    /// loading anything: what `--stacks dwarf` would load for it.
+    UnwindTable(UnwindTableArgs),
+}
+
+/// Options of `memtrace unwind-table FILE...`.
+#[derive(Debug, Args)]
+pub struct UnwindTableArgs {
+    /// ELF objects (executables, shared libraries).
+    #[arg(required = true)]
+    pub files: Vec<PathBuf>,
 }
 
 /// Options of `memtrace report FILE`.
@@ -56,6 +68,13 @@ pub struct ReportArgs {
 }
 
 /// Output formats of the trace report.
+/// How allocation stacks are walked (`--stacks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StackMode {
+    Dwarf,
+    Fp,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
     /// Human-readable report.
@@ -106,6 +125,19 @@ pub struct TraceArgs {
     /// Frames kept per allocation stack (0: no stacks, cheapest).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=127))]
     pub stack_depth: u32,
+
+    /// How stacks are walked: `dwarf` (the objects' call-frame information,
+    /// in the kernel; frame pointers where an object has none) or `fp`
+    /// (frame pointers only: cheapest, short stacks through code built
+    /// without them).
+    #[arg(long, value_enum, default_value_t = StackMode::Dwarf)]
+    pub stacks: StackMode,
+
+    /// Kernel memory for the DWARF unwinder's tables, in MiB; objects whose
+    /// table does not fit fall back to frame pointers and are named in the
+    /// report.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub unwind_table_mib: u32,
 
     /// Trace one allocation in N (chosen by address, so the matching free is
     /// sampled too); totals are then estimates. Applied in the kernel.

@@ -64,6 +64,9 @@ pub enum Action {
     Fork {
         clone_flags: u64,
     },
+    /// The kernel's unwinder met code outside the mappings it knows of this
+    /// process: its mappings are to be re-read.
+    MapsStale,
 }
 
 /// Why bytes could not be decoded.
@@ -116,6 +119,7 @@ pub fn from_wire(wire: &WireEvent) -> Result<Event, DecodeError> {
         EventKind::Fork => Action::Fork {
             clone_flags: wire.aux,
         },
+        EventKind::MapsStale => Action::MapsStale,
     };
     Ok(Event {
         ts_ns: wire.ts_ns,

@@ -20,6 +20,7 @@ mod symbolize;
 mod table;
 mod target;
 mod trace;
+mod unwind;
 
 use std::process::ExitCode;
 
@@ -39,6 +40,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(cli::Command::Monitor(args)) => monitor::run(*args),
         Some(cli::Command::Report(args)) => run_report(args),
+        Some(cli::Command::UnwindTable(args)) => unwind::describe(&args.files),
         None => run_trace(cli.trace),
     };
     match result {

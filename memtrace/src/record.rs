@@ -51,6 +51,9 @@ struct Footer {
     processes: Vec<ProcessInfo>,
     #[serde(default)]
     attach_failures: Vec<String>,
+    /// The DWARF unwinder's tables (absent in records of older versions).
+    #[serde(default)]
+    unwind: Option<crate::unwind::kernel::UnwindSummary>,
 }
 
 /// Writes a record file as the trace goes.
@@ -155,7 +158,12 @@ impl Recorder {
             notes: report
                 .notes
                 .iter()
-                .filter(|n| !n.contains("events were lost") && !n.starts_with("sampling 1 in"))
+                .filter(|n| {
+                    // Notes the report builder makes again from the counters.
+                    !n.contains("events were lost")
+                        && !n.starts_with("sampling 1 in")
+                        && !n.contains("stack walk(s) ended")
+                })
                 .cloned()
                 .collect(),
             thread_names: thread_names.iter().map(|(t, n)| (*t, n.clone())).collect(),
@@ -165,6 +173,7 @@ impl Recorder {
             reconciliation: report.reconciliation.clone(),
             processes: report.processes.clone(),
             attach_failures: report.attach_failures.clone(),
+            unwind: report.unwind.clone(),
         }));
         let flushed = self.out.flush();
         match self.failed.take() {
@@ -272,6 +281,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         )));
     };
     let mut notes = Vec::new();
+    let unwind = footer.as_ref().and_then(|f| f.unwind.clone());
     let (
         duration_ms,
         ended_ns,
@@ -296,6 +306,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
             reconciliation,
             processes,
             attach_failures,
+            unwind: _,
         }) => {
             notes.extend(recorded);
             let thread_names: HashMap<u32, String> = thread_names.into_iter().collect();
@@ -372,7 +383,9 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     };
     let mut symbolizer =
         crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
-    Ok(report::build(input, &mut symbolizer))
+    let mut report = report::build(input, &mut symbolizer);
+    report.unwind = unwind;
+    Ok(report)
 }
 
 #[cfg(test)]
@@ -454,6 +467,7 @@ mod tests {
                 reconciliation: None,
                 processes: Vec::new(),
                 attach_failures: Vec::new(),
+                unwind: None,
             }),
         ];
         let mut text = String::new();

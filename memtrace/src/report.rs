@@ -50,7 +50,26 @@ pub struct Report {
     /// Functions that could not be attached though others of their object
     /// were (another tracer's conflicting probe, ...): their calls are missing.
     pub attach_failures: Vec<String>,
+    /// Stacks that ended before their outermost frame, by cause
+    /// (`depth`: `--stack-depth` reached; `fault`: unreadable stack memory;
+    /// `no_table`: code without CFI where frame pointers did not continue;
+    /// `bad_rule`: a CFI rule the unwinder cannot follow; `table_cap`: the
+    /// object's table did not fit `--unwind-table-mib`).
+    pub stack_truncations_by_cause: BTreeMap<String, u64>,
+    /// The DWARF unwinder's tables (objects, rows, kernel memory); `None` with
+    /// `--stacks fp`, `--stack-depth 0` or offline.
+    pub unwind: Option<crate::unwind::kernel::UnwindSummary>,
 }
+
+/// Kernel counters of stacks cut short, and their names in
+/// `stack_truncations_by_cause`.
+pub const TRUNCATION_CAUSES: &[(&str, &str)] = &[
+    ("stack_truncated_depth", "depth"),
+    ("stack_truncated_fault", "fault"),
+    ("stack_truncated_no_table", "no_table"),
+    ("stack_truncated_bad_rule", "bad_rule"),
+    ("stack_truncated_table_cap", "table_cap"),
+];
 
 /// One traced process.
 #[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
@@ -503,7 +522,30 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             .collect(),
     };
     let processes = process_list(input.processes, &input.target, per_process);
+    let stack_truncations_by_cause: BTreeMap<String, u64> = TRUNCATION_CAUSES
+        .iter()
+        .map(|(counter, name)| {
+            (
+                name.to_string(),
+                input.kernel_counters.get(*counter).copied().unwrap_or(0),
+            )
+        })
+        .collect();
+    let truncated: u64 = stack_truncations_by_cause.values().sum();
+    if truncated > 0 {
+        let causes: Vec<String> = stack_truncations_by_cause
+            .iter()
+            .filter(|(_, &n)| n > 0)
+            .map(|(cause, n)| format!("{n} {cause}"))
+            .collect();
+        notes.push(format!(
+            "{truncated} stack walk(s) ended before the outermost frame ({}; see stack_truncations_by_cause)",
+            causes.join(", ")
+        ));
+    }
     Report {
+        stack_truncations_by_cause,
+        unwind: None,
         target: input.target,
         duration_ms: input.duration_ms,
         interim: false,

@@ -82,7 +82,7 @@ impl LiveTable {
             Action::Failed { code, .. } => {
                 *self.counts.failed.entry((event.spec, code)).or_insert(0) += 1;
             }
-            Action::Fork { .. } => {}
+            Action::Fork { .. } | Action::MapsStale => {}
         }
     }
 

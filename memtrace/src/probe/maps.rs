@@ -12,6 +12,8 @@ pub struct Mapping {
     pub readable: bool,
     pub executable: bool,
     pub file_offset: u64,
+    /// Device of the backing file (`major << 20 | minor`, as the kernel packs it).
+    pub dev: u64,
     pub inode: u64,
     /// Path as the target sees it; `None` for anonymous mappings.
     pub path: Option<PathBuf>,
@@ -36,7 +38,7 @@ fn parse_line(line: &str) -> Option<Mapping> {
     let range = fields.next()?;
     let perms = fields.next()?;
     let offset = fields.next()?;
-    let _dev = fields.next()?;
+    let dev = fields.next()?;
     let inode = fields.next()?;
     let rest = fields.next().unwrap_or("").trim_start();
     let (start, end) = range.split_once('-')?;
@@ -53,10 +55,16 @@ fn parse_line(line: &str) -> Option<Mapping> {
         readable: perms.as_bytes().first() == Some(&b'r'),
         executable: perms.as_bytes().get(2) == Some(&b'x'),
         file_offset: u64::from_str_radix(offset, 16).ok()?,
+        dev: parse_dev(dev)?,
         inode: inode.parse().ok()?,
         path,
         deleted,
     })
+}
+
+fn parse_dev(text: &str) -> Option<u64> {
+    let (major, minor) = text.split_once(':')?;
+    Some((u64::from_str_radix(major, 16).ok()? << 20) | u64::from_str_radix(minor, 16).ok()?)
 }
 
 /// Reads and parses `/proc/PID/maps`.

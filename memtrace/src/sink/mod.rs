@@ -176,6 +176,8 @@ pub(crate) mod fixture {
             sample(2000, Allocator::Cuda, Memory::Device, 4096, 1),
         ];
         Report {
+            stack_truncations_by_cause: BTreeMap::new(),
+            unwind: None,
             processes: Vec::new(),
             attach_failures: Vec::new(),
             target: TargetInfo {

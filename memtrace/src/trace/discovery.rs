@@ -51,7 +51,10 @@ impl Discovery {
         probes: &mut Probes,
         extra: &[PathBuf],
     ) -> std::io::Result<usize> {
-        let mut files = maps::executable_files(&maps::read(pid)?);
+        let mappings = maps::read(pid)?;
+        // Unwind tables before probes: the first stacks already need them.
+        probes.update_unwind(pid, &mappings);
+        let mut files = maps::executable_files(&mappings);
         files.extend(extra.iter().cloned());
         let mut attached = 0;
         for path in files {

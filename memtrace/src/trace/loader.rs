@@ -8,11 +8,13 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 
+use crate::unwind::kernel::UnwindTables;
 use anyhow::Context;
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, StackTraceMap};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{RawTracePoint, UProbe};
 use aya::{Ebpf, EbpfLoader};
+use memtrace_common::unwind::{DwarfStack, MAX_FRAMES, STACK_MODE_DWARF};
 use memtrace_common::{Counter, ProbeSpec, MAX_SPECS};
 
 use crate::error::Failure;
@@ -31,7 +33,12 @@ const FORKS: &str = "task_new";
 /// Load-time settings of the eBPF programs.
 #[derive(Clone, Copy, Debug)]
 pub struct LoadOptions {
-    pub stacks: bool,
+    /// `STACK_MODE_NONE`, `STACK_MODE_FP` or `STACK_MODE_DWARF`.
+    pub stack_mode: u32,
+    /// Frames per stack (DWARF mode).
+    pub stack_depth: u32,
+    /// Sizes of the DWARF unwinder's maps.
+    pub unwind: crate::unwind::kernel::Capacity,
     pub sample_rate: u32,
     pub min_size: u64,
     pub max_size: u64,
@@ -74,6 +81,9 @@ pub struct Probes {
     traced: Option<HashMap<MapData, u32, u8>>,
     pub events: Option<RingBuf<MapData>>,
     stacks: StackTraceMap<MapData>,
+    dwarf_stacks: HashMap<MapData, u32, DwarfStack>,
+    /// The DWARF unwinder's tables (`None` in frame-pointer or no-stack mode).
+    pub unwind: Option<UnwindTables>,
     counters: PerCpuArray<MapData, u64>,
 }
 
@@ -91,6 +101,13 @@ pub fn counter_name(counter: Counter) -> &'static str {
         Counter::MmapTableFull => "mmap_table_full",
         Counter::Nested => "nested_calls",
         Counter::Filtered => "filtered",
+        Counter::UnwindDepth => "stack_truncated_depth",
+        Counter::UnwindReadFault => "stack_truncated_fault",
+        Counter::UnwindNoTable => "stack_truncated_no_table",
+        Counter::UnwindBadRule => "stack_truncated_bad_rule",
+        Counter::UnwindTableCap => "stack_truncated_table_cap",
+        Counter::UnwindNoMappings => "stack_no_mappings",
+        Counter::UnwindNewStack => "dwarf_stacks",
     }
 }
 
@@ -107,10 +124,34 @@ impl Probes {
         if pid == 0 {
             return Err(Failure::usage("pid 0 is not a process").into());
         }
-        let stacks_enabled: u32 = options.stacks.into();
+        let depth = options.stack_depth.min(MAX_FRAMES as u32);
         let null_mode: u32 = options.null_mode.into();
+        // Outside DWARF mode the unwinder's big maps shrink to one element.
+        let unwind_capacity = if options.stack_mode == STACK_MODE_DWARF {
+            options.unwind
+        } else {
+            crate::unwind::kernel::Capacity {
+                row_chunks: 1,
+                page_chunks: 1,
+                processes: 1,
+            }
+        };
+        let offsets = crate::unwind::btf::uprobe_offsets().unwrap_or_else(|| {
+            log::warn!("no uprobe structures in the kernel's BTF: stacks through functions with return probes end there");
+            crate::unwind::btf::UprobeOffsets::default()
+        });
         let mut ebpf = EbpfLoader::new()
-            .override_global("STACKS_ENABLED", &stacks_enabled, true)
+            .override_global("OFF_UTASK", &offsets.task_utask, true)
+            .override_global(
+                "OFF_RETURN_INSTANCES",
+                &offsets.utask_return_instances,
+                true,
+            )
+            .override_global("OFF_RI_STACK", &offsets.ri_stack, true)
+            .override_global("OFF_RI_ORIG", &offsets.ri_orig_ret_vaddr, true)
+            .override_global("OFF_RI_NEXT", &offsets.ri_next, true)
+            .override_global("STACK_MODE", &options.stack_mode, true)
+            .override_global("MAX_DEPTH", &depth, true)
             .override_global("SAMPLE_RATE", &options.sample_rate, true)
             .override_global("MIN_SIZE", &options.min_size, true)
             .override_global("MAX_SIZE", &options.max_size, true)
@@ -118,6 +159,11 @@ impl Probes {
             .override_global("WAKEUP_BYTES", &options.wakeup_bytes, true)
             .map_max_entries("EVENTS", options.ring_bytes)
             .map_max_entries("STACKS", options.stack_entries.max(1))
+            .map_max_entries("DWARF_STACKS", options.stack_entries.max(1))
+            .map_max_entries("UNWIND_ROWS", unwind_capacity.row_chunks)
+            .map_max_entries("UNWIND_PAGES", unwind_capacity.page_chunks)
+            .map_max_entries("PROC_MAPS", unwind_capacity.processes)
+            .map_max_entries("PROC_SLOTS", unwind_capacity.processes)
             .load(EBPF_OBJECT)
             .map_err(|err| load_failure(&err))?;
         for name in [ENTER, EXIT] {
@@ -133,7 +179,18 @@ impl Probes {
             StackTraceMap::try_from(ebpf.take_map("STACKS").context("map STACKS missing")?)?;
         let counters =
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("map COUNTERS missing")?)?;
+        let dwarf_stacks = HashMap::try_from(
+            ebpf.take_map("DWARF_STACKS")
+                .context("map DWARF_STACKS missing")?,
+        )?;
+        let unwind = if options.stack_mode == STACK_MODE_DWARF {
+            Some(UnwindTables::take(&mut ebpf, unwind_capacity)?)
+        } else {
+            None
+        };
         Ok(Probes {
+            dwarf_stacks,
+            unwind,
             ebpf,
             specs: Vec::new(),
             spec_map,
@@ -338,6 +395,9 @@ impl Probes {
             return Ok(0);
         }
         self.processes.insert(pid, ProcessLinks::default());
+        if let Ok(mappings) = crate::probe::maps::read(pid) {
+            self.update_unwind(pid, &mappings);
+        }
         if let Some(traced) = self.traced.as_mut() {
             traced.insert(pid, 1, 0)?;
         }
@@ -365,8 +425,29 @@ impl Probes {
         }
     }
 
+    /// Gives the DWARF unwinder process `pid`'s current executable mappings
+    /// (building the tables of objects it has not seen); no-op in other modes.
+    pub fn update_unwind(&mut self, pid: u32, mappings: &[crate::probe::maps::Mapping]) {
+        if let Some(unwind) = self.unwind.as_mut() {
+            // A launched child shows memtrace's own image until it execs:
+            // no table for that.
+            let own = std::env::current_exe().ok();
+            let mappings: Vec<_> = mappings
+                .iter()
+                .filter(|m| own.is_none() || m.path != own)
+                .cloned()
+                .collect();
+            unwind.update_process(pid, &mappings, &|path| {
+                crate::probe::maps::path_in_target_root(pid, path)
+            });
+        }
+    }
+
     /// Stops tracing a process (it exited): detaches its probes, entries first.
     pub fn remove_process(&mut self, pid: u32) {
+        if let Some(unwind) = self.unwind.as_mut() {
+            unwind.remove_process(pid);
+        }
         if let Some(links) = self.processes.remove(&pid) {
             self.detach_links(links);
         }
@@ -417,6 +498,11 @@ impl Probes {
 
     /// The return addresses of a stack id, innermost first.
     pub fn stack(&self, id: u32) -> Option<Vec<u64>> {
+        if self.unwind.is_some() {
+            let stack = self.dwarf_stacks.get(&id, 0).ok()?;
+            let len = (stack.len as usize).min(MAX_FRAMES);
+            return Some(stack.pcs[..len].to_vec());
+        }
         let trace = self.stacks.get(&id, 0).ok()?;
         Some(trace.frames().iter().map(|frame| frame.ip).collect())
     }

@@ -84,7 +84,16 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     };
 
     let options = LoadOptions {
-        stacks: args.stack_depth > 0,
+        stack_mode: match (args.stack_depth, args.stacks) {
+            (0, _) => memtrace_common::unwind::STACK_MODE_NONE,
+            (_, crate::cli::StackMode::Fp) => memtrace_common::unwind::STACK_MODE_FP,
+            (_, crate::cli::StackMode::Dwarf) => memtrace_common::unwind::STACK_MODE_DWARF,
+        },
+        stack_depth: args.stack_depth,
+        unwind: crate::unwind::kernel::Capacity::from_mib(
+            args.unwind_table_mib,
+            args.max_processes.saturating_add(1),
+        ),
         sample_rate: args.sample_rate,
         min_size: args.min_size,
         max_size: args.max_size.unwrap_or(u64::MAX),
@@ -502,8 +511,14 @@ impl Session<'_> {
         true
     }
 
-    /// Handles the forks the kernel reported since the last drain.
+    /// Handles the forks the kernel reported since the last drain, and gives
+    /// the unwinder the new mappings of processes it found out of date.
     fn adopt_forks(&mut self, probes: &mut Probes, discovery: &mut Discovery) {
+        for pid in std::mem::take(&mut self.pipeline.stale_maps) {
+            if let Ok(mappings) = crate::probe::maps::read(pid) {
+                probes.update_unwind(pid, &mappings);
+            }
+        }
         self.family
             .forks_reported(std::mem::take(&mut self.pipeline.forks_reported));
         for (parent, forked_ns) in std::mem::take(&mut self.pipeline.forks) {
@@ -632,7 +647,9 @@ impl Session<'_> {
             processes: self.family.processes(),
             attach_failures: probes.attach_failures.clone(),
         };
-        report::build(input, &mut self.symbolizer)
+        let mut report = report::build(input, &mut self.symbolizer);
+        report.unwind = probes.unwind.as_ref().map(|unwind| unwind.summary());
+        report
     }
 
     fn reconciliation(&self, probes: &Probes) -> Option<Reconciliation> {

@@ -47,6 +47,8 @@ pub struct Pipeline {
     pub forks: Vec<(u32, u64)>,
     /// Fork reports received since the session last took the count.
     pub forks_reported: u64,
+    /// Processes whose mappings the kernel's unwinder found out of date.
+    pub stale_maps: Vec<u32>,
     /// Where the stream is recorded (`--record`).
     pub recorder: Option<Recorder>,
     pub decode_errors: u64,
@@ -63,6 +65,7 @@ impl Pipeline {
             thread_process: HashMap::new(),
             forks: Vec::new(),
             forks_reported: 0,
+            stale_maps: Vec::new(),
             recorder: None,
             decode_errors: 0,
         }
@@ -119,6 +122,12 @@ impl Pipeline {
     }
 
     fn handle(&mut self, event: &Event, probes: &Probes) {
+        if let Action::MapsStale = event.action {
+            if !self.stale_maps.contains(&event.pid) {
+                self.stale_maps.push(event.pid);
+            }
+            return;
+        }
         if let Action::Fork { .. } = event.action {
             self.forks_reported += 1;
             if !self.forks.iter().any(|&(pid, _)| pid == event.pid) {

@@ -1,0 +1,162 @@
+//! Wire types of the in-kernel DWARF unwinder: the compact CFI rows user
+//! space derives from each object's `.eh_frame` / `.debug_frame`, the page
+//! index over them, each traced process's executable mappings, and the
+//! deduplicated stacks the unwinder writes.
+//!
+//! Addresses in tables are *file offsets* of the object (a PC minus its
+//! mapping's start plus the mapping's file offset), so one table serves every
+//! process and every load address of a file.
+
+/// Most frames one stack holds (`--stack-depth` is at most this).
+pub const MAX_FRAMES: usize = 127;
+/// Rows per element of the `UNWIND_ROWS` array map (4 KiB values).
+pub const ROWS_PER_CHUNK: u32 = 512;
+/// Page-index entries per element of the `UNWIND_PAGES` array map.
+pub const PAGES_PER_CHUNK: u32 = 1024;
+/// log2 of the bytes of code one page-index entry covers.
+pub const PAGE_SHIFT: u32 = 12;
+/// Executable mappings one process can have in the unwinder's view.
+pub const MAX_MAPPINGS: usize = 320;
+/// [`MapEntry::table`]: no table for this mapping (frame pointers only).
+pub const TABLE_NONE: u32 = u32::MAX;
+/// [`MapEntry::table`]: the mapping's table did not fit the table memory cap.
+pub const TABLE_CAPPED: u32 = u32::MAX - 1;
+/// Most binary-search steps over a process's mappings (2^9 > [`MAX_MAPPINGS`]).
+pub const MAPPING_SEARCH_STEPS: u32 = 9;
+/// Most binary-search steps within one page's rows (pages hold at most 2^14 rows).
+pub const ROW_SEARCH_STEPS: u32 = 14;
+
+/// How a row computes the caller's frame.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowKind {
+    /// No CFI covers this PC: fall back to frame pointers for this frame.
+    None = 0,
+    /// CFA = rsp + offset; return address at CFA - 8.
+    Rsp = 1,
+    /// CFA = rbp + offset; return address at CFA - 8.
+    Rbp = 2,
+    /// A PLT entry: CFA = rsp + offset, plus 8 when `(pc & 15) >= 11`.
+    Plt = 3,
+    /// A kernel signal frame (`__restore_rt`): registers come from the
+    /// `ucontext` at rsp (`uc_mcontext` at +40).
+    Signal = 4,
+    /// The return address is undefined: the outermost frame (`_start`, `clone3`).
+    End = 5,
+    /// A rule the unwinder cannot follow (another CFA register, an expression).
+    Unsupported = 6,
+    /// CFA = *(rbp + offset) (a stack-realigning function's DW_OP_deref rule).
+    RbpDeref = 7,
+}
+
+/// One CFI row: from `pc` (file offset) until the next row, the caller's
+/// frame is found this way. 8 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnwindRow {
+    /// First file offset this row covers.
+    pub pc: u32,
+    /// CFA offset in units of 8 bytes (signed).
+    pub cfa_offset8: i16,
+    /// Where rbp was saved, relative to the CFA in units of 8 bytes; 0: rbp unchanged.
+    pub rbp_offset8: i8,
+    /// [`RowKind`] as `u8`.
+    pub kind: u8,
+}
+
+/// An element of the `UNWIND_ROWS` array map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RowChunk {
+    pub rows: [UnwindRow; ROWS_PER_CHUNK as usize],
+}
+
+/// An element of the `UNWIND_PAGES` array map: for each 4 KiB page of an
+/// object's code, the global index of the row covering the page's first byte.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PageChunk {
+    pub first_row: [u32; PAGES_PER_CHUNK as usize],
+}
+
+/// Where one object's rows and page index sit in the global arrays.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TableInfo {
+    /// Global index of the first row.
+    pub row_start: u32,
+    /// Rows of this table.
+    pub row_count: u32,
+    /// Global index of the first page-index entry.
+    pub page_start: u32,
+    /// Page-index entries of this table.
+    pub page_count: u32,
+    /// File offset of page 0 (page-aligned).
+    pub base: u32,
+    pub _pad: u32,
+}
+
+/// One executable mapping of a traced process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MapEntry {
+    pub start: u64,
+    pub end: u64,
+    /// `start - file_offset`: a PC minus this is its file offset.
+    pub bias: u64,
+    /// Index in `UNWIND_TABLES`, or [`TABLE_NONE`] / [`TABLE_CAPPED`].
+    pub table: u32,
+    pub _pad: u32,
+}
+
+/// A traced process's executable mappings, sorted by `start`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ProcMaps {
+    pub len: u32,
+    pub _pad: u32,
+    pub entries: [MapEntry; MAX_MAPPINGS],
+}
+
+/// A stack written by the unwinder, keyed by the low 32 bits of its hash.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DwarfStack {
+    /// The full 64-bit hash of the PCs (tells a 32-bit key collision apart).
+    pub hash: u64,
+    /// Frames in `pcs`.
+    pub len: u32,
+    pub _pad: u32,
+    /// Return addresses, innermost first (`pcs[0]` is the allocator's caller).
+    pub pcs: [u64; MAX_FRAMES],
+}
+
+/// Stack capture modes (`STACK_MODE` global of the eBPF object).
+pub const STACK_MODE_NONE: u32 = 0;
+/// The kernel's frame-pointer walk (`bpf_get_stackid`).
+pub const STACK_MODE_FP: u32 = 1;
+/// memtrace's CFI unwinder (frame pointers where no CFI covers a PC).
+pub const STACK_MODE_DWARF: u32 = 2;
+
+const _: () = assert!(core::mem::size_of::<UnwindRow>() == 8);
+const _: () = assert!(core::mem::size_of::<RowChunk>() == 4096);
+const _: () = assert!(core::mem::size_of::<PageChunk>() == 4096);
+const _: () = assert!(core::mem::size_of::<TableInfo>() == 24);
+const _: () = assert!(core::mem::size_of::<MapEntry>() == 32);
+const _: () = assert!(core::mem::size_of::<DwarfStack>() == 16 + 8 * MAX_FRAMES);
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: these types are `#[repr(C)]`, made only of integers (and arrays
+    // of them) with explicit padding fields: every bit pattern is valid and
+    // there is no uninitialised padding.
+    unsafe impl aya::Pod for super::RowChunk {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::PageChunk {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::TableInfo {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ProcMaps {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::DwarfStack {}
+}

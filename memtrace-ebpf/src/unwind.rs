@@ -1,0 +1,552 @@
+//! The in-kernel CFI unwinder: walks a user stack from a return probe's
+//! registers using the compact rows user space derived from each object's
+//! `.eh_frame` (see `memtrace/src/unwind`), falling back to frame pointers for
+//! PCs no row covers, and stores each distinct stack once in `DWARF_STACKS`.
+//!
+//! Per frame: find the PC's executable mapping in the process's sorted
+//! mapping list (binary search), its object's page index entry (one array
+//! read), the covering row within that page (binary search), then compute the
+//! CFA, read the return address at CFA-8 and restore rbp. The frame loop runs
+//! under `bpf_loop`, so the verifier checks one frame, not 127.
+
+use aya_ebpf::{
+    bindings::pt_regs,
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
+    macros::map,
+    maps::{Array, HashMap, PerCpuArray},
+    programs::RetProbeContext,
+    EbpfContext, Global,
+};
+use memtrace_common::{
+    unwind::{
+        DwarfStack, MapEntry, PageChunk, ProcMaps, RowChunk, RowKind, TableInfo, UnwindRow,
+        MAPPING_SEARCH_STEPS, MAX_FRAMES, MAX_MAPPINGS, PAGES_PER_CHUNK, PAGE_SHIFT,
+        ROWS_PER_CHUNK, ROW_SEARCH_STEPS, TABLE_CAPPED, TABLE_NONE,
+    },
+    Counter, EventKind,
+};
+
+use crate::bump;
+
+/// Frames per stack (`--stack-depth`, at most [`MAX_FRAMES`]).
+#[no_mangle]
+static MAX_DEPTH: Global<u32> = Global::new(32);
+
+/// The page of the kernel's uretprobe trampoline (`[uprobes]`).
+#[no_mangle]
+static TRAMPOLINE_PAGE: Global<u64> = Global::new(0x7fff_ffff_e000);
+/// Offsets of `task_struct.utask`, `uprobe_task.return_instances`,
+/// `return_instance.{stack, orig_ret_vaddr, next}` from the kernel's BTF
+/// (0: unknown, a trampoline then ends the walk).
+#[no_mangle]
+static OFF_UTASK: Global<u32> = Global::new(0);
+#[no_mangle]
+static OFF_RETURN_INSTANCES: Global<u32> = Global::new(0);
+#[no_mangle]
+static OFF_RI_STACK: Global<u32> = Global::new(0);
+#[no_mangle]
+static OFF_RI_ORIG: Global<u32> = Global::new(0);
+#[no_mangle]
+static OFF_RI_NEXT: Global<u32> = Global::new(0);
+
+/// Rows of every object, in 512-row chunks (sized by the loader).
+#[map]
+static UNWIND_ROWS: Array<RowChunk> = Array::with_max_entries(1, 0);
+/// Page index of every object (sized by the loader).
+#[map]
+static UNWIND_PAGES: Array<PageChunk> = Array::with_max_entries(1, 0);
+/// Where each object's rows and pages sit.
+#[map]
+static UNWIND_TABLES: Array<TableInfo> = Array::with_max_entries(4096, 0);
+/// Slot in `PROC_MAPS` of each traced process, by tgid.
+#[map]
+static PROC_SLOTS: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
+/// Executable mappings of each traced process, by slot (sized by the loader).
+#[map]
+static PROC_MAPS: Array<ProcMaps> = Array::with_max_entries(1, 0);
+/// Distinct stacks, keyed by the low 31 bits of their hash.
+#[map]
+static DWARF_STACKS: HashMap<u32, DwarfStack> = HashMap::with_max_entries(16384, 0);
+/// When each process's last `MapsStale` report was sent.
+#[map]
+static STALE_SENT: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0);
+/// The stack being walked, per CPU.
+#[map]
+static WALK_SCRATCH: PerCpuArray<DwarfStack> = PerCpuArray::with_max_entries(1, 0);
+
+const NO_SLOT: u32 = u32::MAX;
+
+/// Why a walk ended.
+const RUNNING: u32 = 0;
+const COMPLETE: u32 = 1;
+const FAULT: u32 = 2;
+const NO_TABLE: u32 = 3;
+const BAD_RULE: u32 = 4;
+const CAPPED: u32 = 5;
+
+/// `uc_mcontext` inside a signal frame's `ucontext` (x86_64).
+const MCONTEXT: u64 = 40;
+const SIGCTX_RBP: u64 = MCONTEXT + 80;
+const SIGCTX_RSP: u64 = MCONTEXT + 120;
+const SIGCTX_RIP: u64 = MCONTEXT + 128;
+
+/// The walk's registers and bookkeeping, shared with the per-frame callback.
+#[repr(C)]
+struct Walk {
+    pc: u64,
+    sp: u64,
+    bp: u64,
+    hash: u64,
+    slot: u32,
+    depth: u32,
+    stop: u32,
+    /// The next PC was interrupted by a signal (not a return address): look
+    /// it up as is, not at `pc - 1`.
+    exact: u32,
+    /// A PC fell outside every mapping known for the process.
+    stale: u32,
+    _pad: u32,
+}
+
+/// `value`, hidden from the optimizer, so a bounds check on it is the one
+/// the verifier sees on the index (LLVM otherwise folds `i - 1` into the
+/// address and checks another register).
+#[inline(always)]
+fn opaque(value: u32) -> u32 {
+    // SAFETY: a volatile read of a local.
+    unsafe { core::ptr::read_volatile(&value) }
+}
+
+#[inline(always)]
+fn read_u64(addr: u64) -> Option<u64> {
+    // SAFETY: bpf_probe_read_user validates the user address and fails cleanly.
+    unsafe { bpf_probe_read_user(addr as *const u64) }.ok()
+}
+
+/// A binary search's state, shared with its `bpf_loop` callback (a loop
+/// the verifier would otherwise unroll, multiplying its states).
+#[repr(C)]
+struct Search {
+    lo: u32,
+    hi: u32,
+    /// The value searched for (a PC or a file offset).
+    key: u64,
+    /// The process slot (mapping search).
+    slot: u32,
+    _pad: u32,
+}
+
+/// One step of the mapping search: `lo` ends as one past the last mapping
+/// with `start <= key`.
+extern "C" fn mapping_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: `ctx` is the `Search` on `find_mapping`'s stack, alive during
+    // the synchronous bpf_loop call.
+    let search = unsafe { &mut *(ctx as *mut Search) };
+    if search.lo >= search.hi {
+        return 1;
+    }
+    let Some(maps) = PROC_MAPS.get(search.slot) else {
+        return 1;
+    };
+    let mid = (search.lo + search.hi) / 2;
+    let Some(entry) = maps.entries.get(mid as usize) else {
+        return 1;
+    };
+    if entry.start <= search.key {
+        search.lo = mid + 1;
+    } else {
+        search.hi = mid;
+    }
+    0
+}
+
+#[inline(always)]
+fn read_kernel_u64(addr: u64) -> Option<u64> {
+    // SAFETY: bpf_probe_read_kernel validates the address and fails cleanly.
+    unsafe { aya_ebpf::helpers::bpf_probe_read_kernel(addr as *const u64) }.ok()
+}
+
+/// Most in-flight return probes of one thread the fix-up looks through.
+const RETURN_INSTANCES: u32 = 8;
+
+/// The real return address of a frame whose return address slot (`slot`)
+/// holds the uretprobe trampoline: the task's `return_instances` entry for
+/// that stack slot, as the kernel's own stack walker finds it.
+#[inline(always)]
+fn untrampolined(slot: u64, ra: u64) -> Option<u64> {
+    if ra & !0xfff != TRAMPOLINE_PAGE.load() {
+        return Some(ra);
+    }
+    let utask_off = u64::from(OFF_UTASK.load());
+    if utask_off == 0 {
+        return None;
+    }
+    // SAFETY: the helper only returns the current task's address.
+    let task = unsafe { aya_ebpf::helpers::bpf_get_current_task() };
+    let utask = read_kernel_u64(task + utask_off)?;
+    if utask == 0 {
+        return None;
+    }
+    let mut ri = read_kernel_u64(utask + u64::from(OFF_RETURN_INSTANCES.load()))?;
+    for _ in 0..RETURN_INSTANCES {
+        if ri == 0 {
+            return None;
+        }
+        if read_kernel_u64(ri + u64::from(OFF_RI_STACK.load()))? == slot {
+            return read_kernel_u64(ri + u64::from(OFF_RI_ORIG.load()));
+        }
+        ri = read_kernel_u64(ri + u64::from(OFF_RI_NEXT.load()))?;
+    }
+    None
+}
+
+/// The mapping containing `pc` in the process at `slot`.
+#[inline(always)]
+fn find_mapping(slot: u32, pc: u64) -> Option<MapEntry> {
+    let len = PROC_MAPS.get(slot)?.len.min(MAX_MAPPINGS as u32);
+    let mut search = Search {
+        lo: 0,
+        hi: len,
+        key: pc,
+        slot,
+        _pad: 0,
+    };
+    // SAFETY: the callback is a static function of this program and `search`
+    // outlives the call.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(
+            MAPPING_SEARCH_STEPS + 1,
+            mapping_step as *mut core::ffi::c_void,
+            &mut search as *mut Search as *mut core::ffi::c_void,
+            0,
+        );
+    }
+    let maps = PROC_MAPS.get(slot)?;
+    let index = opaque(search.lo.checked_sub(1)?);
+    let entry = maps.entries.get(index as usize)?;
+    (pc < entry.end).then_some(*entry)
+}
+
+/// One step of the row search: `lo` ends as the last row with `pc <= key`.
+extern "C" fn row_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: `ctx` is the `Search` on `find_row`'s stack (see `mapping_step`).
+    let search = unsafe { &mut *(ctx as *mut Search) };
+    if search.hi <= search.lo + 1 {
+        return 1;
+    }
+    let mid = search.lo + (search.hi - search.lo) / 2;
+    let Some(row) = row_at(mid) else {
+        return 1;
+    };
+    if u64::from(row.pc) <= search.key {
+        search.lo = mid;
+    } else {
+        search.hi = mid;
+    }
+    0
+}
+
+#[inline(always)]
+fn row_at(index: u32) -> Option<UnwindRow> {
+    let chunk = UNWIND_ROWS.get(index / ROWS_PER_CHUNK)?;
+    chunk.rows.get((index % ROWS_PER_CHUNK) as usize).copied()
+}
+
+#[inline(always)]
+fn page_first_row(index: u32) -> Option<u32> {
+    let chunk = UNWIND_PAGES.get(index / PAGES_PER_CHUNK)?;
+    chunk
+        .first_row
+        .get((index % PAGES_PER_CHUNK) as usize)
+        .copied()
+}
+
+/// The row covering file offset `offset` of table `table`.
+#[inline(always)]
+fn find_row(table: u32, offset: u64) -> Option<UnwindRow> {
+    let info = UNWIND_TABLES.get(table)?;
+    if offset < u64::from(info.base) || info.row_count == 0 {
+        return Some(UnwindRow::default());
+    }
+    let page = ((offset - u64::from(info.base)) >> PAGE_SHIFT) as u32;
+    if page >= info.page_count {
+        return Some(UnwindRow::default());
+    }
+    let first = page_first_row(info.page_start + page)?;
+    let last = if page + 1 < info.page_count {
+        page_first_row(info.page_start + page + 1)?
+    } else {
+        info.row_start + info.row_count - 1
+    };
+    // The last row whose pc <= offset, in [first, last].
+    let mut search = Search {
+        lo: first,
+        hi: last + 1,
+        key: offset,
+        slot: 0,
+        _pad: 0,
+    };
+    // SAFETY: as in `find_mapping`.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(
+            ROW_SEARCH_STEPS + 1,
+            row_step as *mut core::ffi::c_void,
+            &mut search as *mut Search as *mut core::ffi::c_void,
+            0,
+        );
+    }
+    let lo = search.lo;
+    let row = row_at(lo)?;
+    Some(if u64::from(row.pc) <= offset {
+        row
+    } else {
+        UnwindRow::default()
+    })
+}
+
+/// Records the current PC and computes the caller's registers.
+/// Returns the walk's new stop reason ([`RUNNING`] to go on).
+#[inline(always)]
+fn step(walk: &mut Walk) -> u32 {
+    let lookup = if walk.exact != 0 {
+        walk.pc
+    } else {
+        walk.pc.wrapping_sub(1)
+    };
+    walk.exact = 0;
+    let (row, missing) = if walk.slot == NO_SLOT {
+        (UnwindRow::default(), NO_TABLE)
+    } else {
+        match find_mapping(walk.slot, lookup) {
+            None => {
+                walk.stale = 1;
+                if walk.depth > 0 {
+                    // Not code: the previous frame's return address was not real.
+                    return NO_TABLE;
+                }
+                (UnwindRow::default(), NO_TABLE)
+            }
+            Some(entry) if entry.table == TABLE_NONE => (UnwindRow::default(), NO_TABLE),
+            Some(entry) if entry.table == TABLE_CAPPED => (UnwindRow::default(), CAPPED),
+            Some(entry) => match find_row(entry.table, lookup.wrapping_sub(entry.bias)) {
+                Some(row) => (row, NO_TABLE),
+                None => return BAD_RULE,
+            },
+        }
+    };
+
+    // Record this frame.
+    let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) else {
+        return BAD_RULE;
+    };
+    // SAFETY: the per-CPU scratch element is this CPU's own; programs run with
+    // preemption disabled, so nothing else touches it during the walk.
+    let scratch = unsafe { &mut *scratch };
+    match scratch.pcs.get_mut(walk.depth as usize) {
+        Some(slot) => *slot = walk.pc,
+        None => return COMPLETE,
+    }
+    walk.depth += 1;
+    walk.hash = (walk.hash ^ walk.pc).wrapping_mul(0x0000_0100_0000_01b3);
+    walk.hash ^= walk.hash >> 29;
+
+    let kind = row.kind;
+    let cfa = if kind == RowKind::Rsp as u8 {
+        walk.sp.wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
+    } else if kind == RowKind::Rbp as u8 {
+        walk.bp.wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
+    } else if kind == RowKind::RbpDeref as u8 {
+        match read_u64(walk.bp.wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)) {
+            Some(cfa) => cfa,
+            None => return FAULT,
+        }
+    } else if kind == RowKind::Plt as u8 {
+        let extra = if (lookup & 15) as i64 >= i64::from(row.rbp_offset8) {
+            8
+        } else {
+            0
+        };
+        walk.sp
+            .wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
+            .wrapping_add(extra)
+    } else if kind == RowKind::Signal as u8 {
+        let (Some(bp), Some(sp), Some(pc)) = (
+            read_u64(walk.sp + SIGCTX_RBP),
+            read_u64(walk.sp + SIGCTX_RSP),
+            read_u64(walk.sp + SIGCTX_RIP),
+        ) else {
+            return FAULT;
+        };
+        walk.bp = bp;
+        walk.sp = sp;
+        walk.pc = pc;
+        walk.exact = 1;
+        return if pc == 0 { COMPLETE } else { RUNNING };
+    } else if kind == RowKind::End as u8 {
+        return COMPLETE;
+    } else if kind == RowKind::None as u8 {
+        // Frame pointers for this frame.
+        if walk.bp == 0 {
+            return missing;
+        }
+        let (Some(ra), Some(next_bp)) = (read_u64(walk.bp + 8), read_u64(walk.bp)) else {
+            return missing;
+        };
+        let Some(ra) = untrampolined(walk.bp + 8, ra) else {
+            return FAULT;
+        };
+        walk.sp = walk.bp + 16;
+        walk.bp = next_bp;
+        walk.pc = ra;
+        return if ra == 0 { COMPLETE } else { RUNNING };
+    } else {
+        return BAD_RULE;
+    };
+
+    let Some(ra) = read_u64(cfa.wrapping_sub(8)) else {
+        return FAULT;
+    };
+    let Some(ra) = untrampolined(cfa.wrapping_sub(8), ra) else {
+        return FAULT;
+    };
+    if row.rbp_offset8 != 0 && kind != RowKind::Plt as u8 {
+        match read_u64(cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64)) {
+            Some(bp) => walk.bp = bp,
+            None => return FAULT,
+        }
+    }
+    walk.sp = cfa;
+    walk.pc = ra;
+    if ra == 0 {
+        COMPLETE
+    } else {
+        RUNNING
+    }
+}
+
+/// `bpf_loop` callback: one frame.
+extern "C" fn frame_callback(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: `ctx` is the `Walk` on `capture`'s stack, passed to bpf_loop,
+    // which calls back synchronously while that frame is alive.
+    let walk = unsafe { &mut *(ctx as *mut Walk) };
+    walk.stop = step(walk);
+    if walk.stop == RUNNING {
+        0
+    } else {
+        1
+    }
+}
+
+/// Walks the user stack at a return probe and returns its id in
+/// `DWARF_STACKS`, or a negative errno (as `bpf_get_stackid` does).
+#[inline(always)]
+pub fn capture(ctx: &RetProbeContext) -> i32 {
+    let regs = ctx.as_ptr() as *const pt_regs;
+    // SAFETY: for return probes the context is the trapped task's pt_regs.
+    let (pc, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // SAFETY: the value is copied out at once.
+    let slot = match unsafe { PROC_SLOTS.get(&tgid) } {
+        Some(&slot) => slot,
+        None => {
+            bump(Counter::UnwindNoMappings);
+            NO_SLOT
+        }
+    };
+    let mut walk = Walk {
+        pc,
+        sp,
+        bp,
+        hash: 0xcbf2_9ce4_8422_2325,
+        slot,
+        depth: 0,
+        stop: RUNNING,
+        exact: 0,
+        stale: 0,
+        _pad: 0,
+    };
+    let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
+    // SAFETY: the callback is a static function of this program and `walk`
+    // outlives the call.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(
+            depth,
+            frame_callback as *mut core::ffi::c_void,
+            &mut walk as *mut Walk as *mut core::ffi::c_void,
+            0,
+        );
+    }
+    match walk.stop {
+        RUNNING => bump(Counter::UnwindDepth),
+        FAULT => bump(Counter::UnwindReadFault),
+        NO_TABLE => bump(Counter::UnwindNoTable),
+        BAD_RULE => bump(Counter::UnwindBadRule),
+        CAPPED => bump(Counter::UnwindTableCap),
+        _ => {}
+    }
+    if walk.stale != 0 {
+        report_stale(tgid);
+    }
+    store(walk.hash, walk.depth)
+}
+
+/// Tells user space that `tgid`'s mappings changed (at most every 10 ms).
+#[inline(always)]
+fn report_stale(tgid: u32) {
+    const EVERY_NS: u64 = 10_000_000;
+    // SAFETY: reading the monotonic clock has no preconditions.
+    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+    // SAFETY: the value is copied out at once.
+    if let Some(&last) = unsafe { STALE_SENT.get(&tgid) } {
+        if now.wrapping_sub(last) < EVERY_NS {
+            return;
+        }
+    }
+    let _ = STALE_SENT.insert(&tgid, &now, 0);
+    let event = crate::base_event(bpf_get_current_pid_tgid(), 0, EventKind::MapsStale);
+    crate::emit_now(event);
+}
+
+/// Stores the scratch stack under its hash unless already there.
+#[inline(always)]
+fn store(hash: u64, depth: u32) -> i32 {
+    const EEXIST: i32 = 17;
+    const EFAULT: i32 = 14;
+    const ENOMEM: i32 = 12;
+    if depth == 0 {
+        return -EFAULT;
+    }
+    let key = (hash as u32) & 0x7fff_ffff;
+    // SAFETY: the value is only read (its hash), at once.
+    if let Some(existing) = unsafe { DWARF_STACKS.get(&key) } {
+        if existing.hash == hash {
+            return key as i32;
+        }
+        bump(Counter::StackCollision);
+        return -EEXIST;
+    }
+    let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) else {
+        return -ENOMEM;
+    };
+    // SAFETY: this CPU's own scratch element (see `step`).
+    let scratch = unsafe { &mut *scratch };
+    scratch.hash = hash;
+    scratch.len = depth;
+    match DWARF_STACKS.insert(&key, scratch, 1 /* BPF_NOEXIST */) {
+        Ok(()) => {
+            bump(Counter::UnwindNewStack);
+            key as i32
+        }
+        Err(_) => {
+            // A racing CPU stored the same stack, or the map is full.
+            // SAFETY: copied out at once.
+            match unsafe { DWARF_STACKS.get(&key) } {
+                Some(existing) if existing.hash == hash => key as i32,
+                _ => {
+                    bump(Counter::StackOther);
+                    -ENOMEM
+                }
+            }
+        }
+    }
+}

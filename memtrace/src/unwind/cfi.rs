@@ -1,0 +1,476 @@
+//! ELF call-frame information to compact unwind rows.
+//!
+//! Reads `.eh_frame` (and `.debug_frame` where an object has no `.eh_frame`)
+//! with gimli, evaluates every FDE's row program, and keeps of each row only
+//! what an x86_64 return-address walk needs: how to compute the CFA (rsp or
+//! rbp plus an offset, the PLT's expression, a stack-realigning function's
+//! `*(rbp - 8)`, a signal frame), where rbp was saved, and whether the return
+//! address is undefined (the outermost frame). Rows that differ only in other
+//! callee-saved registers merge. Addresses become file offsets, so one table
+//! serves every process that maps the file, wherever it is loaded.
+//!
+//! Malformed CFI never panics: an FDE that does not parse is skipped and
+//! counted, and the object's table covers the rest.
+
+use gimli::{
+    BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, LittleEndian, RegisterRule,
+    UnwindContext, UnwindSection, X86_64,
+};
+use memtrace_common::unwind::{RowKind, UnwindRow};
+use object::{Object, ObjectSection, ObjectSegment};
+
+/// Why an object has no table.
+#[derive(Debug, thiserror::Error)]
+pub enum CfiError {
+    #[error("not an ELF object this unwinder reads: {0}")]
+    Elf(#[from] object::Error),
+    #[error("no .eh_frame or .debug_frame")]
+    NoCfi,
+    #[error("code beyond 4 GiB of file offsets")]
+    TooLarge,
+}
+
+/// The rows of one object, sorted by `pc`, plus what building them found.
+#[derive(Clone, Debug, Default)]
+pub struct Rows {
+    pub rows: Vec<UnwindRow>,
+    /// FDEs read.
+    pub fdes: usize,
+    /// FDEs or CIEs skipped because they did not parse.
+    pub malformed: usize,
+    /// Rows whose rule the kernel cannot follow (the walk ends there).
+    pub unsupported: usize,
+}
+
+/// A span of code with one rule, before merging.
+struct Span {
+    start: u64,
+    end: u64,
+    row: UnwindRow,
+}
+
+/// Bytes of the object's `.eh_frame` (or `.debug_frame`), 0 when it has none.
+pub fn eh_frame_size(data: &[u8]) -> u64 {
+    let Ok(file) = object::File::parse(data) else {
+        return 0;
+    };
+    [".eh_frame", ".debug_frame"]
+        .iter()
+        .find_map(|name| file.section_by_name(name).map(|s| s.size()))
+        .unwrap_or(0)
+}
+
+/// Builds the rows of the ELF object in `data`.
+pub fn rows_from_elf(data: &[u8]) -> Result<Rows, CfiError> {
+    let file = object::File::parse(data)?;
+    let segments: Vec<(u64, u64, u64)> = file
+        .segments()
+        .map(|s| {
+            let (offset, size) = s.file_range();
+            (s.address(), size, offset)
+        })
+        .collect();
+    let to_offset = |vaddr: u64| -> Option<u64> {
+        segments
+            .iter()
+            .find(|&&(addr, size, _)| vaddr >= addr && vaddr - addr < size.max(1))
+            .map(|&(addr, _, offset)| vaddr - addr + offset)
+    };
+    let mut bases = BaseAddresses::default();
+    if let Some(text) = file.section_by_name(".text") {
+        bases = bases.set_text(text.address());
+    }
+    if let Some(got) = file.section_by_name(".got") {
+        bases = bases.set_got(got.address());
+    }
+    let mut out = Rows::default();
+    let mut spans = Vec::new();
+    if let Some(section) = file.section_by_name(".eh_frame") {
+        let bytes = section.data()?;
+        let bases = bases.clone().set_eh_frame(section.address());
+        let eh = EhFrame::new(bytes, LittleEndian);
+        collect(&eh, &bases, bytes, &to_offset, &mut spans, &mut out);
+    }
+    if spans.is_empty() {
+        if let Some(section) = file.section_by_name(".debug_frame") {
+            let bytes = section.data()?;
+            let mut debug = DebugFrame::new(bytes, LittleEndian);
+            debug.set_address_size(8);
+            collect(&debug, &bases, bytes, &to_offset, &mut spans, &mut out);
+        }
+    }
+    if spans.is_empty() && out.fdes == 0 {
+        return Err(CfiError::NoCfi);
+    }
+    if spans.iter().any(|s| s.end > u64::from(u32::MAX)) {
+        return Err(CfiError::TooLarge);
+    }
+    out.rows = merge(spans);
+    Ok(out)
+}
+
+/// Builds rows from a bare `.eh_frame` image loaded at address 0, file
+/// offsets equal to addresses (the fuzz target's entry: no ELF around it).
+#[allow(dead_code)] // the entry of fuzz/fuzz_targets/cfi_rows.rs and the tests
+pub fn rows_from_eh_frame(bytes: &[u8]) -> Rows {
+    let mut out = Rows::default();
+    let mut spans = Vec::new();
+    let bases = BaseAddresses::default().set_eh_frame(0).set_text(0);
+    let eh = EhFrame::new(bytes, LittleEndian);
+    collect(&eh, &bases, bytes, &|addr| Some(addr), &mut spans, &mut out);
+    spans.retain(|s| s.end <= u64::from(u32::MAX));
+    out.rows = merge(spans);
+    out
+}
+
+fn collect<'a, S>(
+    section: &S,
+    bases: &BaseAddresses,
+    bytes: &'a [u8],
+    to_offset: &dyn Fn(u64) -> Option<u64>,
+    spans: &mut Vec<Span>,
+    out: &mut Rows,
+) where
+    S: UnwindSection<gimli::EndianSlice<'a, LittleEndian>>,
+{
+    let mut ctx = Box::new(UnwindContext::new());
+    let mut entries = section.entries(bases);
+    // Bounded by the section size: each entry consumes at least 4 bytes.
+    for _ in 0..=bytes.len() / 4 {
+        let entry = match entries.next() {
+            Ok(Some(entry)) => entry,
+            Ok(None) => break,
+            Err(_) => {
+                // The entry list itself is broken: nothing after it is reliable.
+                out.malformed += 1;
+                break;
+            }
+        };
+        let CieOrFde::Fde(partial) = entry else {
+            continue;
+        };
+        let fde = match partial.parse(S::cie_from_offset) {
+            Ok(fde) => fde,
+            Err(_) => {
+                out.malformed += 1;
+                continue;
+            }
+        };
+        out.fdes += 1;
+        let signal = fde.is_signal_trampoline();
+        let Ok(mut table) = fde.rows(section, bases, &mut ctx) else {
+            out.malformed += 1;
+            continue;
+        };
+        loop {
+            match table.next_row() {
+                Ok(Some(row)) => {
+                    let (Some(start), Some(end)) = (
+                        to_offset(row.start_address()),
+                        to_offset(row.end_address().saturating_sub(1)).map(|e| e + 1),
+                    ) else {
+                        continue;
+                    };
+                    if end <= start {
+                        continue;
+                    }
+                    let encoded = encode(row, section, signal);
+                    if encoded.kind == RowKind::Unsupported as u8 {
+                        out.unsupported += 1;
+                    }
+                    spans.push(Span {
+                        start,
+                        end,
+                        row: encoded,
+                    });
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    out.malformed += 1;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+fn encode<'a, S>(row: &gimli::UnwindTableRow<usize>, section: &S, signal: bool) -> UnwindRow
+where
+    S: UnwindSection<gimli::EndianSlice<'a, LittleEndian>>,
+{
+    let rule = |kind: RowKind, cfa_offset8: i16, rbp_offset8: i8| UnwindRow {
+        pc: 0,
+        cfa_offset8,
+        rbp_offset8,
+        kind: kind as u8,
+    };
+    if signal {
+        return rule(RowKind::Signal, 0, 0);
+    }
+    match row.register(X86_64::RA) {
+        Some(RegisterRule::Undefined) => return rule(RowKind::End, 0, 0),
+        Some(RegisterRule::Offset(-8)) => {}
+        _ => return rule(RowKind::Unsupported, 0, 0),
+    }
+    let rbp = match row.register(X86_64::RBP) {
+        Some(RegisterRule::Offset(n))
+            if n % 8 == 0 && (i64::from(i8::MIN)..0).contains(&(n / 8)) =>
+        {
+            (n / 8) as i8
+        }
+        _ => 0,
+    };
+    let eighths = |offset: i64| -> Option<i16> {
+        (offset % 8 == 0)
+            .then(|| i16::try_from(offset / 8).ok())
+            .flatten()
+    };
+    match row.cfa() {
+        CfaRule::RegisterAndOffset { register, offset } => {
+            let kind = if *register == X86_64::RSP {
+                RowKind::Rsp
+            } else if *register == X86_64::RBP {
+                RowKind::Rbp
+            } else {
+                return rule(RowKind::Unsupported, 0, 0);
+            };
+            match eighths(*offset) {
+                Some(off) => rule(kind, off, rbp),
+                None => rule(RowKind::Unsupported, 0, 0),
+            }
+        }
+        CfaRule::Expression(expr) => {
+            let Ok(expr) = expr.get(section) else {
+                return rule(RowKind::Unsupported, 0, 0);
+            };
+            match classify_expression(expr.0.slice()) {
+                Some(CfaExpr::Plt { offset, threshold }) => match eighths(offset) {
+                    Some(off) => rule(RowKind::Plt, off, threshold),
+                    None => rule(RowKind::Unsupported, 0, 0),
+                },
+                Some(CfaExpr::RbpDeref { offset }) => match eighths(offset) {
+                    Some(off) => rule(RowKind::RbpDeref, off, rbp),
+                    None => rule(RowKind::Unsupported, 0, 0),
+                },
+                None => rule(RowKind::Unsupported, 0, 0),
+            }
+        }
+    }
+}
+
+/// The CFA expressions compilers and linkers emit in practice.
+#[derive(Debug, PartialEq, Eq)]
+enum CfaExpr {
+    /// `rsp + offset + ((rip & 15) >= threshold ? 8 : 0)` (PLT entries).
+    Plt { offset: i64, threshold: i8 },
+    /// `*(rbp + offset)` (functions that realign their stack).
+    RbpDeref { offset: i64 },
+}
+
+fn classify_expression(bytes: &[u8]) -> Option<CfaExpr> {
+    const BREG_RSP: u8 = 0x77;
+    const BREG_RBP: u8 = 0x76;
+    const BREG_RIP: u8 = 0x80;
+    const DEREF: u8 = 0x06;
+    let (&op, rest) = bytes.split_first()?;
+    let (offset, rest) = sleb128(rest)?;
+    match (op, rest) {
+        (BREG_RBP, [DEREF]) => Some(CfaExpr::RbpDeref { offset }),
+        // breg16 0; lit15; and; litN; ge; lit3; shl; plus
+        (BREG_RSP, [BREG_RIP, 0x00, 0x3f, 0x1a, lit, 0x2a, 0x33, 0x24, 0x22])
+            if (0x30..=0x4f).contains(lit) =>
+        {
+            Some(CfaExpr::Plt {
+                offset,
+                threshold: (lit - 0x30) as i8,
+            })
+        }
+        _ => None,
+    }
+}
+
+fn sleb128(bytes: &[u8]) -> Option<(i64, &[u8])> {
+    let mut result: i64 = 0;
+    let mut shift = 0;
+    for (i, &byte) in bytes.iter().enumerate().take(10) {
+        result |= i64::from(byte & 0x7f) << shift;
+        shift += 7;
+        if byte & 0x80 == 0 {
+            if shift < 64 && byte & 0x40 != 0 {
+                result |= -1i64 << shift;
+            }
+            return Some((result, &bytes[i + 1..]));
+        }
+    }
+    None
+}
+
+/// Sorts spans, fills gaps with "no CFI" rows, and merges neighbours with
+/// the same rule.
+fn merge(mut spans: Vec<Span>) -> Vec<UnwindRow> {
+    spans.sort_by_key(|s| (s.start, s.end));
+    let mut rows: Vec<UnwindRow> = Vec::with_capacity(spans.len() / 2 + 1);
+    let mut covered_to = 0u64;
+    let none = UnwindRow::default();
+    let push = |rows: &mut Vec<UnwindRow>, pc: u64, row: UnwindRow| {
+        let row = UnwindRow {
+            pc: pc as u32,
+            ..row
+        };
+        match rows.last_mut() {
+            Some(last) if same_rule(last, &row) => {}
+            Some(last) if last.pc == row.pc => *last = row,
+            _ => rows.push(row),
+        }
+    };
+    for span in spans {
+        let start = span.start.max(covered_to);
+        if start >= span.end {
+            continue; // wholly covered by an earlier (overlapping) FDE
+        }
+        if start > covered_to && !rows.is_empty() {
+            push(&mut rows, covered_to, none);
+        }
+        push(&mut rows, start, span.row);
+        covered_to = span.end;
+    }
+    if !rows.is_empty() {
+        push(&mut rows, covered_to, none);
+    }
+    rows
+}
+
+fn same_rule(a: &UnwindRow, b: &UnwindRow) -> bool {
+    a.kind == b.kind && a.cfa_offset8 == b.cfa_offset8 && a.rbp_offset8 == b.rbp_offset8
+}
+
+/// The row covering file offset `pc` (what the kernel's search finds), for tests.
+#[cfg(test)]
+pub fn lookup(rows: &[UnwindRow], pc: u32) -> Option<&UnwindRow> {
+    let index = rows.partition_point(|r| r.pc <= pc);
+    rows.get(index.checked_sub(1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn libc() -> Option<Vec<u8>> {
+        [
+            "/lib/x86_64-linux-gnu/libc.so.6",
+            "/usr/lib/x86_64-linux-gnu/libc.so.6",
+        ]
+        .iter()
+        .find_map(|p| std::fs::read(p).ok())
+    }
+
+    #[test]
+    fn classifies_the_plt_and_realign_expressions() {
+        // From `readelf --debug-dump=frames` of a PLT and a realigning main.
+        let plt = [
+            0x77, 0x08, 0x80, 0x00, 0x3f, 0x1a, 0x3b, 0x2a, 0x33, 0x24, 0x22,
+        ];
+        assert_eq!(
+            classify_expression(&plt),
+            Some(CfaExpr::Plt {
+                offset: 8,
+                threshold: 11
+            })
+        );
+        assert_eq!(
+            classify_expression(&[0x76, 0x78, 0x06]),
+            Some(CfaExpr::RbpDeref { offset: -8 })
+        );
+        assert_eq!(classify_expression(&[0x77, 0x08]), None);
+        assert_eq!(classify_expression(&[]), None);
+        assert_eq!(classify_expression(&[0x77, 0xff]), None, "truncated sleb");
+    }
+
+    #[test]
+    fn merges_equal_rules_and_marks_gaps() {
+        let r = |kind: RowKind, off: i16| UnwindRow {
+            pc: 0,
+            cfa_offset8: off,
+            rbp_offset8: 0,
+            kind: kind as u8,
+        };
+        let spans = vec![
+            Span {
+                start: 0x1000,
+                end: 0x1001,
+                row: r(RowKind::Rsp, 1),
+            },
+            Span {
+                start: 0x1001,
+                end: 0x1010,
+                row: r(RowKind::Rsp, 2),
+            },
+            Span {
+                start: 0x1010,
+                end: 0x1020,
+                row: r(RowKind::Rsp, 2),
+            },
+            Span {
+                start: 0x1030,
+                end: 0x1040,
+                row: r(RowKind::Rbp, 2),
+            },
+        ];
+        let rows = merge(spans);
+        let pcs: Vec<(u32, u8)> = rows.iter().map(|r| (r.pc, r.kind)).collect();
+        assert_eq!(
+            pcs,
+            vec![
+                (0x1000, RowKind::Rsp as u8),
+                (0x1001, RowKind::Rsp as u8),
+                (0x1020, RowKind::None as u8),
+                (0x1030, RowKind::Rbp as u8),
+                (0x1040, RowKind::None as u8),
+            ]
+        );
+        assert_eq!(lookup(&rows, 0x1015).map(|r| r.cfa_offset8), Some(2));
+        assert_eq!(lookup(&rows, 0x1025).map(|r| r.kind), Some(0));
+        assert_eq!(lookup(&rows, 0x0fff), None);
+    }
+
+    #[test]
+    fn reads_the_system_libc() {
+        let Some(data) = libc() else {
+            eprintln!("no libc.so.6 to read");
+            return;
+        };
+        let rows = rows_from_elf(&data).expect("libc has CFI");
+        assert!(rows.fdes > 1000, "{} FDEs", rows.fdes);
+        assert_eq!(rows.malformed, 0);
+        assert!(rows.rows.windows(2).all(|w| w[0].pc < w[1].pc), "sorted");
+        // The signal trampoline and the outermost frames are recognised.
+        assert!(rows.rows.iter().any(|r| r.kind == RowKind::Signal as u8));
+        assert!(rows.rows.iter().any(|r| r.kind == RowKind::End as u8));
+        // Most of libc is rsp-relative code without frame pointers.
+        let rsp = rows
+            .rows
+            .iter()
+            .filter(|r| r.kind == RowKind::Rsp as u8)
+            .count();
+        assert!(rsp * 2 > rows.rows.len());
+    }
+
+    #[test]
+    fn garbage_and_truncated_objects_fail_cleanly() {
+        assert!(rows_from_elf(b"not an elf").is_err());
+        if let Some(data) = libc() {
+            for cut in [64, 4096, data.len() / 3, data.len() / 2] {
+                let _ = rows_from_elf(&data[..cut]);
+            }
+            // Corrupt the middle of the file (where .eh_frame lives) too.
+            let mut bad = data.clone();
+            let mid = bad.len() / 5;
+            for b in bad.iter_mut().skip(mid).step_by(7).take(20_000) {
+                *b ^= 0x5a;
+            }
+            let _ = rows_from_elf(&bad);
+        }
+        let _ = rows_from_eh_frame(&[0xff; 64]);
+        let _ = rows_from_eh_frame(&[0x10, 0, 0, 0, 0, 0, 0, 0, 1, 0x7a, 0x52, 0]);
+    }
+}

@@ -1,0 +1,335 @@
+//! Loading unwind tables and per-process mappings into the eBPF maps the
+//! in-kernel unwinder reads (`UNWIND_ROWS`, `UNWIND_PAGES`, `UNWIND_TABLES`,
+//! `PROC_SLOTS`, `PROC_MAPS`).
+//!
+//! Tables are built once per file (device, inode) and shared by every process
+//! mapping it. Table memory is bounded by `--unwind-table-mib`: an object whose
+//! table does not fit is left to frame pointers and named in the report.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use aya::maps::{Array, HashMap as BpfHashMap, MapData};
+use aya::Ebpf;
+use memtrace_common::unwind::{
+    MapEntry, PageChunk, ProcMaps, RowChunk, TableInfo, UnwindRow, MAX_MAPPINGS, PAGES_PER_CHUNK,
+    ROWS_PER_CHUNK, TABLE_CAPPED, TABLE_NONE,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::probe::maps::Mapping;
+use crate::unwind::{cfi, table};
+
+/// Most objects with a table (the `UNWIND_TABLES` map's size).
+pub const MAX_TABLES: u32 = 4096;
+
+/// Sizes of the unwinder's maps, chosen before the eBPF object is loaded.
+#[derive(Clone, Copy, Debug)]
+pub struct Capacity {
+    pub row_chunks: u32,
+    pub page_chunks: u32,
+    pub processes: u32,
+}
+
+impl Capacity {
+    /// Splits `mib` of table memory between rows and the page index (which
+    /// is about 1/50 of the rows on real objects).
+    pub fn from_mib(mib: u32, processes: u32) -> Self {
+        let chunks = (u64::from(mib.max(1)) << 20) / 4096;
+        let page_chunks = (chunks / 16).max(1);
+        Capacity {
+            row_chunks: u32::try_from(chunks - page_chunks)
+                .unwrap_or(u32::MAX)
+                .max(1),
+            page_chunks: u32::try_from(page_chunks).unwrap_or(u32::MAX),
+            processes: processes.max(1),
+        }
+    }
+}
+
+/// What the unwinder's tables hold, for the report.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct UnwindSummary {
+    /// `dwarf` or `fp`.
+    pub mode: String,
+    /// Objects with a table in the kernel.
+    pub objects: u64,
+    /// Rows loaded (after merging).
+    pub rows: u64,
+    /// Kernel memory the tables use and the cap (`--unwind-table-mib`).
+    pub kernel_bytes_used: u64,
+    pub kernel_bytes_reserved: u64,
+    /// Milliseconds spent building tables.
+    pub build_ms: u64,
+    /// Objects whose table did not fit the cap (frame pointers only).
+    pub capped: Vec<String>,
+    /// Objects without usable CFI, with why (frame pointers only).
+    pub without_cfi: Vec<String>,
+    /// Processes with more executable mappings than the unwinder can hold.
+    pub mapping_overflows: u64,
+}
+
+#[derive(Clone, Copy)]
+enum FileTable {
+    Loaded(u32),
+    Capped,
+    None,
+}
+
+/// Kernel bytes a table of `rows` rows and `pages` page-index entries takes
+/// (whole 4 KiB chunks of each).
+pub fn kernel_bytes(rows: usize, pages: usize) -> u64 {
+    let chunks = rows.div_ceil(ROWS_PER_CHUNK as usize) + pages.div_ceil(PAGES_PER_CHUNK as usize);
+    chunks as u64 * 4096 + std::mem::size_of::<TableInfo>() as u64
+}
+
+/// The unwinder's maps and the tables loaded so far.
+pub struct UnwindTables {
+    rows: Array<MapData, RowChunk>,
+    pages: Array<MapData, PageChunk>,
+    tables: Array<MapData, TableInfo>,
+    slots: BpfHashMap<MapData, u32, u32>,
+    proc_maps: Array<MapData, ProcMaps>,
+    capacity: Capacity,
+    next_row_chunk: u32,
+    next_page_chunk: u32,
+    next_table: u32,
+    by_file: HashMap<(u64, u64), FileTable>,
+    slot_of: HashMap<u32, (u32, Vec<MapEntry>)>,
+    free_slots: Vec<u32>,
+    summary: UnwindSummary,
+}
+
+impl UnwindTables {
+    /// Takes the unwinder's maps out of a loaded eBPF object.
+    pub fn take(ebpf: &mut Ebpf, capacity: Capacity) -> anyhow::Result<Self> {
+        let mut take = |name: &str| {
+            ebpf.take_map(name)
+                .ok_or_else(|| anyhow::anyhow!("map {name} missing from the eBPF object"))
+        };
+        let rows = Array::try_from(take("UNWIND_ROWS")?)?;
+        let pages = Array::try_from(take("UNWIND_PAGES")?)?;
+        let tables = Array::try_from(take("UNWIND_TABLES")?)?;
+        let slots = BpfHashMap::try_from(take("PROC_SLOTS")?)?;
+        let proc_maps = Array::try_from(take("PROC_MAPS")?)?;
+        Ok(UnwindTables {
+            rows,
+            pages,
+            tables,
+            slots,
+            proc_maps,
+            capacity,
+            next_row_chunk: 0,
+            next_page_chunk: 0,
+            next_table: 0,
+            by_file: HashMap::new(),
+            slot_of: HashMap::new(),
+            free_slots: (0..capacity.processes).rev().collect(),
+            summary: UnwindSummary {
+                mode: "dwarf".into(),
+                kernel_bytes_reserved: (u64::from(capacity.row_chunks)
+                    + u64::from(capacity.page_chunks))
+                    * 4096,
+                ..UnwindSummary::default()
+            },
+        })
+    }
+
+    pub fn summary(&self) -> UnwindSummary {
+        self.summary.clone()
+    }
+
+    /// Gives process `pid` the unwinder's view of `mappings` (building the
+    /// tables of objects not seen before). Cheap when nothing changed.
+    pub fn update_process(
+        &mut self,
+        pid: u32,
+        mappings: &[Mapping],
+        open_path: &dyn Fn(&Path) -> Option<PathBuf>,
+    ) {
+        let mut entries: Vec<MapEntry> = Vec::new();
+        for mapping in mappings.iter().filter(|m| m.executable) {
+            let table = if mapping.is_file() {
+                match (&mapping.path, mapping.deleted) {
+                    (Some(path), false) => self.table_for(mapping, path, open_path),
+                    _ => TABLE_NONE,
+                }
+            } else {
+                TABLE_NONE
+            };
+            entries.push(MapEntry {
+                start: mapping.start,
+                end: mapping.end,
+                bias: mapping.start.wrapping_sub(mapping.file_offset),
+                table,
+                _pad: 0,
+            });
+        }
+        entries.sort_by_key(|e| e.start);
+        log::debug!("unwinder: pid {pid}: {} executable mappings", entries.len());
+        if entries.len() > MAX_MAPPINGS {
+            self.summary.mapping_overflows += 1;
+            entries.truncate(MAX_MAPPINGS);
+        }
+        if self
+            .slot_of
+            .get(&pid)
+            .is_some_and(|(_, old)| *old == entries)
+        {
+            return;
+        }
+        let slot = match self.slot_of.get(&pid) {
+            Some(&(slot, _)) => slot,
+            None => match self.free_slots.pop() {
+                Some(slot) => slot,
+                None => {
+                    log::warn!("unwinder: no room for pid {pid}'s mappings (frame pointers only)");
+                    return;
+                }
+            },
+        };
+        let mut maps = ProcMaps {
+            len: entries.len() as u32,
+            _pad: 0,
+            entries: [MapEntry::default(); MAX_MAPPINGS],
+        };
+        maps.entries[..entries.len()].copy_from_slice(&entries);
+        if let Err(err) = self.proc_maps.set(slot, maps, 0) {
+            log::warn!("unwinder: cannot store pid {pid}'s mappings: {err}");
+            return;
+        }
+        if let Err(err) = self.slots.insert(pid, slot, 0) {
+            log::warn!("unwinder: cannot register pid {pid}: {err}");
+            return;
+        }
+        self.slot_of.insert(pid, (slot, entries));
+    }
+
+    /// Forgets a process that is no longer traced.
+    pub fn remove_process(&mut self, pid: u32) {
+        if let Some((slot, _)) = self.slot_of.remove(&pid) {
+            let _ = self.slots.remove(&pid);
+            self.free_slots.push(slot);
+        }
+    }
+
+    fn table_for(
+        &mut self,
+        mapping: &Mapping,
+        path: &Path,
+        open_path: &dyn Fn(&Path) -> Option<PathBuf>,
+    ) -> u32 {
+        let key = (mapping.dev, mapping.inode);
+        if let Some(known) = self.by_file.get(&key) {
+            return match known {
+                FileTable::Loaded(index) => *index,
+                FileTable::Capped => TABLE_CAPPED,
+                FileTable::None => TABLE_NONE,
+            };
+        }
+        let started = Instant::now();
+        let built = open_path(path)
+            .ok_or_else(|| "its path leads outside the target's root".to_string())
+            .and_then(|open| std::fs::read(open).map_err(|err| err.to_string()))
+            .and_then(|data| cfi::rows_from_elf(&data).map_err(|err| err.to_string()));
+        self.summary.build_ms += started.elapsed().as_millis() as u64;
+        let state = match built {
+            Ok(rows) => {
+                if rows.malformed > 0 {
+                    let line = format!(
+                        "{}: {} malformed CFI entries skipped (stacks through them use frame pointers)",
+                        path.display(),
+                        rows.malformed
+                    );
+                    eprintln!("memtrace: warning: {line}");
+                    self.summary.without_cfi.push(line);
+                }
+                match self.load(&rows.rows) {
+                    Some(index) => {
+                        self.summary.objects += 1;
+                        self.summary.rows += rows.rows.len() as u64;
+                        FileTable::Loaded(index)
+                    }
+                    None if rows.rows.is_empty() => FileTable::None,
+                    None => {
+                        self.summary.capped.push(path.display().to_string());
+                        FileTable::Capped
+                    }
+                }
+            }
+            Err(why) => {
+                self.summary
+                    .without_cfi
+                    .push(format!("{}: {why}", path.display()));
+                FileTable::None
+            }
+        };
+        self.by_file.insert(key, state);
+        match state {
+            FileTable::Loaded(index) => index,
+            FileTable::Capped => TABLE_CAPPED,
+            FileTable::None => TABLE_NONE,
+        }
+    }
+
+    /// Copies one table into the kernel; `None` when it does not fit.
+    fn load(&mut self, rows: &[UnwindRow]) -> Option<u32> {
+        if rows.is_empty() {
+            return None;
+        }
+        let (base, pages) = table::page_index(rows);
+        let row_chunks = rows.len().div_ceil(ROWS_PER_CHUNK as usize) as u32;
+        let page_chunks = pages.len().div_ceil(PAGES_PER_CHUNK as usize) as u32;
+        if self.next_table >= MAX_TABLES
+            || self.next_row_chunk + row_chunks > self.capacity.row_chunks
+            || self.next_page_chunk + page_chunks > self.capacity.page_chunks
+        {
+            return None;
+        }
+        let row_start = self.next_row_chunk * ROWS_PER_CHUNK;
+        for (i, chunk_rows) in rows.chunks(ROWS_PER_CHUNK as usize).enumerate() {
+            let mut chunk = RowChunk {
+                rows: [UnwindRow::default(); ROWS_PER_CHUNK as usize],
+            };
+            chunk.rows[..chunk_rows.len()].copy_from_slice(chunk_rows);
+            if let Err(err) = self.rows.set(self.next_row_chunk + i as u32, chunk, 0) {
+                log::warn!("unwinder: cannot load rows: {err}");
+                return None;
+            }
+        }
+        let page_start = self.next_page_chunk * PAGES_PER_CHUNK;
+        for (i, chunk_pages) in pages.chunks(PAGES_PER_CHUNK as usize).enumerate() {
+            let mut chunk = PageChunk {
+                first_row: [0; PAGES_PER_CHUNK as usize],
+            };
+            for (slot, &row) in chunk.first_row.iter_mut().zip(chunk_pages) {
+                *slot = row_start + row;
+            }
+            if let Err(err) = self.pages.set(self.next_page_chunk + i as u32, chunk, 0) {
+                log::warn!("unwinder: cannot load the page index: {err}");
+                return None;
+            }
+        }
+        let index = self.next_table;
+        let info = TableInfo {
+            row_start,
+            row_count: rows.len() as u32,
+            page_start,
+            page_count: pages.len() as u32,
+            base,
+            _pad: 0,
+        };
+        if let Err(err) = self.tables.set(index, info, 0) {
+            log::warn!("unwinder: cannot register a table: {err}");
+            return None;
+        }
+        self.next_table += 1;
+        self.next_row_chunk += row_chunks;
+        self.next_page_chunk += page_chunks;
+        self.summary.kernel_bytes_used =
+            (u64::from(self.next_row_chunk) + u64::from(self.next_page_chunk)) * 4096
+                + u64::from(self.next_table) * std::mem::size_of::<TableInfo>() as u64;
+        Some(index)
+    }
+}

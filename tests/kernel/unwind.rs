@@ -1,0 +1,324 @@
+//! DWARF (CFI) unwinding in the kernel, on code built without frame
+//! pointers: exact call chains by pid, in launch mode and through a library
+//! loaded after attach; C++ `new` through libstdc++; deep recursion cut at
+//! `--stack-depth` and counted; signal handlers and threads; Debian's
+//! stripped, static `python3.11`; frame-pointer code unchanged against
+//! `--stacks fp`.
+
+use serde_json::Value;
+
+use crate::support::{fixture, privileged, site_totals, sites_of, Fixture, Tracer};
+
+/// The symbols of a site's frames, in order.
+fn symbols(site: &Value) -> Vec<String> {
+    site["frames"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|f| f["symbol"].as_str().unwrap_or("??").to_string())
+        .collect()
+}
+
+/// Traces `unwind_chain MODE` by pid with `extra` flags.
+fn trace_chain(mode: &str, extra: &[&str]) -> Value {
+    let mut target = Fixture::start("unwind_chain", &[mode, "30", "30"]);
+    let pid = target.pid.to_string();
+    let mut args = vec!["--pid", pid.as_str(), "--format", "json", "--top", "500"];
+    args.extend_from_slice(extra);
+    let tracer = Tracer::attach(&args);
+    target.go();
+    tracer.signal(libc::SIGINT);
+    tracer.report().0
+}
+
+const CHAIN: [&str; 8] = [
+    "lib_level3",
+    "lib_level2",
+    "lib_level1",
+    "lib_entry",
+    "outer3",
+    "outer2",
+    "outer1",
+    "main",
+];
+
+fn assert_whole_chain(report: &Value, how: &str) {
+    assert_eq!(
+        site_totals(report, "lib_level3"),
+        (15540, 20),
+        "{how}: bytes"
+    );
+    let sites = sites_of(report, "lib_level3");
+    assert_eq!(sites.len(), 1, "{how}: one call path, one site");
+    let frames = symbols(sites[0]);
+    assert_eq!(
+        frames.get(..CHAIN.len()),
+        Some(&CHAIN.map(String::from)[..]),
+        "{how}: the exact chain up to main: {frames:?}"
+    );
+    assert!(
+        frames.iter().any(|f| f.contains("libc_start")),
+        "{how}: through libc to the start: {frames:?}"
+    );
+}
+
+#[test]
+fn no_frame_pointer_chain_is_whole_by_pid() {
+    if !privileged() {
+        return;
+    }
+    let report = trace_chain("chain", &[]);
+    assert_whole_chain(&report, "by pid");
+    assert_eq!(report["unwind"]["mode"], "dwarf");
+    assert!(report["unwind"]["objects"].as_u64().unwrap_or(0) >= 3);
+    assert!(report["unwind"]["kernel_bytes_used"].as_u64().unwrap_or(0) > 0);
+    assert_eq!(report["stack_truncations_by_cause"]["no_table"], 0);
+    assert_eq!(report["stack_truncations_by_cause"]["fault"], 0);
+
+    // Frame pointers alone cannot see past the innermost function.
+    let fp = trace_chain("chain", &["--stacks", "fp"]);
+    let sites = sites_of(&fp, "lib_level3");
+    assert!(!sites.is_empty());
+    assert!(
+        sites
+            .iter()
+            .all(|s| !symbols(s).contains(&"outer1".to_string())),
+        "--stacks fp walks frame pointers only"
+    );
+    assert!(fp["unwind"].is_null());
+}
+
+#[test]
+fn no_frame_pointer_chain_is_whole_in_launch_mode() {
+    if !privileged() {
+        return;
+    }
+    // The command sleeps 1 s before it allocates (ld.so has mapped its
+    // libraries by then and memtrace has read them).
+    let exe = fixture("unwind_chain");
+    let exe = exe.to_string_lossy();
+    let out = std::env::temp_dir().join(format!(
+        "memtrace-unwind-launch-{}.json",
+        std::process::id()
+    ));
+    let out_arg = out.to_string_lossy().to_string();
+    let status = std::process::Command::new(crate::support::MEMTRACE)
+        .args([
+            "--format", "json", "--output", &out_arg, "--", &exe, "chain", "@1",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("memtrace runs");
+    assert!(status.success(), "memtrace: {status}");
+    let text = std::fs::read_to_string(&out).expect("report written");
+    let _ = std::fs::remove_file(&out);
+    let report: Value = serde_json::from_str(&text).expect("JSON report");
+    assert_whole_chain(&report, "launch mode");
+}
+
+#[test]
+fn library_loaded_after_attach_gets_its_table() {
+    if !privileged() {
+        return;
+    }
+    let report = trace_chain("dlopen", &[]);
+    assert_whole_chain(&report, "dlopen after attach");
+}
+
+#[test]
+fn deep_recursion_is_cut_at_the_depth_and_counted() {
+    if !privileged() {
+        return;
+    }
+    let report = trace_chain("deep", &["--stack-depth", "40"]);
+    assert_eq!(site_totals(&report, "recurse"), (999, 3));
+    let sites = sites_of(&report, "recurse");
+    let frames = symbols(sites[0]);
+    assert_eq!(frames.len(), 40, "--stack-depth frames: {frames:?}");
+    assert!(frames.iter().all(|f| f == "recurse"));
+    let depth = report["stack_truncations_by_cause"]["depth"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(depth >= 3, "the three deep stacks counted: {depth}");
+    assert!(report["notes"].as_array().into_iter().flatten().any(|n| n
+        .as_str()
+        .is_some_and(|n| n.contains("stack walk(s) ended"))));
+}
+
+#[test]
+fn signal_handlers_and_threads_unwind_cleanly() {
+    if !privileged() {
+        return;
+    }
+    let report = trace_chain("all", &[]);
+    assert_eq!(site_totals(&report, "in_handler"), (2220, 4), "signal");
+    for site in sites_of(&report, "in_handler") {
+        let frames = symbols(site);
+        let handler = frames.iter().position(|f| f == "on_signal");
+        let raiser = frames.iter().position(|f| f == "signal_site");
+        assert!(
+            matches!((handler, raiser), (Some(h), Some(r)) if h < r),
+            "through the signal frame to the interrupted code: {frames:?}"
+        );
+        assert!(frames.contains(&"main".to_string()), "{frames:?}");
+    }
+    assert_eq!(site_totals(&report, "thread_leaf"), (1776, 4), "thread");
+    for site in sites_of(&report, "thread_leaf") {
+        let frames = symbols(site);
+        assert_eq!(frames.get(1).map(String::as_str), Some("worker"));
+        assert!(
+            frames.last().is_some_and(|f| f.contains("clone")),
+            "a thread's stack ends at clone3: {frames:?}"
+        );
+    }
+    assert_eq!(report["stack_truncations_by_cause"]["fault"], 0);
+    assert_eq!(report["stack_truncations_by_cause"]["bad_rule"], 0);
+}
+
+#[test]
+fn cpp_new_reaches_the_caller_through_libstdcxx() {
+    if !privileged() {
+        return;
+    }
+    let mut target = Fixture::start("unwind_cpp", &["30", "30"]);
+    let pid = target.pid.to_string();
+    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--top", "500"]);
+    target.go();
+    tracer.signal(libc::SIGINT);
+    let report = tracer.report().0;
+    let sites: Vec<&Value> = report["sites"].as_array().into_iter().flatten().collect();
+    let reaching = |function: &str| -> (u64, u64) {
+        sites
+            .iter()
+            .filter(|s| {
+                let frames = symbols(s);
+                frames.iter().any(|f| f == function) && frames.iter().any(|f| f == "main")
+            })
+            .fold((0, 0), |(b, c), s| {
+                (
+                    b + s["live_bytes"].as_u64().unwrap_or(0),
+                    c + s["live_count"].as_u64().unwrap_or(0),
+                )
+            })
+    };
+    assert_eq!(reaching("make_node()"), (2000, 10), "new Node: {sites:#?}");
+    assert_eq!(reaching("make_array()"), (5000, 5), "new char[]");
+}
+
+#[test]
+fn frame_pointer_code_gives_the_same_stacks_as_fp_mode() {
+    if !privileged() {
+        return;
+    }
+    let dwarf = crate::support::trace_fixture("leak_sites", &["--duration", "4s"]);
+    let fp = crate::support::trace_fixture("leak_sites", &["--duration", "4s", "--stacks", "fp"]);
+    for function in ["leak_a", "leak_b", "leak_calloc", "realloc_chain"] {
+        let take = |report: &Value| -> Vec<String> {
+            sites_of(report, function)
+                .first()
+                .map(|s| symbols(s))
+                .unwrap_or_default()
+        };
+        let (d, f) = (take(&dwarf), take(&fp));
+        assert!(!d.is_empty(), "{function} found");
+        // The frame-pointer walk may add a bogus frame past _start; up to
+        // main (and through libc's start) both agree.
+        let upto = |v: &[String]| -> Vec<String> {
+            let end = v
+                .iter()
+                .position(|s| s == "main")
+                .map_or(v.len(), |i| i + 1);
+            v[..end].to_vec()
+        };
+        assert_eq!(upto(&d), upto(&f), "{function}: dwarf {d:?} fp {f:?}");
+    }
+}
+
+#[test]
+fn debian_python3_stacks_reach_the_interpreter_main() {
+    if !privileged() {
+        return;
+    }
+    let python = std::path::Path::new("/usr/bin/python3.11");
+    if !python.exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI installs Debian's python3.11 (.ci/run)"
+        );
+        eprintln!("SKIPPED: /usr/bin/python3.11 is not installed");
+        return;
+    }
+    let script = "import sys, time\n\
+                  sys.stdin.readline()\n\
+                  keep = []\n\
+                  for i in range(400):\n\
+                  \x20   b = bytearray(6000)\n\
+                  \x20   if i % 4 == 0: keep.append(b)\n\
+                  print('done', flush=True)\n\
+                  time.sleep(30)\n";
+    let mut child = std::process::Command::new(python)
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3.11 starts");
+    let pid = child.id().to_string();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--top", "500"]);
+    {
+        use std::io::{BufRead, Write};
+        let stdin = child.stdin.as_mut().expect("stdin");
+        stdin.write_all(b"\n").expect("go");
+        stdin.flush().expect("flush");
+        let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        let _ = out.read_line(&mut line);
+        assert_eq!(line.trim(), "done");
+    }
+    tracer.signal(libc::SIGINT);
+    let report = tracer.report().0;
+    let _ = child.kill();
+    let _ = child.wait();
+    let reaching: Vec<Vec<String>> = report["sites"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["live_count"].as_u64().unwrap_or(0) >= 90)
+        .map(symbols)
+        .collect();
+    assert!(
+        reaching.iter().any(|frames| {
+            frames.iter().any(|f| f.contains("_PyEval_EvalFrameDefault"))
+                && frames.iter().any(|f| f.contains("Py_BytesMain"))
+        }),
+        "the 100 kept bytearrays' stack reaches the interpreter loop and Py_BytesMain: {reaching:#?}"
+    );
+}
+
+#[test]
+fn stacks_pass_through_functions_whose_return_is_probed() {
+    if !privileged() {
+        return;
+    }
+    // The stub driver backs device memory with malloc, inside cudaMalloc and
+    // cuMemAlloc_v2, whose return addresses the kernel's uretprobe trampoline
+    // has replaced while they run.
+    let report = crate::support::trace_fixture("cuda_leaks", &["--duration", "3s"]);
+    let inner: Vec<Vec<String>> = report["sites"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["allocator"] == "libc")
+        .map(symbols)
+        .filter(|frames| frames.first().is_some_and(|f| f == "backed_alloc"))
+        .collect();
+    assert!(!inner.is_empty(), "the stub's own mallocs are traced");
+    assert!(
+        inner.iter().any(|frames| frames
+            .windows(3)
+            .any(|w| w[0] == "cuMemAlloc_v2" && w[1] == "cudaMalloc" && w[2] == "leak_device_a")),
+        "through the trampolines to the caller: {inner:#?}"
+    );
+    assert_eq!(report["stack_truncations_by_cause"]["fault"], 0);
+}
