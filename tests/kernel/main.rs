@@ -12,3 +12,4 @@ mod gpu;
 mod outputs;
 mod pairs;
 mod reliability;
+mod visual;

@@ -18,6 +18,14 @@ impl Sink for FlamegraphSink {
         if interim {
             return Ok(());
         }
+        draw(report, None, out)
+    }
+}
+
+/// Draws the flame graph; frames narrower than `min_width` pixels (of
+/// 1200) are left out when given (inferno's default otherwise: 0.1).
+pub fn draw(report: &Report, min_width: Option<f64>, out: &mut dyn Write) -> std::io::Result<()> {
+    {
         let title = title(report);
         let lines = folded::lines(report);
         let total: u64 = report.sites.iter().map(|s| site_live(report, s).0).sum();
@@ -34,6 +42,9 @@ impl Sink for FlamegraphSink {
         // Colours follow the frame names, so two runs look alike.
         options.hash = true;
         options.deterministic = true;
+        if let Some(width) = min_width {
+            options.min_width = width;
+        }
         flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), out)
     }
 }
