@@ -200,7 +200,7 @@ fn sites_table(frame: &mut Frame<'_>, state: &mut State, area: Rect) {
         Constraint::Length(11),
         Constraint::Length(SPARK_WIDTH),
         Constraint::Length(7),
-        Constraint::Length(14),
+        Constraint::Length(24),
         Constraint::Min(8),
     ];
     let table = Table::new(rows, widths)

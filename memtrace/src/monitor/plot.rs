@@ -285,8 +285,7 @@ pub fn panel_svgs(
     for panel in panels(rec, verdicts) {
         let mut svg = String::new();
         {
-            let root =
-                SVGBackend::with_string(&mut svg, (PANEL_W * 2, PANEL_H + 40)).into_drawing_area();
+            let root = SVGBackend::with_string(&mut svg, (PANEL_W, PANEL_H)).into_drawing_area();
             root.fill(&WHITE).map_err(|e| e.to_string())?;
             draw_panel(&root, &panel, text)?;
             root.present().map_err(|e| e.to_string())?;

@@ -22,9 +22,11 @@ impl Sink for FlamegraphSink {
     }
 }
 
-/// Draws the flame graph; frames narrower than `min_width` pixels (of
-/// 1200) are left out when given (inferno's default otherwise: 0.1).
-pub fn draw(report: &Report, min_width: Option<f64>, out: &mut dyn Write) -> std::io::Result<()> {
+/// Draws the flame graph. `embedded` (for the HTML page): a fixed width of
+/// `embedded` pixels instead of a fluid one (the page's frame may not be
+/// laid out yet when the graph's script sizes itself), and frames narrower
+/// than half a pixel left out (inferno's default otherwise: 0.1).
+pub fn draw(report: &Report, embedded: Option<usize>, out: &mut dyn Write) -> std::io::Result<()> {
     {
         let title = title(report);
         let lines = folded::lines(report);
@@ -42,8 +44,9 @@ pub fn draw(report: &Report, min_width: Option<f64>, out: &mut dyn Write) -> std
         // Colours follow the frame names, so two runs look alike.
         options.hash = true;
         options.deterministic = true;
-        if let Some(width) = min_width {
-            options.min_width = width;
+        if let Some(width) = embedded {
+            options.image_width = Some(width);
+            options.min_width = 0.5;
         }
         flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), out)
     }

@@ -33,10 +33,10 @@ use crate::report::{Frame, Report};
 pub const HISTORY_SITES: usize = 200;
 /// Points kept per embedded site history.
 const HISTORY_POINTS: usize = 120;
-/// Frames narrower than this many pixels (of 1200) are left out of the
-/// embedded flame graph: with 10,000 sites they would be most of the page,
-/// and every site is in the table anyway.
-const FLAME_MIN_WIDTH: f64 = 0.5;
+/// Width of the embedded flame graph, pixels. Frames narrower than half a
+/// pixel are left out of it: with 10,000 sites they would be most of the
+/// page, and every site is in the table anyway.
+const FLAME_WIDTH: usize = 1200;
 /// Sites drawn in the "top sites" chart.
 const CHART_SITES: usize = 8;
 
@@ -434,11 +434,12 @@ fn charts(out: &mut String, report: &Report) {
 fn flame(out: &mut String, report: &Report) {
     out.push_str("<section id=\"flame\"><h2>Flame graph of live bytes</h2>");
     let mut svg = Vec::new();
-    let drawn = super::flamegraph::draw(report, Some(FLAME_MIN_WIDTH), &mut svg).is_ok();
+    let drawn = super::flamegraph::draw(report, Some(FLAME_WIDTH), &mut svg).is_ok();
     if drawn && !svg.is_empty() {
+        let height = svg_height(&svg).map_or(560, |h| h + 4);
         let _ = write!(
             out,
-            "<p class=\"note\">Click a frame to zoom, Search to highlight; frames under 0.5 px are left out (every site is in the table below).{}</p><iframe id=\"flamegraph\" title=\"flame graph\" src=\"data:image/svg+xml;base64,{}\"></iframe>",
+            "<p class=\"note\">Click a frame to zoom, Search to highlight; frames under 0.5 px are left out (every site is in the table below).{}</p><iframe id=\"flamegraph\" title=\"flame graph\" style=\"height:{height}px\" src=\"data:image/svg+xml;base64,{}\"></iframe>",
             if sampled(report) {
                 " Widths are estimates."
             } else {
@@ -450,6 +451,15 @@ fn flame(out: &mut String, report: &Report) {
         out.push_str("<p class=\"note\">The flame graph could not be drawn.</p>");
     }
     out.push_str("</section>");
+}
+
+/// The `height` of an SVG document's root element, in pixels.
+fn svg_height(svg: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(svg).ok()?;
+    let root = &text[text.find("<svg")?..];
+    let root = &root[..root.find('>')?];
+    let value = root.split(" height=\"").nth(1)?.split('"').next()?;
+    value.parse::<f64>().ok().map(|h| h.ceil() as u64)
 }
 
 fn sites_section(out: &mut String, report: &Report) {
@@ -652,6 +662,11 @@ mod tests {
         assert!(!html.contains("id=\"incomplete\""));
         assert!(!html.contains("id=\"sampled\""));
         assert!(html.contains("data:image/svg+xml;base64,"));
+        assert_eq!(
+            svg_height(b"<?xml?><svg version=\"1.1\" width=\"1200\" height=\"190\">"),
+            Some(190)
+        );
+        assert_eq!(svg_height(b"<svg>"), None);
     }
 
     #[test]
