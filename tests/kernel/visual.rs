@@ -677,3 +677,46 @@ fn live_view_in_a_40x10_terminal_survives_resizes_and_prints_the_report() {
     assert!(all.contains("format_response"), "{all}");
     assert!(!all.contains("panicked"), "{all}");
 }
+
+#[test]
+fn live_without_a_terminal_traces_as_without_it() {
+    if !privileged() {
+        return;
+    }
+    let demo = fixture("leaky_demo");
+    let out = run_memtrace(&[
+        "--live",
+        "--interval",
+        "500ms",
+        "--format",
+        "json",
+        "--",
+        demo.to_str().expect("utf-8"),
+        "400",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--live: stdout is not a terminal"),
+        "{stderr}"
+    );
+    // Today's behaviour: JSON Lines, interim reports then the final one.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last: Value = serde_json::from_str(
+        stdout
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .expect("a report"),
+    )
+    .expect("JSON");
+    assert_eq!(last["interim"], json!(false));
+    let leaked: u64 = last["sites"]
+        .as_array()
+        .expect("sites")
+        .iter()
+        .filter(|s| s["frames"][0]["symbol"] == "format_response")
+        .map(|s| s["live_bytes"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(leaked, FORMAT_RESPONSE.0);
+    assert!(!stdout.contains('\u{1b}'), "no terminal control sequences");
+}

@@ -788,6 +788,10 @@ mod tests {
             html.len() as f64 / (1 << 20) as f64,
             took
         );
+        // `MEMTRACE_HTML_SAMPLE=FILE` keeps the page, to open in a browser.
+        if let Some(path) = std::env::var_os("MEMTRACE_HTML_SAMPLE") {
+            std::fs::write(path, &html).expect("sample written");
+        }
         // Size is bounded by sharing frames and capping histories; the
         // table itself is drawn by the page a page at a time.
         assert!(html.len() < 64 << 20, "{} bytes", html.len());
