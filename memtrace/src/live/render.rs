@@ -165,6 +165,77 @@ fn trend_name(trend: Trend) -> &'static str {
     }
 }
 
+/// A column of the sites table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Column {
+    Rank,
+    Trend,
+    Bytes,
+    Growth,
+    Spark,
+    Allocator,
+    Pattern,
+    Top,
+}
+
+impl Column {
+    fn title(self) -> &'static str {
+        match self {
+            Column::Rank => "#",
+            Column::Trend => "trend",
+            Column::Bytes => "bytes",
+            Column::Growth => "growth",
+            Column::Spark => "live bytes",
+            Column::Allocator => "alloc",
+            Column::Pattern => "pattern",
+            Column::Top => "top frame",
+        }
+    }
+}
+
+/// The columns that fit `width`: the less important ones (pattern,
+/// allocator, sparkline, growth) go first as the terminal narrows, the top
+/// frame always stays.
+fn columns(width: u16) -> Vec<(Column, Constraint)> {
+    let mut out = vec![
+        (Column::Rank, Constraint::Length(3)),
+        (Column::Trend, Constraint::Length(9)),
+        (Column::Bytes, Constraint::Length(10)),
+    ];
+    if width >= 56 {
+        out.push((Column::Growth, Constraint::Length(11)));
+    }
+    if width >= 76 {
+        out.push((Column::Spark, Constraint::Length(SPARK_WIDTH)));
+    }
+    if width >= 96 {
+        out.push((Column::Allocator, Constraint::Length(7)));
+    }
+    if width >= 120 {
+        out.push((Column::Pattern, Constraint::Length(24)));
+    }
+    out.push((Column::Top, Constraint::Min(8)));
+    out
+}
+
+fn cell(column: Column, r: &super::state::Row) -> Cell<'static> {
+    match column {
+        Column::Rank => Cell::from(r.rank.to_string()),
+        Column::Trend => Cell::from(trend_name(r.trend)).style(trend_style(r.trend)),
+        Column::Bytes => Cell::from(human_bytes(r.bytes)),
+        Column::Growth => Cell::from(if r.trend == Trend::Growing {
+            format!("{}/s", human_bytes(r.growth.max(0.0) as u64))
+        } else {
+            String::new()
+        }),
+        Column::Spark => Cell::from(sparkline(&r.history, usize::from(SPARK_WIDTH)))
+            .style(Style::new().fg(Color::Cyan)),
+        Column::Allocator => Cell::from(r.allocator.clone()),
+        Column::Pattern => Cell::from(r.pattern.clone().unwrap_or_default()),
+        Column::Top => Cell::from(r.top.clone()),
+    }
+}
+
 fn sites_table(frame: &mut Frame<'_>, state: &mut State, area: Rect) {
     if area.height == 0 {
         return;
@@ -172,50 +243,16 @@ fn sites_table(frame: &mut Frame<'_>, state: &mut State, area: Rect) {
     let selected = state.selected_index();
     let visible = state.visible();
     let title = format!(" sites ({}) ", visible.len());
+    let columns = columns(area.width);
     let rows: Vec<Row<'_>> = visible
         .iter()
-        .map(|r| {
-            Row::new(vec![
-                Cell::from(r.rank.to_string()),
-                Cell::from(trend_name(r.trend)).style(trend_style(r.trend)),
-                Cell::from(human_bytes(r.bytes)),
-                Cell::from(if r.trend == Trend::Growing {
-                    format!("{}/s", human_bytes(r.growth.max(0.0) as u64))
-                } else {
-                    String::new()
-                }),
-                Cell::from(sparkline(&r.history, usize::from(SPARK_WIDTH)))
-                    .style(Style::new().fg(Color::Cyan)),
-                Cell::from(r.allocator.clone()),
-                Cell::from(r.pattern.clone().unwrap_or_default()),
-                Cell::from(r.top.clone()),
-            ])
-        })
+        .map(|r| Row::new(columns.iter().map(|(c, _)| cell(*c, r))))
         .collect();
     let empty = rows.is_empty();
-    let widths = [
-        Constraint::Length(3),
-        Constraint::Length(9),
-        Constraint::Length(10),
-        Constraint::Length(11),
-        Constraint::Length(SPARK_WIDTH),
-        Constraint::Length(7),
-        Constraint::Length(24),
-        Constraint::Min(8),
-    ];
-    let table = Table::new(rows, widths)
+    let table = Table::new(rows, columns.iter().map(|(_, w)| *w))
         .header(
-            Row::new([
-                "#",
-                "trend",
-                "bytes",
-                "growth",
-                "live bytes",
-                "alloc",
-                "pattern",
-                "top frame",
-            ])
-            .style(Style::new().add_modifier(Modifier::BOLD | Modifier::UNDERLINED)),
+            Row::new(columns.iter().map(|(c, _)| c.title()))
+                .style(Style::new().add_modifier(Modifier::BOLD | Modifier::UNDERLINED)),
         )
         .block(Block::new().borders(Borders::TOP).title(title))
         .row_highlight_style(Style::new().bg(Color::Blue).fg(Color::White))
@@ -407,6 +444,20 @@ mod tests {
         let mut empty = State::default();
         let text = screen(&mut empty, 80, 12);
         assert!(text.contains("no live sites yet"), "{text}");
+    }
+
+    #[test]
+    fn narrow_terminals_drop_the_minor_columns_first() {
+        let names = |w| -> Vec<Column> { columns(w).into_iter().map(|(c, _)| c).collect() };
+        assert_eq!(
+            names(40),
+            vec![Column::Rank, Column::Trend, Column::Bytes, Column::Top]
+        );
+        assert_eq!(names(140).len(), 8);
+        let mut state = state();
+        let text = screen(&mut state, 40, 10);
+        assert!(text.contains("alloc_buffers"), "{text}");
+        assert!(text.contains("growing"), "{text}");
     }
 
     #[test]

@@ -98,6 +98,9 @@ pub struct State {
     pub allocator: Option<String>,
     /// The selected site's id.
     selected: Option<String>,
+    /// The user moved the selection: it stays on that site across
+    /// refreshes; until then it follows the top row.
+    pinned: bool,
     pub paused: bool,
     /// Showing the selected site's stack full-screen, scrolled by this much.
     pub stack_view: Option<usize>,
@@ -116,6 +119,7 @@ impl Default for State {
             sort: SortBy::Suspicion,
             allocator: None,
             selected: None,
+            pinned: false,
             paused: false,
             stack_view: None,
             help: false,
@@ -227,7 +231,9 @@ impl State {
             KeyCode::Home => self.move_to(0),
             KeyCode::End => self.move_to(usize::MAX),
             KeyCode::Enter | KeyCode::Right => {
-                if self.selected().is_some() {
+                if let Some(id) = self.selected().map(|r| r.id.clone()) {
+                    self.selected = Some(id);
+                    self.pinned = true;
                     self.stack_view = Some(0);
                     Action::Redraw
                 } else {
@@ -301,19 +307,26 @@ impl State {
         };
         let id = visible[index.min(last)].id.clone();
         self.selected = Some(id);
+        self.pinned = true;
         Action::Redraw
     }
 
-    /// Keeps the selection on a visible site (the same one when it still is).
+    /// Keeps the selection on a visible site: the same one when the user
+    /// chose it and it still is, else the top row.
     fn keep_selection(&mut self) {
         let visible = self.visible();
-        let still = self
-            .selected
-            .as_ref()
-            .is_some_and(|id| visible.iter().any(|r| &r.id == id));
+        let still = self.pinned
+            && self
+                .selected
+                .as_ref()
+                .is_some_and(|id| visible.iter().any(|r| &r.id == id));
         if !still {
-            self.selected = visible.first().map(|r| r.id.clone());
-            self.stack_view = None;
+            let top = visible.first().map(|r| r.id.clone());
+            if top != self.selected {
+                self.stack_view = None;
+            }
+            self.pinned = false;
+            self.selected = top;
         }
     }
 }
@@ -516,6 +529,20 @@ pub(crate) mod tests {
         assert_eq!(state.selected_index(), Some(2));
         press(&mut state, KeyCode::Home);
         assert_eq!(state.selected_index(), Some(0));
+    }
+
+    #[test]
+    fn until_the_user_moves_the_selection_follows_the_top_row() {
+        let mut state = state();
+        assert_eq!(
+            state.selected().map(|r| r.top.as_str()),
+            Some("alloc_buffers")
+        );
+        let mut report = fixture::report();
+        report.sites.swap(0, 1);
+        state.update(&report);
+        assert_eq!(state.selected_index(), Some(0));
+        assert_eq!(state.selected().map(|r| r.top.as_str()), Some("app+0x100"));
     }
 
     #[test]
