@@ -25,7 +25,7 @@ pub fn draw(frame: &mut Frame<'_>, state: &mut State, message: Option<&str>) {
     if area.width == 0 || area.height == 0 {
         return;
     }
-    let header_lines = header(state);
+    let header_lines = header(state, area.width);
     let header_height = (header_lines.len() as u16).min(area.height);
     let [top, middle, footer] = Layout::vertical([
         Constraint::Length(header_height),
@@ -64,7 +64,11 @@ pub fn draw(frame: &mut Frame<'_>, state: &mut State, message: Option<&str>) {
     }
 }
 
-fn header(state: &State) -> Vec<Line<'static>> {
+/// Below this width the header's first line is split in two, so the
+/// figures are not cut off behind the target's name.
+const NARROW: u16 = 80;
+
+fn header(state: &State, width: u16) -> Vec<Line<'static>> {
     let h = &state.header;
     let bold = Style::new().add_modifier(Modifier::BOLD);
     let mut first = vec![
@@ -144,6 +148,19 @@ fn header(state: &State) -> Vec<Line<'static>> {
             String::new()
         }
     )));
+    if width < NARROW {
+        let figures = first.split_off(2);
+        let mut figures_line: Vec<Span<'static>> = figures;
+        if let Some(lead) = figures_line.first_mut() {
+            lead.content = lead.content.trim_start().to_string().into();
+        }
+        return vec![
+            Line::from(first),
+            Line::from(figures_line),
+            Line::from(second),
+            Line::from(third),
+        ];
+    }
     vec![Line::from(first), Line::from(second), Line::from(third)]
 }
 
@@ -458,6 +475,13 @@ mod tests {
         let text = screen(&mut state, 40, 10);
         assert!(text.contains("alloc_buffers"), "{text}");
         assert!(text.contains("growing"), "{text}");
+        // The figures get a line of their own.
+        assert!(
+            text.lines()
+                .nth(1)
+                .is_some_and(|l| l.starts_with("refresh 1  traced 2.5s")),
+            "{text}"
+        );
     }
 
     #[test]
