@@ -606,6 +606,9 @@ fn live_view_in_tmux_shows_the_leak_its_stack_and_quits_with_the_report() {
     tmux.keys(&["Enter"]);
     tmux.wait_for("the whole stack", |s| s.contains("#2  main"));
     tmux.keys(&["Escape"]);
+    // Ctrl-L repaints the whole screen.
+    tmux.keys(&["C-l"]);
+    tmux.wait_for("the repainted view", |s| s.contains("format_response"));
 
     // Sort and filter keys change the header.
     tmux.keys(&["b"]);

@@ -116,6 +116,16 @@ impl LiveView {
     /// Applies a terminal event.
     pub fn handle(&mut self, event: Event) -> Action {
         match event {
+            // Ctrl-L repaints every cell (after other output tore the screen).
+            Event::Key(key)
+                if key.code == crossterm::event::KeyCode::Char('l')
+                    && key
+                        .modifiers
+                        .contains(crossterm::event::KeyModifiers::CONTROL) =>
+            {
+                let _ = self.terminal.clear();
+                Action::Redraw
+            }
             Event::Key(key) => self.state.key(key),
             Event::Resize(..) => Action::Redraw,
             _ => Action::None,

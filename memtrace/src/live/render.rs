@@ -357,10 +357,11 @@ fn help(frame: &mut Frame<'_>, area: Rect) {
         Line::from("s b g c     sort by suspicion, bytes, growth, count"),
         Line::from("a           next allocator filter (then all)"),
         Line::from("p space     pause the view (tracing goes on)"),
+        Line::from("Ctrl-L      repaint the screen"),
         Line::from("q Ctrl-C    quit: the final report is written"),
     ];
     let width = area.width.min(62);
-    let height = area.height.min(8);
+    let height = area.height.min(9);
     let popup = Rect {
         x: area.x + (area.width - width) / 2,
         y: area.y + (area.height - height) / 2,
