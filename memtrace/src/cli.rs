@@ -89,6 +89,8 @@ pub enum Format {
     Pprof,
     /// Chrome trace-event JSON of live bytes over time (Perfetto, chrome://tracing).
     Timeline,
+    /// One self-contained HTML page: summary, charts, flame graph, sites table.
+    Html,
 }
 
 /// Options of the tracer (the default command).
@@ -105,6 +107,12 @@ pub struct TraceArgs {
     /// Print an interim report every DUR.
     #[arg(short, long, value_parser = parse_duration)]
     pub interval: Option<Duration>,
+
+    /// Full-screen live view of the sites, redrawn every interval (default
+    /// 1s); `q` quits and writes the final report. Needs stdout to be a
+    /// terminal (otherwise tracing runs as without it).
+    #[arg(long)]
+    pub live: bool,
 
     /// Hide allocations younger than DUR from the report.
     #[arg(long, value_parser = parse_duration, default_value = "0s")]

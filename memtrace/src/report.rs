@@ -204,6 +204,10 @@ pub struct Site {
     pub stack_note: Option<String>,
     /// `frames[0]` is the function that called the allocator.
     pub frames: Vec<Frame>,
+    /// `[t_ms, live_bytes]` at each interval snapshot, oldest first (the
+    /// series the trend is judged on; bounded, coarser over long traces).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<(u64, u64)>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -443,6 +447,12 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
                     pids: acc.pids.into_iter().collect(),
                     stack_note,
                     frames,
+                    history: input.history.map_or_else(Vec::new, |h| {
+                        h.series(&(allocator, memory, stack))
+                            .iter()
+                            .map(|&(t_s, bytes)| ((t_s * 1000.0) as u64, bytes as u64))
+                            .collect()
+                    }),
                 }
             },
         )

@@ -13,3 +13,4 @@ mod outputs;
 mod pairs;
 mod reliability;
 mod unwind;
+mod visual;

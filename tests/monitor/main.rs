@@ -513,3 +513,72 @@ fn gpu_sources_from_fixture_roots_and_failing_command() {
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("gpu source error"));
 }
+
+#[test]
+fn html_soak_report_puts_the_gate_first_with_every_curve_and_the_sources() {
+    let dir = TempDir::new("html");
+    let exe = compile(&dir, "leaker", "leaker");
+    let csv = dir.join("leak.csv");
+    let page = dir.join("soak.html");
+    let out = monitor(&[
+        "--interval",
+        "100ms",
+        "--duration",
+        "3s",
+        "--settle",
+        "300ms",
+        "--fail-on",
+        "growth,slow-growth,jump",
+        "--output",
+        csv.to_str().expect("utf8"),
+        "--html",
+        page.to_str().expect("utf8"),
+        "--",
+        exe.to_str().expect("utf8"),
+        "400",
+    ]);
+    assert_eq!(code(&out), 3, "{}", text(&out));
+    let html = std::fs::read_to_string(&page).expect("page written");
+    assert!(html.starts_with("<!DOCTYPE html>"));
+    let gate = html.find("id=\"gate-result\"").expect("gate");
+    let verdicts = html.find("id=\"verdict-table\"").expect("verdicts");
+    let curves = html.find("id=\"curves\"").expect("curves");
+    let sources = html.find("id=\"sources\"").expect("sources");
+    assert!(gate < verdicts && verdicts < curves && curves < sources);
+    assert!(html.contains("FAILED (exit 3"), "{html}");
+    assert!(html.contains("process VmRSS"), "gate names the metric");
+    assert!(html.contains("<td>VmRSS</td>"));
+    assert!(html.contains("procfs"), "sources listed");
+    assert!(html.contains("id=\"segment-table\""));
+    assert!(html.contains("id=\"run-table\""));
+    assert!(html.matches("<figure class=\"panel\">").count() >= 2);
+    assert!(!html.contains("<script"), "no script needed");
+
+    // Offline, from the CSV: the same page, a gate passed this time.
+    let again = dir.join("again.html");
+    let out = monitor(&[
+        "analyze",
+        csv.to_str().expect("utf8"),
+        "--fail-on",
+        "jitter",
+        "--html",
+        again.to_str().expect("utf8"),
+    ]);
+    let html = std::fs::read_to_string(&again).expect("page written");
+    if code(&out) == 0 {
+        assert!(html.contains("PASSED (--fail-on jitter)"), "{html}");
+    } else {
+        assert!(html.contains("FAILED (exit 3, --fail-on jitter)"), "{html}");
+    }
+    assert!(html.contains("<td>VmRSS</td>"));
+
+    // An unwritable page is refused before sampling starts.
+    let out = monitor(&[
+        "analyze",
+        csv.to_str().expect("utf8"),
+        "--html",
+        "/nonexistent-dir/x.html",
+    ]);
+    assert_eq!(code(&out), 1, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot write /nonexistent-dir/x.html"));
+}

@@ -8,6 +8,7 @@
 //! `report` (the printed summary and the `--fail-on` gate).
 
 mod error;
+mod html;
 mod plot;
 mod release;
 mod report;
@@ -51,8 +52,8 @@ device 'used' figures after each run has settled (--settle) are compared with th
 baseline sampled before the first run; more than --release-tolerance above it is
 'not-released'. --cycles N runs the command N times.
 
-Files: --output FILE.csv|FILE.json, --plot FILE.svg|FILE.png.
-Offline: memtrace monitor analyze FILE [--warmup D] [--plot P] [--fail-on ...]
+Files: --output FILE.csv|FILE.json, --plot FILE.svg|FILE.png, --html FILE.html (one page).
+Offline: memtrace monitor analyze FILE [--warmup D] [--plot P] [--html H] [--fail-on ...]
 re-judges and re-plots a saved recording.
 
 Exit codes:
@@ -185,6 +186,12 @@ pub struct JudgeArgs {
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
 
+    /// Write the soak report as one self-contained HTML page to FILE: the
+    /// gate result, the verdicts, every curve with its trend, the segments
+    /// and the sources.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
+
     /// Exit with code 3 when a metric gets one of these labels (comma-separated).
     #[arg(long, value_enum, value_delimiter = ',', value_name = "LABELS")]
     pub fail_on: Vec<Gate>,
@@ -253,6 +260,9 @@ impl JudgeArgs {
                     p.display()
                 )));
             }
+            store::probe_writable(p)?;
+        }
+        if let Some(p) = &self.html {
             store::probe_writable(p)?;
         }
         Ok(())
@@ -450,6 +460,16 @@ fn finish(
         if let Some(note) = plot::plot(path, rec, &verdicts)? {
             eprintln!("memtrace: {note}");
         }
+        eprintln!("memtrace: wrote {}", path.display());
+    }
+    if let Some(path) = &judge.html {
+        let judged = html::Judged {
+            verdicts: &verdicts,
+            release: release.as_ref(),
+            failures: &gate,
+            fail_on: &judge.fail_on,
+        };
+        html::write(path, rec, &judged)?;
         eprintln!("memtrace: wrote {}", path.display());
     }
     Ok(if gate.is_empty() {

@@ -271,6 +271,35 @@ where
     root.present().map_err(|e| e.to_string())
 }
 
+/// Each metric panel as `(title, SVG text)`.
+pub type PanelSvgs = Vec<(String, String)>;
+
+/// One SVG per metric panel, as text (for the HTML page), with a note when
+/// the curves had to be drawn without text.
+pub fn panel_svgs(
+    rec: &Recording,
+    verdicts: &[Verdict],
+) -> Result<(PanelSvgs, Option<String>), String> {
+    let text = font_ready();
+    let mut out = Vec::new();
+    for panel in panels(rec, verdicts) {
+        let mut svg = String::new();
+        {
+            let root = SVGBackend::with_string(&mut svg, (PANEL_W, PANEL_H)).into_drawing_area();
+            root.fill(&WHITE).map_err(|e| e.to_string())?;
+            draw_panel(&root, &panel, text)?;
+            root.present().map_err(|e| e.to_string())?;
+        }
+        out.push((title(&panel), svg));
+    }
+    Ok((
+        out,
+        (!text).then(|| {
+            "no TrueType font found (set MEMTRACE_FONT): curves drawn without axis text".into()
+        }),
+    ))
+}
+
 /// Draws the recording to `path` (`.svg` or `.png`). Returns a note when the
 /// picture had to be drawn without text.
 pub fn plot(

@@ -18,6 +18,16 @@ impl Sink for FlamegraphSink {
         if interim {
             return Ok(());
         }
+        draw(report, None, out)
+    }
+}
+
+/// Draws the flame graph. `embedded` (for the HTML page): a fixed width of
+/// `embedded` pixels instead of a fluid one (the page's frame may not be
+/// laid out yet when the graph's script sizes itself), and frames narrower
+/// than half a pixel left out (inferno's default otherwise: 0.1).
+pub fn draw(report: &Report, embedded: Option<usize>, out: &mut dyn Write) -> std::io::Result<()> {
+    {
         let title = title(report);
         let lines = folded::lines(report);
         let total: u64 = report.sites.iter().map(|s| site_live(report, s).0).sum();
@@ -34,6 +44,10 @@ impl Sink for FlamegraphSink {
         // Colours follow the frame names, so two runs look alike.
         options.hash = true;
         options.deterministic = true;
+        if let Some(width) = embedded {
+            options.image_width = Some(width);
+            options.min_width = 0.5;
+        }
         flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), out)
     }
 }

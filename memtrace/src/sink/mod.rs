@@ -9,6 +9,7 @@
 
 mod flamegraph;
 mod folded;
+pub mod html;
 mod json;
 mod pprof;
 mod text;
@@ -34,6 +35,7 @@ pub fn for_format(format: Format) -> Box<dyn Sink> {
         Format::Flamegraph => Box::new(flamegraph::FlamegraphSink),
         Format::Pprof => Box::new(pprof::PprofSink),
         Format::Timeline => Box::new(timeline::TimelineSink),
+        Format::Html => Box::new(html::HtmlSink),
     }
 }
 
@@ -98,6 +100,22 @@ pub fn frame_name(frame: &Frame) -> String {
     }
 }
 
+/// A leak pattern in a few words (`per-iteration 256 B/5ms`).
+pub fn pattern_label(pattern: &crate::analysis::Pattern) -> String {
+    use crate::analysis::Pattern;
+    match pattern {
+        Pattern::PerIteration {
+            period_ms,
+            bytes_per_period,
+        } => format!(
+            "per-iteration {}/{period_ms:.0}ms",
+            human_bytes(*bytes_per_period)
+        ),
+        Pattern::LargeOnce => "large-once".to_string(),
+        Pattern::SmallAccumulating => "small-accumulating".to_string(),
+    }
+}
+
 /// The file name of a module path (`/usr/lib/libc.so.6` -> `libc.so.6`).
 pub fn module_name(module: &str) -> &str {
     module.rsplit('/').next().unwrap_or(module)
@@ -145,6 +163,7 @@ pub(crate) mod fixture {
             thread_names: vec!["worker".into()],
             stack_note: None,
             frames: Vec::new(),
+            history: vec![(1000, bytes / 2), (2000, bytes)],
         }
     }
 

@@ -189,6 +189,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         discovery.libraries.len()
     );
 
+    let mut live = if args.live {
+        crate::live::LiveView::start(&format!("{} (pid {pid})", target_info.comm))?
+    } else {
+        None
+    };
     let mut ring = register(probes.events.take().context("ring buffer already taken")?)?;
     let mut session = Session {
         args: &args,
@@ -248,7 +253,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let mut snapshot = tokio::time::interval(args.interval.unwrap_or(DEFAULT_HISTORY_EVERY));
     snapshot.reset();
     let mut metrics_tick = tokio::time::interval(METRICS_EVERY);
-    let show_status = std::io::stderr().is_terminal();
+    let show_status = std::io::stderr().is_terminal() && live.is_none();
     let mut status = status::StatusLine::new(show_status);
 
     loop {
@@ -305,10 +310,23 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
             }
             _ = snapshot.tick() => {
                 session.snapshot(&probes);
-                if args.interval.is_some() {
+                if let Some(view) = live.as_mut() {
+                    let mut report = session.report(&probes, &discovery);
+                    report.interim = true;
+                    view.update(&report);
+                    crate::live::redraw(&mut live);
+                } else if args.interval.is_some() {
                     let mut report = session.report(&probes, &discovery);
                     report.interim = true;
                     output.interim(&report)?;
+                }
+            }
+            event = crate::live::next_event(&mut live) => {
+                let action = live.as_mut().map(|view| view.handle(event));
+                match action {
+                    Some(crate::live::Action::Quit) => break,
+                    Some(crate::live::Action::Redraw) => crate::live::redraw(&mut live),
+                    _ => {}
                 }
             }
             _ = metrics_tick.tick(), if metrics.is_some() => {
@@ -359,6 +377,8 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         }
     }
     status.clear();
+    // The terminal is given back before the final report is written.
+    drop(live);
     session.ended = Some((Instant::now(), monotonic_ns()));
     probes.detach();
     session.pipeline.drain(ring.get_mut(), &probes);
