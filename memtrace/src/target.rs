@@ -150,6 +150,13 @@ pub enum ChildEvent {
         child: u32,
         ack: std::sync::mpsc::Sender<()>,
     },
+    /// A process of the command mapped executable code while `ld.so` loads
+    /// its libraries after `exec`; it stays stopped until the sender is
+    /// answered (or dropped), so the unwinder knows the code before it runs.
+    Mapped {
+        pid: u32,
+        ack: std::sync::mpsc::Sender<()>,
+    },
     /// The command itself ended, described the way a shell would.
     Exited(String),
 }
@@ -284,7 +291,8 @@ fn supervise(
     events: &tokio::sync::mpsc::UnboundedSender<ChildEvent>,
 ) {
     let main = pid as libc::pid_t;
-    let mut options = libc::PTRACE_O_TRACEEXIT;
+    let mut options =
+        libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC | libc::PTRACE_O_TRACESYSGOOD;
     if follow {
         options |= libc::PTRACE_O_TRACEFORK | libc::PTRACE_O_TRACEVFORK;
     }
@@ -299,6 +307,7 @@ fn supervise(
     } == 0;
     let _ = seized.send(traced);
     let mut forks = ForkHolds::default();
+    let mut loading = Loading::default();
     let mut alive: std::collections::HashSet<libc::pid_t> = [main].into();
     let mut status = 0;
     while !alive.is_empty() {
@@ -328,7 +337,18 @@ fn supervise(
         let event = (status >> 16) & 0xff;
         let mut request = libc::PTRACE_CONT;
         let mut signal = 0;
-        if event == libc::PTRACE_EVENT_EXIT {
+        if event == libc::PTRACE_EVENT_EXEC {
+            // The new image and ld.so are mapped; ld.so maps the libraries
+            // next: each is reported before the code runs (see `Loading`).
+            loading.start(who);
+        } else if libc::WSTOPSIG(status) == libc::SIGTRAP | 0x80 && event == 0 {
+            if let Some(pid) = loading.syscall_stop(who) {
+                let (ack, answered) = std::sync::mpsc::channel();
+                if events.send(ChildEvent::Mapped { pid, ack }).is_ok() {
+                    let _ = answered.recv_timeout(ANSWER_WITHIN);
+                }
+            }
+        } else if event == libc::PTRACE_EVENT_EXIT {
             let (ack, answered) = std::sync::mpsc::channel();
             if events
                 .send(ChildEvent::Exiting {
@@ -375,7 +395,69 @@ fn supervise(
         } else {
             signal = libc::WSTOPSIG(status);
         }
+        if loading.active(who) && request == libc::PTRACE_CONT {
+            request = libc::PTRACE_SYSCALL;
+        }
         resume(who, request, signal);
+    }
+}
+
+/// Processes between `exec` and the end of `ld.so`'s work, stepped from
+/// system call to system call: each `mmap` of executable code is reported
+/// when it returns (the new library is in `/proc/PID/maps`, none of its code
+/// has run). The stepping ends at glibc's thread set-up (`set_robust_list`,
+/// `rseq`), which ld.so does once every library is mapped, or after a bound
+/// for loaders that never make those calls.
+#[derive(Default)]
+struct Loading {
+    /// pid -> system-call stops so far
+    pids: std::collections::HashMap<libc::pid_t, u32>,
+}
+
+impl Loading {
+    const MAX_STOPS: u32 = 2000;
+
+    fn start(&mut self, pid: libc::pid_t) {
+        self.pids.insert(pid, 0);
+    }
+
+    fn active(&self, pid: libc::pid_t) -> bool {
+        self.pids.contains_key(&pid)
+    }
+
+    /// Handles a system-call stop; returns the pid when it just mapped
+    /// executable code.
+    fn syscall_stop(&mut self, pid: libc::pid_t) -> Option<u32> {
+        let stops = self.pids.get_mut(&pid)?;
+        *stops += 1;
+        let too_many = *stops > Self::MAX_STOPS;
+        let mut regs: libc::user_regs_struct =
+            // SAFETY: an all-zero user_regs_struct is a valid value (plain integers).
+            unsafe { std::mem::zeroed() };
+        // SAFETY: PTRACE_GETREGS on our stopped tracee into a valid struct.
+        let read = unsafe {
+            libc::ptrace(
+                libc::PTRACE_GETREGS,
+                pid,
+                std::ptr::null_mut::<libc::c_void>(),
+                (&mut regs as *mut libc::user_regs_struct).cast::<libc::c_void>(),
+            )
+        } == 0;
+        let nr = regs.orig_rax as i64;
+        // x86_64 enters every system call with rax = -ENOSYS.
+        let entry = regs.rax == (-libc::ENOSYS) as u64;
+        if !read
+            || too_many
+            || (!entry && (nr == libc::SYS_set_robust_list || nr == libc::SYS_rseq))
+        {
+            self.pids.remove(&pid);
+            return None;
+        }
+        let mapped_code = !entry
+            && nr == libc::SYS_mmap
+            && regs.rdx & libc::PROT_EXEC as u64 != 0
+            && (regs.rax as i64) > 0;
+        mapped_code.then_some(pid as u32)
     }
 }
 

@@ -350,6 +350,12 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                     }
                     let _ = ack.send(());
                 }
+                ChildEvent::Mapped { pid: mapped, ack } => {
+                    if let Ok(mappings) = crate::probe::maps::read(mapped) {
+                        probes.update_unwind(mapped, &mappings);
+                    }
+                    let _ = ack.send(());
+                }
                 ChildEvent::Forked { parent, child, ack } => {
                     session.pipeline.drain(ring.get_mut(), &probes);
                     session.adopt_held(child, parent, &mut probes, &mut discovery);
