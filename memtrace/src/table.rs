@@ -6,6 +6,11 @@
 //! Semantics: `realloc(p, n)` releases `p` and creates the new block;
 //! `realloc(NULL, n)` is an allocation; a release of an address the table does
 //! not hold (allocated before attach) is counted in `unmatched_frees`.
+//!
+//! The end of a trace ([`LiveTable::close`]): allocation probes are detached
+//! first while releases are still watched for a moment, so a block made just
+//! before the end and released just after is not reported live. Events after
+//! the end only settle blocks made before it.
 
 use std::collections::BTreeMap;
 
@@ -45,6 +50,8 @@ pub struct LiveTable {
     blocks: BTreeMap<BlockKey, LiveBlock>,
     counts: Counts,
     max_blocks: usize,
+    /// When the trace ended (monotonic ns), once [`LiveTable::close`] is called.
+    ended_ns: Option<u64>,
 }
 
 impl LiveTable {
@@ -53,17 +60,30 @@ impl LiveTable {
             blocks: BTreeMap::new(),
             counts: Counts::default(),
             max_blocks,
+            ended_ns: None,
         }
+    }
+
+    /// Marks the end of the trace at `ts_ns` (monotonic, the events' clock).
+    /// Later events only settle the blocks made before it: a release of an
+    /// address the table does not hold is not an unmatched free (its
+    /// allocation came after the end, unwatched), and a reallocation of such
+    /// an address (or of NULL) creates no block. A reallocation of a block
+    /// the table holds still moves it: the block was live at the end.
+    pub fn close(&mut self, ts_ns: u64) {
+        self.ended_ns.get_or_insert(ts_ns);
     }
 
     /// Applies one event; `domain` maps the event's spec to its address domain.
     pub fn apply(&mut self, event: &Event, domain: Domain) {
+        let after_end = self.ended_ns.is_some_and(|end| event.ts_ns > end);
         match event.action {
             Action::Alloc { addr, size, stack } => {
+                // After the end only calls entered before it return.
                 self.counts.allocs += 1;
                 self.insert((event.pid, domain, addr), size, event, stack);
             }
-            Action::Free { addr } => self.release((event.pid, domain, addr)),
+            Action::Free { addr } => self.release((event.pid, domain, addr), after_end),
             Action::Realloc {
                 old,
                 new,
@@ -71,8 +91,12 @@ impl LiveTable {
                 stack,
                 track_new,
             } => {
+                let held = old != 0 && self.blocks.contains_key(&(event.pid, domain, old));
                 if old != 0 {
-                    self.release((event.pid, domain, old));
+                    self.release((event.pid, domain, old), after_end);
+                }
+                if after_end && !held {
+                    return;
                 }
                 if track_new {
                     self.counts.allocs += 1;
@@ -103,10 +127,11 @@ impl LiveTable {
         self.blocks.insert(key, block);
     }
 
-    fn release(&mut self, key: BlockKey) {
+    /// Releases a block; `after_end`: the event came after [`LiveTable::close`].
+    fn release(&mut self, key: BlockKey, after_end: bool) {
         if self.blocks.remove(&key).is_some() {
             self.counts.frees += 1;
-        } else {
+        } else if !after_end {
             self.counts.unmatched_frees += 1;
         }
     }
@@ -259,6 +284,37 @@ mod tests {
         );
         assert_eq!(table.counts().failed.get(&(0, 2)), Some(&2));
         assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn after_the_end_only_blocks_made_before_are_settled() {
+        let at = |ts_ns: u64, event: Event| Event { ts_ns, ..event };
+        let mut table = LiveTable::new(100);
+        table.apply(&at(10, alloc(0x10, 8)), Domain::Heap);
+        table.apply(&at(10, alloc(0x20, 8)), Domain::Heap);
+        table.close(20);
+        // A call entered before the end returns after it: tracked.
+        table.apply(&at(21, alloc(0x30, 8)), Domain::Heap);
+        // Released after the end: not live at the report.
+        table.apply(&at(22, event(Action::Free { addr: 0x10 })), Domain::Heap);
+        // A block live at the end moved by realloc stays live.
+        table.apply(&at(23, realloc(0x20, 0x40, 16)), Domain::Heap);
+        // Made after the end (its malloc unwatched): neither its realloc nor
+        // its free count, and nothing is created.
+        table.apply(&at(24, realloc(0x50, 0x60, 32)), Domain::Heap);
+        table.apply(&at(25, realloc(0, 0x70, 32)), Domain::Heap);
+        table.apply(&at(26, event(Action::Free { addr: 0x60 })), Domain::Heap);
+        let live: Vec<(u64, u64)> = table.blocks().map(|(_, _, a, b)| (a, b.size)).collect();
+        assert_eq!(live, vec![(0x30, 8), (0x40, 16)]);
+        assert_eq!(table.counts().unmatched_frees, 0);
+        assert_eq!(table.counts().frees, 2);
+        // Events stamped before the end still count as usual.
+        table.apply(&at(19, event(Action::Free { addr: 0x99 })), Domain::Heap);
+        assert_eq!(table.counts().unmatched_frees, 1);
+        // Closing twice keeps the first end.
+        table.close(1000);
+        table.apply(&at(30, event(Action::Free { addr: 0x98 })), Domain::Heap);
+        assert_eq!(table.counts().unmatched_frees, 1);
     }
 
     #[test]

@@ -68,6 +68,11 @@ impl Pipeline {
         }
     }
 
+    /// Marks the end of the trace (see [`LiveTable::close`]).
+    pub fn close(&mut self, ended_ns: u64) {
+        self.table.close(ended_ns);
+    }
+
     pub fn table(&self) -> &LiveTable {
         &self.table
     }
