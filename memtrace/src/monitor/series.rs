@@ -47,6 +47,8 @@ pub enum Unit {
     Bytes,
     /// A count (file descriptors, threads).
     Count,
+    /// A percentage (a utilisation).
+    Percent,
 }
 
 impl Unit {
@@ -55,6 +57,7 @@ impl Unit {
         match self {
             Unit::Bytes => "bytes",
             Unit::Count => "count",
+            Unit::Percent => "percent",
         }
     }
 
@@ -63,6 +66,7 @@ impl Unit {
         match text {
             "bytes" => Some(Unit::Bytes),
             "count" => Some(Unit::Count),
+            "percent" => Some(Unit::Percent),
             _ => None,
         }
     }
