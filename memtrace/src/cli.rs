@@ -181,8 +181,8 @@ pub struct TraceArgs {
     #[arg(long)]
     pub follow_forks: bool,
 
-    /// With --follow-forks: most processes traced at once (the target
-    /// included); further children are counted and named in a note.
+    /// With --follow-forks or --name: most processes traced at once (the
+    /// target included); further ones are counted and named in a note.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_processes: u32,
 

@@ -107,9 +107,16 @@ impl Family {
         self
     }
 
-    /// Every process traced, running or not (`--name` looks past them).
-    pub fn members(&self) -> std::collections::BTreeSet<u32> {
-        self.members.keys().copied().collect()
+    /// Every process seen so far: traced (running or not), or left out
+    /// (cap, failure, gone); `--name` looks past them.
+    pub fn known(&self) -> BTreeSet<u32> {
+        self.members
+            .keys()
+            .chain(&self.over_cap)
+            .chain(self.failed.keys())
+            .chain(&self.gone_early)
+            .copied()
+            .collect()
     }
 
     /// Traced processes still running.

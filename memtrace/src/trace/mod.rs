@@ -307,7 +307,8 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 session.follow_execs();
                 rescans += 1;
                 for gone in session.family.reap(&mut probes, &mut session.pipeline) {
-                    eprintln!("memtrace: child pid {gone} exited; its probes are detached");
+                    let who = if args.name.is_some() { "pid" } else { "child pid" };
+                    eprintln!("memtrace: {who} {gone} exited; its probes are detached");
                 }
                 if rescans.is_multiple_of(CHILDREN_EVERY_RESCANS) {
                     for parent in session.family.running().collect::<Vec<_>>() {
@@ -334,7 +335,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
             }
             _ = name_tick.tick(), if names.is_some() => {
                 if let Some(watch) = names.as_mut() {
-                    for found in watch.find(&session.family.members()) {
+                    for found in watch.find(&session.family.known()) {
                         session.adopt_named(found, true, &mut probes, &mut discovery);
                     }
                 }
