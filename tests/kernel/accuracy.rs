@@ -172,7 +172,7 @@ fn by_name_traces_every_process_with_the_name() {
     assert!(
         report["notes"].as_array().into_iter().flatten().any(|n| n
             .as_str()
-            .is_some_and(|n| n.starts_with("traced 2 process(es) named"))),
+            .is_some_and(|n| n.starts_with("traced 2 processes named"))),
         "{}",
         report["notes"]
     );

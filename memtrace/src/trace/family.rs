@@ -408,11 +408,13 @@ impl Family {
                 .map(|m| &m.info)
                 .filter(|info| info.by_name)
                 .collect();
-            notes.push(format!(
-                "traced {} process(es) named {name} (pids {}), each with probes of its own",
-                named.len(),
-                list(&mut named.iter().map(|p| p.pid))
-            ));
+            if named.len() > 1 {
+                notes.push(format!(
+                    "traced {} processes named {name} (pids {}), each with probes of its own",
+                    named.len(),
+                    list(&mut named.iter().map(|p| p.pid))
+                ));
+            }
             let late: Vec<&&ProcessInfo> =
                 named.iter().filter(|p| p.started_during_trace).collect();
             if !late.is_empty() {
