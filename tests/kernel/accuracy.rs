@@ -46,6 +46,10 @@ fn balanced_sites_hold_nothing_at_the_end_of_short_traces() {
     let churn = Fixture::start("balanced_loop", &["600", "600", "600", "0"]);
     let pid = churn.pid.to_string();
     const RUNS: usize = 12;
+    let dir = std::env::temp_dir().join(format!("memtrace-balanced-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let record = dir.join("trace.jsonl");
+    let record = path_str(&record);
     let mut left = Vec::new();
     let mut traced = 0;
     for run in 0..RUNS {
@@ -58,6 +62,8 @@ fn balanced_sites_hold_nothing_at_the_end_of_short_traces() {
             "json",
             "--top",
             "500",
+            "--record",
+            record,
         ]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "run {run}: {stderr}");
@@ -72,7 +78,19 @@ fn balanced_sites_hold_nothing_at_the_end_of_short_traces() {
         for (symbol, live) in churn_sites(&report) {
             left.push(format!("run {run}: {symbol} {live} live"));
         }
+        // The recording replays to the same end.
+        let out = memtrace(&["report", record, "--format", "json", "--top", "500"]);
+        assert!(out.status.success(), "run {run}: replay failed");
+        let replayed: Value = serde_json::from_slice(&out.stdout).expect("replay JSON");
+        for (symbol, live) in churn_sites(&replayed) {
+            left.push(format!("run {run}, replayed: {symbol} {live} live"));
+        }
+        assert_eq!(
+            replayed["events"]["unmatched_frees"], report["events"]["unmatched_frees"],
+            "run {run}"
+        );
     }
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(traced > 0, "no run saw the loop's allocations and frees");
     assert!(
         left.is_empty(),
