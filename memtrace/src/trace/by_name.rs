@@ -46,13 +46,15 @@ impl NameWatch {
             if pid == self.own || known.contains(&pid) {
                 continue;
             }
-            let (comm, argv0) = procfs::process_names(proc_root, pid);
-            let Some(comm) = comm else {
+            // One read per process and poll in the steady state: the comm.
+            let Ok(comm) = std::fs::read_to_string(format!("/proc/{pid}/comm")) else {
                 continue;
             };
+            let comm = comm.trim_end_matches('\n').to_string();
             if self.rejected.get(&pid) == Some(&comm) {
                 continue;
             }
+            let (_, argv0) = procfs::process_names(proc_root, pid);
             let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
             let exe_name = exe
                 .as_deref()

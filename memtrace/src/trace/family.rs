@@ -245,8 +245,10 @@ impl Family {
         if self.members.contains_key(&pid) {
             return Adoption::Known;
         }
-        // A process of the name forked by a traced one is still its child.
+        // A process of the name forked by a traced one is still its child,
+        // and traced for its name even without --follow-forks.
         let parent = target::parent(pid).filter(|ppid| self.members.contains_key(ppid));
+        self.not_followed.remove(&pid);
         let started = target::start_time(pid);
         self.attach(pid, parent, tools, |_| ProcessInfo {
             attach_delay_ms: if late {
