@@ -6,11 +6,6 @@
 //! Semantics: `realloc(p, n)` releases `p` and creates the new block;
 //! `realloc(NULL, n)` is an allocation; a release of an address the table does
 //! not hold (allocated before attach) is counted in `unmatched_frees`.
-//!
-//! The end of a trace ([`LiveTable::close`]): allocation probes are detached
-//! first while releases are still watched for a moment, so a block made just
-//! before the end and released just after is not reported live. Events after
-//! the end only settle blocks made before it.
 
 use std::collections::BTreeMap;
 
@@ -47,43 +42,62 @@ pub struct Counts {
 /// memory per live block; lookups cost a few hundred nanoseconds at most,
 /// noise next to a uprobe hit.
 pub struct LiveTable {
+    /// When the trace ended (monotonic ns), once [`LiveTable::close`] is called.
+    ended_ns: Option<u64>,
     blocks: BTreeMap<BlockKey, LiveBlock>,
     counts: Counts,
     max_blocks: usize,
-    /// When the trace ended (monotonic ns), once [`LiveTable::close`] is called.
-    ended_ns: Option<u64>,
 }
 
 impl LiveTable {
     pub fn new(max_blocks: usize) -> Self {
         LiveTable {
+            ended_ns: None,
             blocks: BTreeMap::new(),
             counts: Counts::default(),
             max_blocks,
-            ended_ns: None,
         }
     }
 
     /// Marks the end of the trace at `ts_ns` (monotonic, the events' clock).
-    /// Later events only settle the blocks made before it: a release of an
-    /// address the table does not hold is not an unmatched free (its
-    /// allocation came after the end, unwatched), and a reallocation of such
-    /// an address (or of NULL) creates no block. A reallocation of a block
-    /// the table holds still moves it: the block was live at the end.
+    /// At the end allocation probes are detached first while releases are
+    /// still watched for a moment, so a block made just before the end and
+    /// released just after is not reported live. Events after the end only
+    /// settle the blocks made before it: a release of an address the table
+    /// does not hold is not an unmatched free (its allocation came after the
+    /// end, unwatched), and a reallocation of such an address (or of NULL)
+    /// creates no block. A reallocation of a block the table holds still
+    /// moves it: the block was live at the end. Calls entered before the end
+    /// that return after it are tracked.
     pub fn close(&mut self, ts_ns: u64) {
         self.ended_ns.get_or_insert(ts_ns);
     }
 
+    /// Whether `event` came after [`LiveTable::close`] and concerns no block
+    /// made before the end.
+    fn after_the_end(&self, event: &Event, domain: Domain) -> bool {
+        if self.ended_ns.is_none_or(|end| event.ts_ns <= end) {
+            return false;
+        }
+        let unknown = |addr: u64| !self.blocks.contains_key(&(event.pid, domain, addr));
+        match event.action {
+            Action::Free { addr } => unknown(addr),
+            Action::Realloc { old, .. } => old == 0 || unknown(old),
+            _ => false,
+        }
+    }
+
     /// Applies one event; `domain` maps the event's spec to its address domain.
     pub fn apply(&mut self, event: &Event, domain: Domain) {
-        let after_end = self.ended_ns.is_some_and(|end| event.ts_ns > end);
+        if self.after_the_end(event, domain) {
+            return;
+        }
         match event.action {
             Action::Alloc { addr, size, stack } => {
-                // After the end only calls entered before it return.
                 self.counts.allocs += 1;
                 self.insert((event.pid, domain, addr), size, event, stack);
             }
-            Action::Free { addr } => self.release((event.pid, domain, addr), after_end),
+            Action::Free { addr } => self.release((event.pid, domain, addr)),
             Action::Realloc {
                 old,
                 new,
@@ -91,12 +105,8 @@ impl LiveTable {
                 stack,
                 track_new,
             } => {
-                let held = old != 0 && self.blocks.contains_key(&(event.pid, domain, old));
                 if old != 0 {
-                    self.release((event.pid, domain, old), after_end);
-                }
-                if after_end && !held {
-                    return;
+                    self.release((event.pid, domain, old));
                 }
                 if track_new {
                     self.counts.allocs += 1;
@@ -127,11 +137,10 @@ impl LiveTable {
         self.blocks.insert(key, block);
     }
 
-    /// Releases a block; `after_end`: the event came after [`LiveTable::close`].
-    fn release(&mut self, key: BlockKey, after_end: bool) {
+    fn release(&mut self, key: BlockKey) {
         if self.blocks.remove(&key).is_some() {
             self.counts.frees += 1;
-        } else if !after_end {
+        } else {
             self.counts.unmatched_frees += 1;
         }
     }

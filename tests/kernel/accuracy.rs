@@ -161,14 +161,24 @@ fn by_name_traces_every_process_with_the_name() {
     let copy = NamedCopy::new("twins");
     let mut first = copy.start();
     let mut second = copy.start();
-    let tracer = Tracer::attach(&["--name", &copy.name, "--format", "json", "--top", "500"]);
+    let mut tracer = Tracer::attach(&["--name", &copy.name, "--format", "json", "--top", "500"]);
+    // The lower pid is the target; the other is traced beside it.
+    let (target, other) = if first.pid < second.pid {
+        (first.pid, second.pid)
+    } else {
+        (second.pid, first.pid)
+    };
     assert!(
         tracer
             .stderr_text
-            .contains(&format!("tracing 2 processes named {}", copy.name)),
+            .contains(&format!("tracing pid {target} ({})", copy.name)),
         "{}",
         tracer.stderr_text
     );
+    tracer.wait_for_stderr(&format!(
+        "tracing pid {other} ({}) too: it has the name {}\n",
+        copy.name, copy.name
+    ));
     first.go();
     second.go();
     tracer.signal(libc::SIGINT);

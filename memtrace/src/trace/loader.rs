@@ -16,7 +16,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, StackTraceMap};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{RawTracePoint, UProbe};
 use aya::{Ebpf, EbpfLoader};
-use memtrace_common::{Counter, ProbeSpec, SpecKind, MAX_SPECS};
+use memtrace_common::{Counter, ProbeSpec, MAX_SPECS};
 
 use crate::error::Failure;
 use crate::probe::plan::LibraryPlan;
@@ -80,7 +80,8 @@ impl DetachStage {
         DetachStage::Releases,
     ];
 
-    pub fn of(kind: SpecKind) -> DetachStage {
+    pub fn of(kind: memtrace_common::SpecKind) -> DetachStage {
+        use memtrace_common::SpecKind;
         match kind {
             SpecKind::Alloc => DetachStage::Allocations,
             SpecKind::Realloc => DetachStage::Reallocations,

@@ -199,6 +199,13 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     // produce a report.
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
+    let probed: usize = discovery.libraries.iter().map(|l| l.functions.len()).sum();
+    eprintln!(
+        "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
+        target_info.comm,
+        discovery.libraries.len()
+    );
+
     let mut ring = register(probes.events.take().context("ring buffer already taken")?)?;
     let mut session = Session {
         args: &args,
@@ -228,27 +235,9 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         memory_last: read_memory(pid),
         notes: Vec::new(),
     };
-    // The other processes of the name, before the announcement: they are
-    // traced when it is made.
+    // The other processes of the name.
     for peer in peers {
         session.adopt_named(peer, false, &mut probes, &mut discovery);
-    }
-    let probed: usize = discovery.libraries.iter().map(|l| l.functions.len()).sum();
-    match &args.name {
-        Some(name) if session.family.running().count() > 1 => {
-            let pids: Vec<String> = session.family.running().map(|p| p.to_string()).collect();
-            eprintln!(
-                "memtrace: tracing {} processes named {name} (pids {}): {probed} functions in {} objects; Ctrl-C to stop",
-                pids.len(),
-                pids.join(", "),
-                discovery.libraries.len()
-            );
-        }
-        _ => eprintln!(
-            "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
-            target_info.comm,
-            discovery.libraries.len()
-        ),
     }
     // Children the target already has.
     session.look_at_children(pid, None, &mut probes, &mut discovery);
@@ -401,8 +390,8 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         }
     }
     status.clear();
-    let ended_ns = monotonic_ns();
-    session.ended = Some((Instant::now(), ended_ns));
+    session.ended = Some((Instant::now(), monotonic_ns()));
+    let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
     session.pipeline.close(ended_ns);
     let watched = session.family.running().next().is_some();
     for stage in DetachStage::ORDER {
@@ -606,11 +595,18 @@ impl Session<'_> {
         });
         let name = self.args.name.as_deref().unwrap_or_default();
         match adoption {
-            Adoption::Followed if late => {
+            Adoption::Followed => {
                 let comm = target::inspect(pid).map(|t| t.comm).unwrap_or_default();
-                eprintln!("memtrace: tracing pid {pid} ({comm}) too: it has the name {name} and started during the trace");
+                let since = if late {
+                    " and started during the trace"
+                } else {
+                    ""
+                };
+                eprintln!(
+                    "memtrace: tracing pid {pid} ({comm}) too: it has the name {name}{since}"
+                );
             }
-            Adoption::Followed | Adoption::Known => {}
+            Adoption::Known => {}
             other => eprintln!("memtrace: pid {pid} named {name}: {other}"),
         }
     }
