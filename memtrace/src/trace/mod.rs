@@ -235,13 +235,13 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         memory_last: read_memory(pid),
         notes: Vec::new(),
     };
+    // Children the target already has.
+    session.look_at_children(pid, None, &mut probes, &mut discovery);
+    session.family.reset_seen();
     // The other processes of the name.
     for peer in peers {
         session.adopt_named(peer, false, &mut probes, &mut discovery);
     }
-    // Children the target already has.
-    session.look_at_children(pid, None, &mut probes, &mut discovery);
-    session.family.reset_seen();
     if let Some(path) = &args.record {
         session.pipeline.recorder = Some(crate::record::Recorder::create(
             path,
@@ -266,11 +266,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
     let mut rescan = tokio::time::interval(RESCAN_EVERY);
     let mut rescans: u64 = 0;
+    let mut name_tick = tokio::time::interval(NAME_POLL_EVERY);
     let mut status_tick = tokio::time::interval(Duration::from_secs(1));
     let mut snapshot = tokio::time::interval(args.interval.unwrap_or(DEFAULT_HISTORY_EVERY));
     snapshot.reset();
     let mut metrics_tick = tokio::time::interval(METRICS_EVERY);
-    let mut name_tick = tokio::time::interval(NAME_POLL_EVERY);
     let show_status = std::io::stderr().is_terminal();
     let mut status = status::StatusLine::new(show_status);
 
