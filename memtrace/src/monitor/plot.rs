@@ -16,7 +16,7 @@ use plotters::prelude::*;
 
 use crate::monitor::error::MonitorError;
 use crate::monitor::series::{Family, Recording, Series, Unit};
-use crate::monitor::units::{format_rate, plot_scale};
+use crate::monitor::units::format_rate;
 use crate::monitor::verdict::Verdict;
 
 const PANEL_W: u32 = 520;
@@ -166,7 +166,7 @@ fn title(p: &Panel) -> String {
         "{}: {} ({}) - {}",
         p.family.as_str(),
         p.metric,
-        plot_scale(p.unit).1,
+        p.unit.plot_scale().1,
         verdicts.join(", ")
     )
 }
@@ -179,7 +179,7 @@ fn draw_panel<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let (scale, unit_label) = plot_scale(panel.unit);
+    let (scale, unit_label) = panel.unit.plot_scale();
     let mut x_max: f64 = 0.0;
     let mut x_min = f64::INFINITY;
     let mut y_min = f64::INFINITY;

@@ -61,6 +61,17 @@ impl Unit {
         }
     }
 
+    /// How a plot shows values of this unit: what each value is divided by,
+    /// and the label of the axis (bytes in MiB, counts as they are,
+    /// percentages in %).
+    pub fn plot_scale(self) -> (f64, &'static str) {
+        match self {
+            Unit::Bytes => (1024.0 * 1024.0, "MiB"),
+            Unit::Count => (1.0, "count"),
+            Unit::Percent => (1.0, "%"),
+        }
+    }
+
     /// Inverse of [`Unit::as_str`].
     pub fn parse(text: &str) -> Option<Unit> {
         match text {
@@ -328,6 +339,16 @@ impl Recording {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_unit_has_its_own_plot_label() {
+        assert_eq!(Unit::Bytes.plot_scale(), (1048576.0, "MiB"));
+        assert_eq!(Unit::Count.plot_scale(), (1.0, "count"));
+        assert_eq!(Unit::Percent.plot_scale(), (1.0, "%"));
+        for unit in [Unit::Bytes, Unit::Count, Unit::Percent] {
+            assert_eq!(Unit::parse(unit.as_str()), Some(unit));
+        }
+    }
 
     #[test]
     fn missing_metrics_become_one_gap() {

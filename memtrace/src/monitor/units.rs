@@ -1,8 +1,5 @@
 //! Byte sizes and rates: parsing (`10MiB`, `512k`, `1.5G`) and human
-//! formatting (`1.2MiB`, `+42.0MiB/h`). Sizes use binary multiples. Also how
-//! a plot shows each unit of measure ([`plot_scale`]).
-
-use crate::monitor::series::Unit;
+//! formatting (`1.2MiB`, `+42.0MiB/h`). Sizes use binary multiples.
 
 /// Parses a size such as `4096`, `64k`, `10MiB`, `1.5GB` into bytes.
 ///
@@ -66,16 +63,6 @@ pub fn format_value(value: f64, bytes: bool) -> String {
     }
 }
 
-/// How a plot shows values of `unit`: what each value is divided by, and the
-/// label of the axis (bytes in MiB, counts as they are, percentages in %).
-pub fn plot_scale(unit: Unit) -> (f64, &'static str) {
-    match unit {
-        Unit::Bytes => (1024.0 * 1024.0, "MiB"),
-        Unit::Count => (1.0, "count"),
-        Unit::Percent => (1.0, "%"),
-    }
-}
-
 /// Formats a signed rate per hour (`+1.0MiB/h`, `-3/h`).
 pub fn format_rate(per_hour: f64, bytes: bool) -> String {
     let sign = if per_hour > 0.0 { "+" } else { "" };
@@ -103,15 +90,5 @@ mod tests {
         assert_eq!(format_bytes(-2.0 * 1048576.0), "-2.0MiB");
         assert_eq!(format_rate(1048576.0, true), "+1.0MiB/h");
         assert_eq!(format_rate(-3.0, false), "-3/h");
-    }
-
-    #[test]
-    fn each_unit_has_its_own_plot_label() {
-        assert_eq!(plot_scale(Unit::Bytes), (1048576.0, "MiB"));
-        assert_eq!(plot_scale(Unit::Count), (1.0, "count"));
-        assert_eq!(plot_scale(Unit::Percent), (1.0, "%"));
-        for unit in [Unit::Bytes, Unit::Count, Unit::Percent] {
-            assert_eq!(Unit::parse(unit.as_str()), Some(unit));
-        }
     }
 }
