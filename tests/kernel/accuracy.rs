@@ -99,8 +99,8 @@ fn balanced_sites_hold_nothing_at_the_end_of_short_traces() {
     );
 }
 
-/// A copy of `balanced_loop` under a name no other test (or other checkout
-/// running the suite) uses, so `--name` sees only this test's processes.
+/// `balanced_loop` under a name no other test (or other checkout running
+/// the suite) uses, so `--name` sees only this test's processes.
 struct NamedCopy {
     dir: PathBuf,
     path: PathBuf,
@@ -112,10 +112,15 @@ impl NamedCopy {
         // comm keeps 15 bytes: the tag and the pid fit.
         let name = format!("{tag}{}", std::process::id());
         assert!(name.len() <= 15, "{name}");
-        let dir = std::env::temp_dir().join(format!("memtrace-{name}"));
-        std::fs::create_dir_all(&dir).expect("temp dir");
+        let original = fixture("balanced_loop");
+        let dir = original.with_file_name(format!("named-{name}"));
+        std::fs::create_dir_all(&dir).expect("fixture dir");
         let path = dir.join(&name);
-        std::fs::copy(fixture("balanced_loop"), &path).expect("copy the fixture");
+        let _ = std::fs::remove_file(&path);
+        // A hard link, not a copy: a file just written may still be open
+        // for writing in a process another test thread is forking, and
+        // executing it would then fail with ETXTBSY.
+        std::fs::hard_link(&original, &path).expect("link the fixture");
         NamedCopy { dir, path, name }
     }
 
