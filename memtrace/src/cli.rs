@@ -100,6 +100,11 @@ pub struct TraceArgs {
     #[arg(short, long, conflicts_with = "command")]
     pub pid: Option<u32>,
 
+    /// Trace every process with this exact name (comm, argv0 or executable
+    /// basename), each with probes of its own, and those that start later.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["pid", "command"])]
+    pub name: Option<String>,
+
     /// Stop after this long (e.g. 5s, 2m); default: until Ctrl-C or the target exits.
     #[arg(short, long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
@@ -216,8 +221,8 @@ pub struct TraceArgs {
     #[arg(long)]
     pub follow_forks: bool,
 
-    /// With --follow-forks: most processes traced at once (the target
-    /// included); further children are counted and named in a note.
+    /// With --follow-forks or --name: most processes traced at once (the
+    /// target included); further ones are counted and named in a note.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_processes: u32,
 
@@ -287,5 +292,13 @@ mod tests {
         let parsed =
             Cli::try_parse_from(["memtrace", "--", "ls", "-l"]).expect("launch form parses");
         assert_eq!(parsed.trace.command, vec!["ls", "-l"]);
+    }
+
+    #[test]
+    fn name_excludes_pid_and_command() {
+        assert!(Cli::try_parse_from(["memtrace", "--name", "x", "--pid", "1"]).is_err());
+        assert!(Cli::try_parse_from(["memtrace", "--name", "x", "--", "ls"]).is_err());
+        let parsed = Cli::try_parse_from(["memtrace", "--name", "redis-server"]).expect("parses");
+        assert_eq!(parsed.trace.name.as_deref(), Some("redis-server"));
     }
 }

@@ -144,6 +144,11 @@ impl Recorder {
         self.line(&Line::Snapshot { t_s });
     }
 
+    /// The trace ended at `ended_ns` (see `LiveTable::close`).
+    pub fn end(&mut self, ended_ns: u64) {
+        self.line(&Line::End { ended_ns });
+    }
+
     /// Writes the footer from the final report and flushes.
     pub fn finish(
         mut self,
@@ -271,6 +276,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 table.apply(&event, domain);
             }
             Item::Snapshot { t_s } => history.record(&table, &specs, &stacks, t_s),
+            Item::End { ended_ns } => table.close(ended_ns),
             Item::Footer(read) => footer = Some(read),
         }
     }

@@ -81,9 +81,16 @@ pub struct ProcessInfo {
     pub exe: String,
     /// Milliseconds after tracing started when its probes were in place.
     pub traced_from_ms: u64,
-    /// Milliseconds between the kernel reporting its fork and its probes
-    /// being in place: its allocations in that window were not seen.
+    /// Milliseconds between the kernel reporting its fork (for a process
+    /// found by `--name` during the trace: its start) and its probes being in
+    /// place: its allocations in that window were not seen.
     pub attach_delay_ms: Option<u64>,
+    /// Traced because it has the `--name` (not as a child).
+    #[serde(default)]
+    pub by_name: bool,
+    /// Found by `--name` after tracing started (it started later).
+    #[serde(default)]
+    pub started_during_trace: bool,
     /// Launch mode held it before its first instruction until its probes
     /// were in place: nothing of it was missed.
     pub held_at_birth: bool,
@@ -387,7 +394,13 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         .map(|(key, acc)| {
             let series = input.history.map_or(&[][..], |h| h.series(&key));
             let verdict = classify_trend(series, 0);
-            let pattern = classify(&acc.blocks, verdict.trend, trace_s);
+            let process_bytes: u64 = acc
+                .pids
+                .iter()
+                .filter_map(|pid| per_process.get(pid))
+                .map(|held| held.0)
+                .sum();
+            let pattern = classify(&acc.blocks, verdict.trend, trace_s, process_bytes);
             let internal = allocated_inside_allocator(key.2, input.stacks, &acc.modules, &programs);
             (key, acc, verdict, pattern, internal)
         })

@@ -42,6 +42,8 @@ pub struct Counts {
 /// memory per live block; lookups cost a few hundred nanoseconds at most,
 /// noise next to a uprobe hit.
 pub struct LiveTable {
+    /// When the trace ended (monotonic ns), once [`LiveTable::close`] is called.
+    ended_ns: Option<u64>,
     blocks: BTreeMap<BlockKey, LiveBlock>,
     counts: Counts,
     max_blocks: usize,
@@ -50,14 +52,46 @@ pub struct LiveTable {
 impl LiveTable {
     pub fn new(max_blocks: usize) -> Self {
         LiveTable {
+            ended_ns: None,
             blocks: BTreeMap::new(),
             counts: Counts::default(),
             max_blocks,
         }
     }
 
+    /// Marks the end of the trace at `ts_ns` (monotonic, the events' clock).
+    /// At the end allocation probes are detached first while releases are
+    /// still watched for a moment, so a block made just before the end and
+    /// released just after is not reported live. Events after the end only
+    /// settle the blocks made before it: a release of an address the table
+    /// does not hold is not an unmatched free (its allocation came after the
+    /// end, unwatched), and a reallocation of such an address (or of NULL)
+    /// creates no block. A reallocation of a block the table holds still
+    /// moves it: the block was live at the end. Calls entered before the end
+    /// that return after it are tracked.
+    pub fn close(&mut self, ts_ns: u64) {
+        self.ended_ns.get_or_insert(ts_ns);
+    }
+
+    /// Whether `event` came after [`LiveTable::close`] and concerns no block
+    /// made before the end.
+    fn after_the_end(&self, event: &Event, domain: Domain) -> bool {
+        if self.ended_ns.is_none_or(|end| event.ts_ns <= end) {
+            return false;
+        }
+        let unknown = |addr: u64| !self.blocks.contains_key(&(event.pid, domain, addr));
+        match event.action {
+            Action::Free { addr } => unknown(addr),
+            Action::Realloc { old, .. } => old == 0 || unknown(old),
+            _ => false,
+        }
+    }
+
     /// Applies one event; `domain` maps the event's spec to its address domain.
     pub fn apply(&mut self, event: &Event, domain: Domain) {
+        if self.after_the_end(event, domain) {
+            return;
+        }
         match event.action {
             Action::Alloc { addr, size, stack } => {
                 self.counts.allocs += 1;
@@ -259,6 +293,37 @@ mod tests {
         );
         assert_eq!(table.counts().failed.get(&(0, 2)), Some(&2));
         assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn after_the_end_only_blocks_made_before_are_settled() {
+        let at = |ts_ns: u64, event: Event| Event { ts_ns, ..event };
+        let mut table = LiveTable::new(100);
+        table.apply(&at(10, alloc(0x10, 8)), Domain::Heap);
+        table.apply(&at(10, alloc(0x20, 8)), Domain::Heap);
+        table.close(20);
+        // A call entered before the end returns after it: tracked.
+        table.apply(&at(21, alloc(0x30, 8)), Domain::Heap);
+        // Released after the end: not live at the report.
+        table.apply(&at(22, event(Action::Free { addr: 0x10 })), Domain::Heap);
+        // A block live at the end moved by realloc stays live.
+        table.apply(&at(23, realloc(0x20, 0x40, 16)), Domain::Heap);
+        // Made after the end (its malloc unwatched): neither its realloc nor
+        // its free count, and nothing is created.
+        table.apply(&at(24, realloc(0x50, 0x60, 32)), Domain::Heap);
+        table.apply(&at(25, realloc(0, 0x70, 32)), Domain::Heap);
+        table.apply(&at(26, event(Action::Free { addr: 0x60 })), Domain::Heap);
+        let live: Vec<(u64, u64)> = table.blocks().map(|(_, _, a, b)| (a, b.size)).collect();
+        assert_eq!(live, vec![(0x30, 8), (0x40, 16)]);
+        assert_eq!(table.counts().unmatched_frees, 0);
+        assert_eq!(table.counts().frees, 2);
+        // Events stamped before the end still count as usual.
+        table.apply(&at(19, event(Action::Free { addr: 0x99 })), Domain::Heap);
+        assert_eq!(table.counts().unmatched_frees, 1);
+        // Closing twice keeps the first end.
+        table.close(1000);
+        table.apply(&at(30, event(Action::Free { addr: 0x98 })), Domain::Heap);
+        assert_eq!(table.counts().unmatched_frees, 1);
     }
 
     #[test]

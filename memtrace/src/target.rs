@@ -83,6 +83,11 @@ pub fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// The parent of `pid`.
+pub fn parent(pid: u32) -> Option<u32> {
+    read_stat(pid).map(|stat| stat.ppid)
+}
+
 /// The start time of `pid`, to tell it from a later process given the same pid.
 pub fn start_time(pid: u32) -> Option<u64> {
     read_stat(pid).map(|stat| stat.start_time)

@@ -4,6 +4,7 @@
 
 mod support;
 
+mod accuracy;
 mod analysis;
 mod bad_input;
 mod core_host;

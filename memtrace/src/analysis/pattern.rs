@@ -6,7 +6,10 @@
 //! - `small-accumulating`: many small blocks piling up (fragments left by
 //!   split/concat paths);
 //! - `large-once`: one or very few large, old blocks that are not growing (a
-//!   model or buffer never unloaded).
+//!   buffer, table or model never freed). Large means large: at least
+//!   [`LARGE_BLOCK_BYTES`], or at least [`LARGE_MIN_BYTES`] and a sizeable
+//!   share of all the process holds ([`LARGE_SHARE_OF_PROCESS`]) — never a
+//!   4 KiB stdio buffer that happens to be alone at its site.
 //!
 //! Pure functions; the thresholds are the constants below.
 
@@ -42,7 +45,12 @@ pub const SMALL_MAX_MEDIAN_BYTES: u64 = 4096;
 
 /// Blocks this big or bigger are large, bytes (1 MiB).
 pub const LARGE_BLOCK_BYTES: u64 = 1 << 20;
-/// A smaller block is large when it alone holds this share of the site's bytes.
+/// Smallest block that can count as large by its share of the process (256 KiB).
+pub const LARGE_MIN_BYTES: u64 = 256 << 10;
+/// A block of [`LARGE_MIN_BYTES`] or more is large when it alone holds at
+/// least this share of the live bytes tracked in its process(es).
+pub const LARGE_SHARE_OF_PROCESS: f64 = 0.25;
+/// The large blocks must hold at least this share of the site's bytes.
 pub const LARGE_SHARE_OF_SITE: f64 = 0.5;
 /// Most large blocks a `large-once` site may have.
 pub const LARGE_ONCE_MAX_BLOCKS: usize = 8;
@@ -79,10 +87,17 @@ impl Pattern {
 }
 
 /// Classifies a site's live blocks, `(alloc t_s, size)` with times on the
-/// same clock as `trace_duration_s` (seconds since tracing started).
+/// same clock as `trace_duration_s` (seconds since tracing started);
+/// `process_bytes`: the live bytes tracked in the site's process(es), all
+/// sites together (what "a sizeable share" is measured against).
 /// Precedence: per-iteration, small-accumulating, large-once; `None` when no
 /// pattern fits (e.g. a flat pool). Blocks with non-finite times are ignored.
-pub fn classify(blocks: &[(f64, u64)], trend: Trend, trace_duration_s: f64) -> Option<Pattern> {
+pub fn classify(
+    blocks: &[(f64, u64)],
+    trend: Trend,
+    trace_duration_s: f64,
+    process_bytes: u64,
+) -> Option<Pattern> {
     let blocks: Vec<(f64, u64)> = blocks
         .iter()
         .copied()
@@ -93,7 +108,13 @@ pub fn classify(blocks: &[(f64, u64)], trend: Trend, trace_duration_s: f64) -> O
     }
     per_iteration(&blocks, trend, trace_duration_s)
         .or_else(|| small_accumulating(&blocks, trend))
-        .or_else(|| large_once(&blocks, trend, trace_duration_s))
+        .or_else(|| large_once(&blocks, trend, trace_duration_s, process_bytes))
+}
+
+/// Whether one block is large (see the module doc).
+pub fn is_large(size: u64, process_bytes: u64) -> bool {
+    size >= LARGE_BLOCK_BYTES
+        || (size >= LARGE_MIN_BYTES && size as f64 >= LARGE_SHARE_OF_PROCESS * process_bytes as f64)
 }
 
 fn per_iteration(blocks: &[(f64, u64)], trend: Trend, trace_duration_s: f64) -> Option<Pattern> {
@@ -177,22 +198,23 @@ fn small_accumulating(blocks: &[(f64, u64)], trend: Trend) -> Option<Pattern> {
     (*median_size < SMALL_MAX_MEDIAN_BYTES).then_some(Pattern::SmallAccumulating)
 }
 
-fn large_once(blocks: &[(f64, u64)], trend: Trend, trace_duration_s: f64) -> Option<Pattern> {
+fn large_once(
+    blocks: &[(f64, u64)],
+    trend: Trend,
+    trace_duration_s: f64,
+    process_bytes: u64,
+) -> Option<Pattern> {
     if trend == Trend::Growing {
         return None;
     }
     let total: u64 = blocks.iter().map(|&(_, s)| s).fold(0, u64::saturating_add);
-    let mut large: Vec<(f64, u64)> = blocks
+    // The site's own bytes are part of its process's, whatever the caller passed.
+    let process_bytes = process_bytes.max(total);
+    let large: Vec<(f64, u64)> = blocks
         .iter()
         .copied()
-        .filter(|&(_, s)| s >= LARGE_BLOCK_BYTES)
+        .filter(|&(_, s)| is_large(s, process_bytes))
         .collect();
-    if large.is_empty() {
-        let biggest = blocks.iter().copied().max_by_key(|&(_, s)| s)?;
-        if (biggest.1 as f64) >= LARGE_SHARE_OF_SITE * total as f64 && biggest.1 > 0 {
-            large.push(biggest);
-        }
-    }
     let large_bytes: u64 = large.iter().map(|&(_, s)| s).fold(0, u64::saturating_add);
     let min_age = LARGE_ONCE_MIN_AGE_FRACTION * trace_duration_s;
     let old = large.iter().all(|&(t, _)| trace_duration_s - t >= min_age);
@@ -231,7 +253,7 @@ mod tests {
                 )
             })
             .collect();
-        match classify(&blocks, Trend::Growing, 10.0) {
+        match classify(&blocks, Trend::Growing, 10.0, 0) {
             Some(Pattern::PerIteration {
                 period_ms,
                 bytes_per_period,
@@ -251,7 +273,7 @@ mod tests {
                 [(t, 1024), (t + 0.001, 1024)]
             })
             .collect();
-        match classify(&blocks, Trend::Growing, 10.0) {
+        match classify(&blocks, Trend::Growing, 10.0, 0) {
             Some(Pattern::PerIteration {
                 period_ms,
                 bytes_per_period,
@@ -269,7 +291,7 @@ mod tests {
         let times = [0.0, 0.01, 3.0, 3.2, 7.5, 9.9];
         let blocks: Vec<(f64, u64)> = times.iter().map(|&t| (t, 4096)).collect();
         assert!(!matches!(
-            classify(&blocks, Trend::Growing, 10.0),
+            classify(&blocks, Trend::Growing, 10.0, 0),
             Some(Pattern::PerIteration { .. })
         ));
         // Regular times but only half the blocks share a size.
@@ -277,37 +299,84 @@ mod tests {
             .map(|i| (0.5 * i as f64, if i % 2 == 0 { 4096 } else { 100 + i }))
             .collect();
         assert!(!matches!(
-            classify(&blocks, Trend::Growing, 10.0),
+            classify(&blocks, Trend::Growing, 10.0, 0),
             Some(Pattern::PerIteration { .. })
         ));
         // Three blocks are too few.
         let blocks = [(1.0, 64), (2.0, 64), (3.0, 64)];
-        assert_eq!(classify(&blocks, Trend::Growing, 3.5), None);
+        assert_eq!(classify(&blocks, Trend::Growing, 3.5, 0), None);
     }
 
     #[test]
     fn one_old_64mib_block_is_large_once() {
         let blocks = [(0.5, 64 << 20)];
         assert_eq!(
-            classify(&blocks, Trend::Stable, 60.0),
+            classify(&blocks, Trend::Stable, 60.0, 0),
             Some(Pattern::LargeOnce)
         );
         assert_eq!(
-            classify(&blocks, Trend::New, 60.0),
+            classify(&blocks, Trend::New, 60.0, 0),
             Some(Pattern::LargeOnce)
         );
         // Growing sites are not "once"; young blocks have not survived the trace.
-        assert_eq!(classify(&blocks, Trend::Growing, 60.0), None);
-        assert_eq!(classify(&[(50.0, 64 << 20)], Trend::Stable, 60.0), None);
+        assert_eq!(classify(&blocks, Trend::Growing, 60.0, 0), None);
+        assert_eq!(classify(&[(50.0, 64 << 20)], Trend::Stable, 60.0, 0), None);
     }
 
     #[test]
-    fn small_block_holding_most_of_the_site_is_large_once() {
-        let blocks = [(1.0, 300_000), (2.0, 1000), (2.5, 2000)];
+    fn a_block_under_the_floor_is_never_large() {
+        // glibc's stdio buffer alone at its site, and all the process holds.
+        assert_eq!(classify(&[(0.1, 4096)], Trend::Stable, 30.0, 4096), None);
+        // A 24 KiB table: the same.
+        assert_eq!(classify(&[(0.1, 24 << 10)], Trend::Stable, 30.0, 0), None);
+        // One byte under the share floor, whatever its share.
+        let just_under = LARGE_MIN_BYTES - 1;
         assert_eq!(
-            classify(&blocks, Trend::Stable, 30.0),
+            classify(&[(0.1, just_under)], Trend::Stable, 30.0, just_under),
+            None
+        );
+    }
+
+    #[test]
+    fn large_means_a_mib_or_a_sizeable_share_of_the_process() {
+        // 1 MiB is large whatever the process holds; 1 byte less is not, in
+        // a process holding 64 MiB.
+        let big = 64 << 20;
+        assert_eq!(
+            classify(&[(0.1, LARGE_BLOCK_BYTES)], Trend::Stable, 30.0, big),
             Some(Pattern::LargeOnce)
         );
+        assert_eq!(
+            classify(&[(0.1, LARGE_BLOCK_BYTES - 1)], Trend::Stable, 30.0, big),
+            None
+        );
+        // 256 KiB holding a quarter of the process: large; just under a
+        // quarter: not.
+        let block = LARGE_MIN_BYTES;
+        assert_eq!(
+            classify(&[(0.1, block)], Trend::Stable, 30.0, 4 * block),
+            Some(Pattern::LargeOnce)
+        );
+        assert_eq!(
+            classify(&[(0.1, block)], Trend::Stable, 30.0, 4 * block + 4),
+            None
+        );
+        assert!(is_large(LARGE_BLOCK_BYTES, u64::MAX));
+        assert!(!is_large(LARGE_MIN_BYTES - 1, 0));
+    }
+
+    #[test]
+    fn large_blocks_must_hold_most_of_the_site() {
+        // One 300 KB block among small ones, a sizeable share of the process.
+        let blocks = [(1.0, 300_000), (2.0, 1000), (2.5, 2000)];
+        assert_eq!(
+            classify(&blocks, Trend::Stable, 30.0, 1 << 20),
+            Some(Pattern::LargeOnce)
+        );
+        // A 1 MiB block next to 2 MiB of small ones is not "once".
+        let mut blocks = vec![(1.0, 1 << 20)];
+        blocks.extend((0..512).map(|i| (1.0 + f64::from(i) / 1000.0, 4096)));
+        assert_eq!(classify(&blocks, Trend::Stable, 30.0, 0), None);
     }
 
     #[test]
@@ -317,27 +386,27 @@ mod tests {
             .map(|_| (rng.below(60_000) as f64 / 1000.0, 16 + rng.below(497)))
             .collect();
         assert_eq!(
-            classify(&blocks, Trend::Growing, 60.0),
+            classify(&blocks, Trend::Growing, 60.0, 0),
             Some(Pattern::SmallAccumulating)
         );
         // Not growing: no pattern.
-        assert_eq!(classify(&blocks, Trend::Stable, 60.0), None);
+        assert_eq!(classify(&blocks, Trend::Stable, 60.0, 0), None);
     }
 
     #[test]
     fn flat_pool_has_no_pattern() {
         // 64 × 4 KiB made in a tight loop at startup, then held.
         let blocks: Vec<(f64, u64)> = (0..64).map(|i| (0.001 * i as f64, 4096)).collect();
-        assert_eq!(classify(&blocks, Trend::Stable, 120.0), None);
+        assert_eq!(classify(&blocks, Trend::Stable, 120.0, 0), None);
         // Even if the site were still new, a startup burst is not per-iteration.
-        assert_eq!(classify(&blocks, Trend::New, 120.0), None);
-        assert_eq!(classify(&[], Trend::Growing, 120.0), None);
+        assert_eq!(classify(&blocks, Trend::New, 120.0, 0), None);
+        assert_eq!(classify(&[], Trend::Growing, 120.0, 0), None);
     }
 
     #[test]
     fn many_large_blocks_are_not_large_once() {
         let blocks: Vec<(f64, u64)> = (0..16).map(|i| (0.01 * i as f64, 2 << 20)).collect();
-        assert_eq!(classify(&blocks, Trend::Stable, 100.0), None);
+        assert_eq!(classify(&blocks, Trend::Stable, 100.0, 0), None);
     }
 
     #[test]

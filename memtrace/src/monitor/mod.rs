@@ -14,7 +14,7 @@ mod release;
 mod report;
 mod runner;
 mod series;
-mod sources;
+pub(crate) mod sources;
 mod store;
 #[cfg(test)]
 mod testutil;

@@ -1,7 +1,8 @@
 //! Pictures of a recording (`--plot FILE.svg|FILE.png`): one small chart per
 //! metric, grouped by family (process, system, GPU), each segment in its own
 //! colour with its Theil–Sen trend line overlaid and the verdict in the
-//! title. All-zero series are left out.
+//! title. Each panel is drawn and labelled in its metric's own unit (bytes in
+//! MiB, counts, percentages). All-zero series are left out.
 //!
 //! Text needs a TrueType font: `$MEMTRACE_FONT`, else DejaVu/Liberation/any
 //! `*Sans*.ttf` under /usr/share/fonts. Without one the curves are drawn
@@ -21,7 +22,6 @@ use crate::monitor::verdict::Verdict;
 const PANEL_W: u32 = 520;
 const PANEL_H: u32 = 280;
 const COLUMNS: usize = 3;
-const MIB: f64 = 1024.0 * 1024.0;
 const PALETTE: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
@@ -162,12 +162,11 @@ fn title(p: &Panel) -> String {
             )
         })
         .collect();
-    let unit = if p.unit == Unit::Bytes { " (MiB)" } else { "" };
     format!(
-        "{}: {}{} - {}",
+        "{}: {} ({}) - {}",
         p.family.as_str(),
         p.metric,
-        unit,
+        p.unit.plot_scale().1,
         verdicts.join(", ")
     )
 }
@@ -180,7 +179,7 @@ fn draw_panel<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let scale = if panel.unit == Unit::Bytes { MIB } else { 1.0 };
+    let (scale, unit_label) = panel.unit.plot_scale();
     let mut x_max: f64 = 0.0;
     let mut x_min = f64::INFINITY;
     let mut y_min = f64::INFINITY;
@@ -219,6 +218,7 @@ where
             .x_labels(6)
             .y_labels(5)
             .x_desc("s")
+            .y_desc(unit_label)
             .label_style(("sans-serif", 10))
             .draw()
             .map_err(|e| e.to_string())?;
@@ -332,4 +332,42 @@ pub fn plot(
     .map_err(err)?;
     Ok((!text)
         .then(|| "no TrueType font found (set MEMTRACE_FONT): plot drawn without text".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::monitor::series::Meta;
+    use crate::monitor::verdict::{judge, Thresholds};
+
+    #[test]
+    fn each_panel_is_labelled_in_its_metrics_unit() {
+        let mut rec = Recording::new(Meta::default());
+        let segment = rec.open_segment(10, "demo", 0.0);
+        for i in 0..4 {
+            let t = f64::from(i);
+            rec.record(Family::Process, "VmRSS", Unit::Bytes, segment, t, 4e6);
+            rec.record(Family::Process, "fds", Unit::Count, segment, t, 12.0);
+            rec.record(Family::Process, "threads", Unit::Count, segment, t, 3.0);
+            rec.record(Family::Gpu, "gpu0.busy", Unit::Percent, 0, t, 40.0);
+        }
+        let verdicts: Vec<Verdict> = rec
+            .series
+            .iter()
+            .map(|s| judge(s, 0.0, &Thresholds::default()))
+            .collect();
+        let titles: Vec<String> = panels(&rec, &verdicts).iter().map(title).collect();
+        let title_of = |metric: &str| {
+            titles
+                .iter()
+                .find(|t| t.contains(&format!(": {metric} (")))
+                .cloned()
+                .unwrap_or_else(|| panic!("{metric} in {titles:?}"))
+        };
+        assert!(title_of("VmRSS").starts_with("process: VmRSS (MiB) - "));
+        assert!(title_of("fds").starts_with("process: fds (count) - "));
+        assert!(title_of("threads").starts_with("process: threads (count) - "));
+        assert!(title_of("gpu0.busy").starts_with("gpu: gpu0.busy (%) - "));
+        assert!(titles.iter().filter(|t| t.contains("(MiB)")).count() == 1);
+    }
 }

@@ -47,6 +47,8 @@ pub enum Unit {
     Bytes,
     /// A count (file descriptors, threads).
     Count,
+    /// A percentage (a utilisation).
+    Percent,
 }
 
 impl Unit {
@@ -55,6 +57,18 @@ impl Unit {
         match self {
             Unit::Bytes => "bytes",
             Unit::Count => "count",
+            Unit::Percent => "percent",
+        }
+    }
+
+    /// How a plot shows values of this unit: what each value is divided by,
+    /// and the label of the axis (bytes in MiB, counts as they are,
+    /// percentages in %).
+    pub fn plot_scale(self) -> (f64, &'static str) {
+        match self {
+            Unit::Bytes => (1024.0 * 1024.0, "MiB"),
+            Unit::Count => (1.0, "count"),
+            Unit::Percent => (1.0, "%"),
         }
     }
 
@@ -63,6 +77,7 @@ impl Unit {
         match text {
             "bytes" => Some(Unit::Bytes),
             "count" => Some(Unit::Count),
+            "percent" => Some(Unit::Percent),
             _ => None,
         }
     }
@@ -324,6 +339,16 @@ impl Recording {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_unit_has_its_own_plot_label() {
+        assert_eq!(Unit::Bytes.plot_scale(), (1048576.0, "MiB"));
+        assert_eq!(Unit::Count.plot_scale(), (1.0, "count"));
+        assert_eq!(Unit::Percent.plot_scale(), (1.0, "%"));
+        for unit in [Unit::Bytes, Unit::Count, Unit::Percent] {
+            assert_eq!(Unit::parse(unit.as_str()), Some(unit));
+        }
+    }
 
     #[test]
     fn missing_metrics_become_one_gap() {

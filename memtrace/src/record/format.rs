@@ -46,6 +46,9 @@ pub enum Line<T, F> {
     Event { e: [i64; 10] },
     /// An interval snapshot was taken at `t_s` seconds.
     Snapshot { t_s: f64 },
+    /// The trace ended at `ended_ns` (monotonic); the events after it only
+    /// settle blocks made before (see `LiveTable::close`).
+    End { ended_ns: u64 },
     /// The footer's fields, next to `type`.
     Footer(F),
 }
@@ -77,6 +80,9 @@ pub enum Item<T, F> {
     },
     Snapshot {
         t_s: f64,
+    },
+    End {
+        ended_ns: u64,
     },
     Footer(F),
 }
@@ -166,6 +172,7 @@ impl Reader {
                 Item::Event { event, domain }
             }
             Line::Snapshot { t_s } => Item::Snapshot { t_s },
+            Line::End { ended_ns } => Item::End { ended_ns },
             Line::Footer(footer) => Item::Footer(footer),
         };
         Ok(Some(item))
@@ -256,6 +263,17 @@ mod tests {
         assert_eq!(
             read.expect_err("kind 200"),
             Stop::Truncated("line 6: undecodable event".into())
+        );
+    }
+
+    #[test]
+    fn the_end_of_the_trace_is_read() {
+        let mut reader = Reader::default();
+        let _: Read = reader.line(1, HEADER);
+        let read: Read = reader.line(2, r#"{"type":"end","ended_ns":77}"#);
+        assert!(
+            matches!(read, Ok(Some(Item::End { ended_ns: 77 }))),
+            "{read:?}"
         );
     }
 

@@ -1,10 +1,11 @@
-//! Text sink: what a person reads — totals, then each site with its bytes,
-//! count, oldest age and symbolized frames.
+//! Text sink: what a person reads — totals, what the tracked bytes mean next
+//! to the process's resident memory, the traced processes, then each site
+//! with its bytes, count, oldest age and symbolized frames.
 
 use std::io::Write;
 
 use super::{human_bytes, Sink};
-use crate::report::{Frame, Report};
+use crate::report::{Frame, ProcessInfo, Reconciliation, Report};
 
 pub struct TextSink;
 
@@ -65,17 +66,21 @@ impl Sink for TextSink {
         if !report.missing_functions.is_empty() {
             writeln!(out, "not found: {}", report.missing_functions.join(" "))?;
         }
-        for process in report.processes.iter().filter(|p| p.parent.is_some()) {
+        if let Some(reconciliation) = &report.reconciliation {
+            let pid = (report.processes.len() > 1).then_some(target.pid);
+            let rate = super::sample_rate(report);
             writeln!(
                 out,
-                "child: pid {} ({}) of pid {} holds {} in {} blocks{}",
-                process.pid,
-                process.comm,
-                process.parent.unwrap_or_default(),
-                human_bytes(process.live_bytes),
-                process.live_count,
-                if process.exited { ", exited" } else { "" }
+                "memory: {}",
+                reconciliation_words(reconciliation, pid, rate)
             )?;
+        }
+        // One process traced by name reads like one traced by pid.
+        let by_name = report.processes.len() > 1 && report.processes.iter().any(|p| p.by_name);
+        for process in &report.processes {
+            if let Some(line) = process_line(process, by_name) {
+                writeln!(out, "{line}")?;
+            }
         }
         for note in &report.notes {
             writeln!(out, "note: {note}")?;
@@ -138,6 +143,7 @@ impl Sink for TextSink {
 /// The site's trend and leak pattern in words.
 fn judgment(site: &crate::report::Site) -> String {
     use crate::analysis::{Pattern, Trend};
+    use crate::probe::catalog::Memory;
     let mut text = match site.trend {
         Trend::Growing => format!(
             "growing {}/s",
@@ -153,9 +159,14 @@ fn judgment(site: &crate::report::Site) -> String {
             "; per-iteration leak: {} every {period_ms:.0} ms",
             human_bytes(*bytes_per_period)
         )),
-        Some(Pattern::LargeOnce) => {
-            text.push_str("; one large block held (e.g. a model never unloaded)")
-        }
+        Some(Pattern::LargeOnce) => text.push_str(match site.memory {
+            Memory::Host | Memory::Handle => {
+                "; one large block held since early on (a buffer, table or cache never freed)"
+            }
+            Memory::Device | Memory::Pinned | Memory::Managed => {
+                "; one large block held since early on (e.g. a model or weights never unloaded)"
+            }
+        }),
         Some(Pattern::SmallAccumulating) => text.push_str("; small blocks accumulating"),
         None => {}
     }
@@ -166,6 +177,95 @@ fn judgment(site: &crate::report::Site) -> String {
         text.push_str(&format!("; threads {}", site.thread_names.join(",")));
     }
     text
+}
+
+/// One line per traced process other than a lone target: children as
+/// `child:`, processes traced for their `--name` as `process:`.
+fn process_line(process: &ProcessInfo, by_name: bool) -> Option<String> {
+    let holds = format!(
+        "holds {} in {} blocks{}",
+        human_bytes(process.live_bytes),
+        process.live_count,
+        if process.exited { ", exited" } else { "" }
+    );
+    if let Some(parent) = process.parent {
+        return Some(format!(
+            "child: pid {} ({}) of pid {parent} {holds}",
+            process.pid, process.comm
+        ));
+    }
+    if !by_name {
+        return None;
+    }
+    let since = if process.started_during_trace {
+        format!(
+            ", started during the trace, traced from {:.1}s{}",
+            process.traced_from_ms as f64 / 1000.0,
+            match process.attach_delay_ms {
+                Some(ms) => format!(" ({ms} ms after it started)"),
+                None => String::new(),
+            }
+        )
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "process: pid {} ({}) {holds}{since}",
+        process.pid, process.comm
+    ))
+}
+
+/// The reconciliation in words: how the live bytes memtrace tracks compare
+/// with the growth of the process's resident anonymous memory, and what a
+/// difference means. `pid`: named when several processes are traced (the
+/// figures are the target's); `rate`: the sampling rate (tracked bytes are
+/// then an estimate).
+fn reconciliation_words(r: &Reconciliation, pid: Option<u32>, rate: u64) -> String {
+    /// Differences this small are allocator overhead and page rounding.
+    const SLACK_BYTES: u64 = 512 << 10;
+    /// Differences within this share of the larger figure count as explained.
+    const SLACK_SHARE: f64 = 0.25;
+    let tracked = r.tracked_host_bytes.saturating_mul(rate);
+    let growth = r.rss_anon_growth;
+    let who = pid.map_or_else(String::new, |pid| format!("pid {pid}: "));
+    let estimated = if rate > 1 {
+        format!(" (estimated: sampled 1 in {rate})")
+    } else {
+        String::new()
+    };
+    let rss = if growth > 0 {
+        format!("RssAnon grew {}", human_bytes(growth.unsigned_abs()))
+    } else if growth < 0 {
+        format!("RssAnon shrank {}", human_bytes(growth.unsigned_abs()))
+    } else {
+        "RssAnon did not change".to_string()
+    };
+    let mapped = r.tracked_mmap_bytes.saturating_mul(rate);
+    let tracked_text = match mapped {
+        0 => format!(
+            "tracked {} live since attach{estimated}",
+            human_bytes(tracked)
+        ),
+        _ => format!(
+            "tracked {} of heap and {} of anonymous mappings live since attach{estimated}",
+            human_bytes(tracked),
+            human_bytes(mapped)
+        ),
+    };
+    let growth_bytes = u64::try_from(growth).unwrap_or(0);
+    let slack = SLACK_BYTES.max((SLACK_SHARE * tracked.max(growth_bytes) as f64) as u64);
+    let meaning = if tracked <= slack && growth_bytes <= slack && mapped == 0 {
+        "both within allocator and page rounding, nothing to explain"
+    } else if tracked.abs_diff(growth_bytes) <= slack {
+        "the tracked blocks explain the growth"
+    } else if tracked > growth_bytes {
+        "untouched pages are not resident (a block counts only once written), or the blocks reuse heap freed before"
+    } else if tracked.saturating_add(mapped).saturating_add(slack) >= growth_bytes {
+        "the mappings can hold what the heap does not explain (they count only where written)"
+    } else {
+        "the rest is memory the tracked blocks do not hold: blocks allocated before attach and written since, an allocator memtrace does not trace, heap the allocator keeps after free, or thread stacks"
+    };
+    format!("{who}{tracked_text}; {rss}: {meaning}")
 }
 
 fn frame_line(frame: &Frame) -> String {
@@ -207,6 +307,112 @@ mod tests {
             "{text}"
         );
         assert!(!render(&fixture::report()).contains("estimated"));
+    }
+
+    fn reconciliation(tracked: u64, growth: i64, mmap: u64) -> Reconciliation {
+        Reconciliation {
+            rss_anon_at_attach: 100 << 20,
+            rss_anon_now: (100i64 << 20).saturating_add(growth) as u64,
+            rss_anon_growth: growth,
+            vm_rss_at_attach: 120 << 20,
+            vm_rss_now: 120 << 20,
+            tracked_host_bytes: tracked,
+            tracked_mmap_bytes: mmap,
+            explained_ratio: None,
+            note: String::new(),
+        }
+    }
+
+    #[test]
+    fn reconciliation_says_what_the_difference_means() {
+        const MIB: u64 = 1 << 20;
+        let words = |tracked: u64, growth: i64, mmap: u64| {
+            reconciliation_words(&reconciliation(tracked, growth, mmap), None, 1)
+        };
+        // More tracked than resident: the issue's own example.
+        assert_eq!(
+            words(653 * MIB / 10, MIB as i64, 0),
+            "tracked 65.3 MiB live since attach; RssAnon grew 1.0 MiB: untouched pages are not resident (a block counts only once written), or the blocks reuse heap freed before"
+        );
+        // Close enough: explained.
+        let text = words(10 * MIB, 11 * MIB as i64, 0);
+        assert!(
+            text.ends_with("RssAnon grew 11.0 MiB: the tracked blocks explain the growth"),
+            "{text}"
+        );
+        // Small figures within page rounding and allocator overhead.
+        let text = words(4096, 0, 0);
+        assert!(text.ends_with("RssAnon did not change: both within allocator and page rounding, nothing to explain"), "{text}");
+        // More resident than tracked: memory memtrace did not see.
+        let text = words(MIB, 40 * MIB as i64, 0);
+        assert!(text.contains("RssAnon grew 40.0 MiB: the rest is memory the tracked blocks do not hold: blocks allocated before attach"), "{text}");
+        assert!(
+            text.contains("an allocator memtrace does not trace"),
+            "{text}"
+        );
+        // ... unless tracked anonymous mappings can hold it.
+        let text = words(MIB, 40 * MIB as i64, 39 * MIB);
+        assert_eq!(text, "tracked 1.0 MiB of heap and 39.0 MiB of anonymous mappings live since attach; RssAnon grew 40.0 MiB: the mappings can hold what the heap does not explain (they count only where written)");
+        // Shrinking RSS with blocks tracked: they reuse memory already resident.
+        let text = words(8 * MIB, -(2 * MIB as i64), 0);
+        assert!(
+            text.contains("RssAnon shrank 2.0 MiB: untouched pages are not resident"),
+            "{text}"
+        );
+        // Several processes: the figures are the target's; sampled: estimated.
+        let text = reconciliation_words(&reconciliation(MIB, MIB as i64, 0), Some(42), 4);
+        assert!(text.starts_with("pid 42: tracked 4.0 MiB live since attach (estimated: sampled 1 in 4); RssAnon grew 1.0 MiB: untouched"), "{text}");
+    }
+
+    #[test]
+    fn the_report_carries_the_reconciliation_in_words() {
+        let mut report = fixture::report();
+        assert!(!render(&report).contains("memory: "));
+        report.reconciliation = Some(reconciliation(1 << 20, 1 << 20, 0));
+        let text = render(&report);
+        assert!(text.contains("\nmemory: tracked 1.0 MiB live since attach; RssAnon grew 1.0 MiB: the tracked blocks explain the growth\n"), "{text}");
+    }
+
+    #[test]
+    fn processes_traced_by_name_get_a_line_each() {
+        let mut report = fixture::report();
+        let named = |pid: u32, late: bool| ProcessInfo {
+            pid,
+            comm: "worker".into(),
+            by_name: true,
+            started_during_trace: late,
+            traced_from_ms: if late { 2500 } else { 1 },
+            attach_delay_ms: late.then_some(120),
+            live_bytes: 2048,
+            live_count: 2,
+            ..ProcessInfo::default()
+        };
+        report.processes = vec![named(10, false), named(11, true)];
+        let text = render(&report);
+        assert!(
+            text.contains("\nprocess: pid 10 (worker) holds 2.0 KiB in 2 blocks\n"),
+            "{text}"
+        );
+        assert!(text.contains("\nprocess: pid 11 (worker) holds 2.0 KiB in 2 blocks, started during the trace, traced from 2.5s (120 ms after it started)\n"), "{text}");
+        // By pid, a lone target gets no line; a child does.
+        report.processes = vec![
+            ProcessInfo {
+                pid: 10,
+                ..ProcessInfo::default()
+            },
+            ProcessInfo {
+                pid: 12,
+                parent: Some(10),
+                comm: "kid".into(),
+                ..ProcessInfo::default()
+            },
+        ];
+        let text = render(&report);
+        assert!(!text.contains("process: pid"), "{text}");
+        assert!(
+            text.contains("child: pid 12 (kid) of pid 10 holds 0 B in 0 blocks"),
+            "{text}"
+        );
     }
 
     #[test]

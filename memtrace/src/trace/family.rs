@@ -1,7 +1,9 @@
 //! The processes a trace covers: the target and, with `--follow-forks`, each
-//! descendant. Owns when a child is adopted (its probes attached, scoped to
-//! it), when it is let go (it exited, or its pid was reused), the cap on how
-//! many are traced at once, and the notes that say what was not traced.
+//! descendant; with `--name`, every process of that name, each traced like a
+//! followed child (its own probes, scoped to it), including those that start
+//! later. Owns when a process is adopted (its probes attached, scoped to it),
+//! when it is let go (it exited, or its pid was reused), the cap on how many
+//! are traced at once, and the notes that say what was not traced.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -74,6 +76,8 @@ pub struct Family {
     /// attach: the difference is children that came and went unseen.
     forks_reported: u64,
     children_seen: u64,
+    /// `--name`: the name of the processes traced for it.
+    name: Option<String>,
 }
 
 impl Family {
@@ -90,7 +94,29 @@ impl Family {
             gone_early: BTreeSet::new(),
             forks_reported: 0,
             children_seen: 0,
+            name: None,
         }
+    }
+
+    /// Traces the processes named `name` (`--name`): the target is one of them.
+    pub fn with_name(mut self, name: Option<String>) -> Self {
+        if let (Some(_), Some(target)) = (&name, self.members.get_mut(&self.target)) {
+            target.info.by_name = true;
+        }
+        self.name = name;
+        self
+    }
+
+    /// Every process seen so far: traced (running or not), or left out
+    /// (cap, failure, gone); `--name` looks past them.
+    pub fn known(&self) -> BTreeSet<u32> {
+        self.members
+            .keys()
+            .chain(&self.over_cap)
+            .chain(self.failed.keys())
+            .chain(&self.gone_early)
+            .copied()
+            .collect()
     }
 
     /// Traced processes still running.
@@ -205,44 +231,84 @@ impl Family {
             }
             return Adoption::Known;
         }
+        self.attach(child, Some(parent), tools, |now_ns| ProcessInfo {
+            attach_delay_ms: forked_ns.map(|at| now_ns.saturating_sub(at) / 1_000_000),
+            held_at_birth: held,
+            ..ProcessInfo::default()
+        })
+    }
+
+    /// Starts tracing `pid`, a process with the `--name` (not found as a
+    /// child). `late`: it was found after tracing started, so it started
+    /// since; its start time says how long it ran unprobed.
+    pub fn adopt_named(&mut self, pid: u32, late: bool, tools: &mut Tools<'_>) -> Adoption {
+        if self.members.contains_key(&pid) {
+            return Adoption::Known;
+        }
+        // A process of the name forked by a traced one is still its child,
+        // and traced for its name even without --follow-forks.
+        let parent = target::parent(pid).filter(|ppid| self.members.contains_key(ppid));
+        self.not_followed.remove(&pid);
+        let started = target::start_time(pid);
+        self.attach(pid, parent, tools, |_| ProcessInfo {
+            attach_delay_ms: if late {
+                started.and_then(super::by_name::started_ms_ago)
+            } else {
+                None
+            },
+            by_name: true,
+            started_during_trace: late,
+            ..ProcessInfo::default()
+        })
+    }
+
+    /// Attaches the probes of `pid` (unless the cap is reached) and records
+    /// it, described by `describe(now_ns)` plus what is read of it here.
+    fn attach(
+        &mut self,
+        pid: u32,
+        parent: Option<u32>,
+        tools: &mut Tools<'_>,
+        describe: impl FnOnce(u64) -> ProcessInfo,
+    ) -> Adoption {
         if self.running().count() >= self.max_processes {
-            self.over_cap.insert(child);
+            self.over_cap.insert(pid);
             return Adoption::OverCap;
         }
-        match tools.probes.add_process(child) {
+        match tools.probes.add_process(pid) {
             Ok(_) => {
                 let (since_start_ms, now_ns) = (tools.now)();
-                tools.pipeline.start_space(child, parent);
-                if let Err(err) = tools.discovery.scan(child, tools.probes, &[]) {
-                    log::debug!("pid {child}: cannot read its mappings: {err}");
+                match parent {
+                    Some(parent) => tools.pipeline.start_space(pid, parent),
+                    None => tools.pipeline.refresh_space_now(pid),
                 }
-                let info = target::inspect(child).unwrap_or_default();
+                if let Err(err) = tools.discovery.scan(pid, tools.probes, &[]) {
+                    log::debug!("pid {pid}: cannot read its mappings: {err}");
+                }
+                let found = target::inspect(pid).unwrap_or_default();
                 self.members.insert(
-                    child,
+                    pid,
                     Member {
                         info: ProcessInfo {
-                            pid: child,
-                            parent: Some(parent),
-                            comm: info.comm,
-                            exe: info.exe,
+                            pid,
+                            parent,
+                            comm: found.comm,
+                            exe: found.exe,
                             traced_from_ms: since_start_ms,
-                            attach_delay_ms: forked_ns
-                                .map(|at| now_ns.saturating_sub(at) / 1_000_000),
-                            held_at_birth: held,
-                            ..ProcessInfo::default()
+                            ..describe(now_ns)
                         },
-                        start_time: target::start_time(child),
+                        start_time: target::start_time(pid),
                     },
                 );
                 Adoption::Followed
             }
-            Err(_) if !target::is_alive(child) => {
-                self.gone_early.insert(child);
+            Err(_) if !target::is_alive(pid) => {
+                self.gone_early.insert(pid);
                 Adoption::Gone
             }
             Err(err) => {
                 let why = format!("{err:#}");
-                self.failed.insert(child, why.clone());
+                self.failed.insert(pid, why.clone());
                 Adoption::Failed(why)
             }
         }
@@ -321,21 +387,50 @@ impl Family {
         }
         if !self.over_cap.is_empty() {
             notes.push(format!(
-                "{} child process(es) were not traced because --max-processes {} was reached (pids {})",
+                "{} process(es) were not traced because --max-processes {} was reached (pids {})",
                 self.over_cap.len(),
                 self.max_processes,
                 list(&mut self.over_cap.iter().copied())
             ));
         }
         for (pid, why) in &self.failed {
-            notes.push(format!("child pid {pid} could not be traced: {why}"));
+            notes.push(format!("pid {pid} could not be traced: {why}"));
         }
         if !self.gone_early.is_empty() {
             notes.push(format!(
-                "{} child process(es) exited before their probes were attached (pids {}): their allocations are not in this report",
+                "{} process(es) exited before their probes were attached (pids {}): their allocations are not in this report",
                 self.gone_early.len(),
                 list(&mut self.gone_early.iter().copied())
             ));
+        }
+        if let Some(name) = &self.name {
+            let named: Vec<&ProcessInfo> = self
+                .members
+                .values()
+                .map(|m| &m.info)
+                .filter(|info| info.by_name)
+                .collect();
+            if named.len() > 1 {
+                notes.push(format!(
+                    "traced {} processes named {name} (pids {}), each with probes of its own",
+                    named.len(),
+                    list(&mut named.iter().map(|p| p.pid))
+                ));
+            }
+            let late: Vec<&&ProcessInfo> =
+                named.iter().filter(|p| p.started_during_trace).collect();
+            if !late.is_empty() {
+                let worst = late.iter().filter_map(|p| p.attach_delay_ms).max();
+                notes.push(format!(
+                    "{} of them started during the trace (pids {}) and were traced from then, each {} after it started: its allocations before then were not seen",
+                    late.len(),
+                    list(&mut late.iter().map(|p| p.pid)),
+                    match worst {
+                        Some(ms) => format!("at most {ms} ms"),
+                        None => "shortly".to_string(),
+                    }
+                ));
+            }
         }
         let unseen = self.forks_reported.saturating_sub(self.children_seen);
         if unseen > 0 {

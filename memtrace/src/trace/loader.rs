@@ -2,7 +2,10 @@
 //! the two generic programs per planned function and traced process (with the
 //! spec index as attach cookie, each link scoped to one process, never
 //! system-wide), the fork reporter for `--follow-forks`, and detaching in a
-//! safe order.
+//! safe order: at the end of a trace allocation entry probes go first, then
+//! reallocation, then release entry probes, then return probes (see
+//! [`DetachStage`]), so no block is reported live because its release was no
+//! longer watched.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
@@ -58,12 +61,46 @@ struct AttachedFunction {
     /// File offset of the function when it has a return probe.
     return_offset: Option<u64>,
     index: u16,
+    /// When its entry probe is detached at the end of a trace.
+    stage: DetachStage,
+}
+
+/// The order in which entry probes are detached when a trace ends. Releases
+/// were attached before allocations (so nothing allocated in the attach gap
+/// looks leaked); they are detached after them, for the same reason: while
+/// allocations are still seen, their releases must be too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum DetachStage {
+    /// Functions that only create blocks (`malloc`, `mmap`, `cudaMalloc` ...).
+    Allocations,
+    /// Functions that release one block and create another (`realloc`).
+    Reallocations,
+    /// Functions that only release (`free`, `munmap` ...).
+    Releases,
+}
+
+impl DetachStage {
+    /// Every stage, in detach order.
+    pub const ORDER: [DetachStage; 3] = [
+        DetachStage::Allocations,
+        DetachStage::Reallocations,
+        DetachStage::Releases,
+    ];
+
+    pub fn of(kind: memtrace_common::SpecKind) -> DetachStage {
+        use memtrace_common::SpecKind;
+        match kind {
+            SpecKind::Alloc => DetachStage::Allocations,
+            SpecKind::Realloc => DetachStage::Reallocations,
+            SpecKind::Free => DetachStage::Releases,
+        }
+    }
 }
 
 /// The links of one traced process.
 #[derive(Default)]
 struct ProcessLinks {
-    enter: Vec<UProbeLinkId>,
+    enter: Vec<(DetachStage, UProbeLinkId)>,
     exit: Vec<UProbeLinkId>,
 }
 
@@ -277,6 +314,7 @@ impl Probes {
             entry_offset: probe.file_offset + probe.probe_offset,
             return_offset: probe.def.needs_return_probe().then_some(probe.file_offset),
             index,
+            stage: DetachStage::of(probe.def.kind),
         };
         // A process may have exited meanwhile: the function counts as attached
         // when it is attached for at least one process.
@@ -344,7 +382,11 @@ impl Probes {
         };
         match program.attach(point, &function.path, scope) {
             Ok(link) => {
-                self.processes.entry(pid).or_default().enter.push(link);
+                self.processes
+                    .entry(pid)
+                    .or_default()
+                    .enter
+                    .push((function.stage, link));
                 Ok(())
             }
             Err(err) => {
@@ -456,8 +498,22 @@ impl Probes {
         }
     }
 
-    /// Detaches every probe, entry probes first, then return probes, so no
-    /// call is left half-recorded.
+    /// Detaches the entry probes of one stage in every traced process: the
+    /// first step of ending a trace (see [`DetachStage`]); [`Probes::detach`]
+    /// finishes it.
+    pub fn detach_stage(&mut self, stage: DetachStage) {
+        let mut links = ProcessLinks::default();
+        for process in self.processes.values_mut() {
+            let (now, later): (Vec<_>, Vec<_>) =
+                process.enter.drain(..).partition(|(s, _)| *s == stage);
+            process.enter = later;
+            links.enter.extend(now);
+        }
+        self.detach_links(links);
+    }
+
+    /// Detaches every probe left: entry probes stage by stage, then return
+    /// probes, so no call is left half-recorded.
     pub fn detach(&mut self) {
         let all: Vec<ProcessLinks> = std::mem::take(&mut self.processes).into_values().collect();
         let mut merged = ProcessLinks::default();
@@ -468,9 +524,12 @@ impl Probes {
         self.detach_links(merged);
     }
 
-    fn detach_links(&mut self, links: ProcessLinks) {
+    /// Detaches `links`: entry probes in [`DetachStage`] order, then return
+    /// probes.
+    fn detach_links(&mut self, mut links: ProcessLinks) {
+        links.enter.sort_by_key(|(stage, _)| *stage);
         if let Some(Ok(program)) = self.ebpf.program_mut(ENTER).map(<&mut UProbe>::try_from) {
-            for link in links.enter {
+            for (_, link) in links.enter {
                 let _ = program.detach(link);
             }
         }

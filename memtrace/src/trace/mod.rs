@@ -1,9 +1,11 @@
-//! Tracing a process (and with `--follow-forks` its descendants): load,
+//! Tracing a process (and with `--follow-forks` its descendants, with
+//! `--name` every process of a name, including those that start later): load,
 //! attach, run the one event loop (ring buffer -> decode -> live table), watch
 //! the processes, rescan for new libraries, snapshot the table every interval,
 //! and hand the state to the report builder and the chosen sink (and the
 //! Prometheus endpoint).
 
+mod by_name;
 pub mod discovery;
 mod family;
 mod kernel_support;
@@ -11,6 +13,7 @@ pub mod loader;
 mod pipeline;
 mod status;
 
+use std::collections::BTreeSet;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,11 +35,13 @@ use crate::symbolize::BlazeSymbolizer;
 use crate::target::{self, ChildEvent, HeldChild};
 use discovery::Discovery;
 use family::{Adoption, Family, Tools};
-use loader::{LoadOptions, Probes};
+use loader::{DetachStage, LoadOptions, Probes};
 use pipeline::Pipeline;
 
 /// How often the target's mappings are rescanned for newly loaded libraries.
 const RESCAN_EVERY: Duration = Duration::from_millis(500);
+/// How often `/proc` is searched for processes that took the `--name`.
+const NAME_POLL_EVERY: Duration = Duration::from_millis(250);
 /// Children are looked for every this many rescans (it may scan all of /proc).
 const CHILDREN_EVERY_RESCANS: u64 = 4;
 /// Snapshot period for trends when no `--interval` is given.
@@ -46,14 +51,19 @@ const DEFAULT_HISTORY_EVERY: Duration = Duration::from_secs(1);
 /// every [`DRAIN_EVERY`].
 const WAKEUP_BYTES: u64 = 64 << 10;
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
+/// At the end of a trace, releases are still watched this long after the
+/// allocation probes are detached (and again after the reallocation probes),
+/// so blocks made just before the end and released just after are not
+/// reported live.
+const DETACH_GRACE: Duration = Duration::from_millis(50);
 /// How often the Prometheus text is refreshed.
 const METRICS_EVERY: Duration = Duration::from_secs(2);
 
-/// Runs `memtrace [--pid PID | -- CMD]`.
+/// Runs `memtrace [--pid PID | --name NAME | -- CMD]`.
 pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
-    if args.pid.is_none() && args.command.is_empty() {
+    if args.pid.is_none() && args.name.is_none() && args.command.is_empty() {
         return Err(Failure::usage(
-            "nothing to trace: give --pid PID, or -- CMD [ARGS...] (see memtrace --help)",
+            "nothing to trace: give --pid PID, --name NAME, or -- CMD [ARGS...] (see memtrace --help)",
         )
         .into());
     }
@@ -71,12 +81,28 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     check_privilege()?;
     let output = Output::open(args.output.as_deref(), args.format)?;
 
-    let (mut held, pid) = match args.pid {
-        Some(pid) => {
+    let mut names = args.name.as_deref().map(by_name::NameWatch::new);
+    // With --name: the first process of the name is the target, the others
+    // are traced beside it.
+    let mut peers = Vec::new();
+    let (mut held, pid) = match (args.pid, names.as_mut()) {
+        (Some(pid), _) => {
             target::inspect(pid)?;
             (None, pid)
         }
-        None => {
+        (None, Some(watch)) => {
+            let found = watch.find(&BTreeSet::new());
+            let Some((&first, rest)) = found.split_first() else {
+                return Err(Failure::usage(format!(
+                    "--name {}: no running process has this name (exact comm, argv0 or executable basename)",
+                    watch.name()
+                ))
+                .into());
+            };
+            peers = rest.to_vec();
+            (None, first)
+        }
+        (None, None) => {
             let child = HeldChild::spawn(&args.command, args.follow_forks)?;
             let pid = child.pid;
             (Some(child), pid)
@@ -211,7 +237,8 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
             },
             args.follow_forks,
             args.max_processes,
-        ),
+        )
+        .with_name(args.name.clone()),
         pipeline: Pipeline::new(usize::try_from(args.max_live).unwrap_or(usize::MAX)),
         history: History::default(),
         suppressions,
@@ -225,6 +252,10 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     // Children the target already has.
     session.look_at_children(pid, None, &mut probes, &mut discovery);
     session.family.reset_seen();
+    // The other processes of the name.
+    for peer in peers {
+        session.adopt_named(peer, false, &mut probes, &mut discovery);
+    }
     if let Some(path) = &args.record {
         session.pipeline.recorder = Some(crate::record::Recorder::create(
             path,
@@ -249,6 +280,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
     let mut rescan = tokio::time::interval(RESCAN_EVERY);
     let mut rescans: u64 = 0;
+    let mut name_tick = tokio::time::interval(NAME_POLL_EVERY);
     let mut status_tick = tokio::time::interval(Duration::from_secs(1));
     let mut snapshot = tokio::time::interval(args.interval.unwrap_or(DEFAULT_HISTORY_EVERY));
     snapshot.reset();
@@ -278,7 +310,8 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 session.follow_execs();
                 rescans += 1;
                 for gone in session.family.reap(&mut probes, &mut session.pipeline) {
-                    eprintln!("memtrace: child pid {gone} exited; its probes are detached");
+                    let who = if args.name.is_some() { "pid" } else { "child pid" };
+                    eprintln!("memtrace: {who} {gone} exited; its probes are detached");
                 }
                 if rescans.is_multiple_of(CHILDREN_EVERY_RESCANS) {
                     for parent in session.family.running().collect::<Vec<_>>() {
@@ -301,6 +334,13 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                         library.path.display(),
                         library.functions.len()
                     );
+                }
+            }
+            _ = name_tick.tick(), if names.is_some() => {
+                if let Some(watch) = names.as_mut() {
+                    for found in watch.find(&session.family.known()) {
+                        session.adopt_named(found, true, &mut probes, &mut discovery);
+                    }
                 }
             }
             _ = status_tick.tick(), if show_status => {
@@ -386,6 +426,17 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     // The terminal is given back before the final report is written.
     drop(live);
     session.ended = Some((Instant::now(), monotonic_ns()));
+    let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
+    session.pipeline.close(ended_ns);
+    let watched = session.family.running().next().is_some();
+    for stage in DetachStage::ORDER {
+        probes.detach_stage(stage);
+        session.pipeline.drain(ring.get_mut(), &probes);
+        if watched && stage != DetachStage::Releases {
+            tokio::time::sleep(DETACH_GRACE).await;
+            session.pipeline.drain(ring.get_mut(), &probes);
+        }
+    }
     probes.detach();
     session.pipeline.drain(ring.get_mut(), &probes);
     session.snapshot(&probes);
@@ -527,7 +578,11 @@ impl Session<'_> {
         });
         self.family.let_go(pid, probes, &mut self.pipeline);
         if self.family.children_running() {
-            eprintln!("memtrace: target pid {pid} exited; still tracing its child processes");
+            if self.args.name.is_some() {
+                eprintln!("memtrace: target pid {pid} exited; still tracing the other processes");
+            } else {
+                eprintln!("memtrace: target pid {pid} exited; still tracing its child processes");
+            }
             return false;
         }
         eprintln!(
@@ -565,6 +620,35 @@ impl Session<'_> {
         });
         for (child, parent, adoption) in seen {
             say_adoption(child, parent, &adoption);
+        }
+    }
+
+    /// Adopts a process found by `--name`; `late`: found after tracing started.
+    fn adopt_named(
+        &mut self,
+        pid: u32,
+        late: bool,
+        probes: &mut Probes,
+        discovery: &mut Discovery,
+    ) {
+        let adoption = self.with_tools(probes, discovery, |family, tools| {
+            family.adopt_named(pid, late, tools)
+        });
+        let name = self.args.name.as_deref().unwrap_or_default();
+        match adoption {
+            Adoption::Followed => {
+                let comm = target::inspect(pid).map(|t| t.comm).unwrap_or_default();
+                let since = if late {
+                    " and started during the trace"
+                } else {
+                    ""
+                };
+                eprintln!(
+                    "memtrace: tracing pid {pid} ({comm}) too: it has the name {name}{since}"
+                );
+            }
+            Adoption::Known => {}
+            other => eprintln!("memtrace: pid {pid} named {name}: {other}"),
         }
     }
 
@@ -680,15 +764,17 @@ impl Session<'_> {
 
     fn reconciliation(&self, probes: &Probes) -> Option<Reconciliation> {
         let (start, now) = (self.memory_at_attach?, self.memory_last?);
+        // The target's own blocks: the memory figures are its.
         let tracked = |allocator: Allocator| -> u64 {
             self.pipeline
                 .table()
                 .blocks()
-                .filter(|(_, _, _, block)| {
-                    probes
-                        .specs()
-                        .get(usize::from(block.spec))
-                        .is_some_and(|s| s.allocator == allocator)
+                .filter(|(pid, _, _, block)| {
+                    *pid == self.target.pid
+                        && probes
+                            .specs()
+                            .get(usize::from(block.spec))
+                            .is_some_and(|s| s.allocator == allocator)
                 })
                 .map(|(_, _, _, block)| block.size)
                 .sum()

@@ -71,6 +71,14 @@ impl Pipeline {
         }
     }
 
+    /// Marks the end of the trace (see [`LiveTable::close`]).
+    pub fn close(&mut self, ended_ns: u64) {
+        self.table.close(ended_ns);
+        if let Some(recorder) = self.recorder.as_mut() {
+            recorder.end(ended_ns);
+        }
+    }
+
     pub fn table(&self) -> &LiveTable {
         &self.table
     }
