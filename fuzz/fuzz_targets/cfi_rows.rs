@@ -10,7 +10,7 @@ use libfuzzer_sys::fuzz_target;
 #[path = "../../memtrace/src/unwind/cfi.rs"]
 mod cfi;
 
-fn check(rows: &[memtrace_common::unwind::UnwindRow]) {
+fn check(rows: &[cfi::UnwindRow]) {
     for pair in rows.windows(2) {
         assert!(pair[0].pc < pair[1].pc, "rows sorted and distinct");
         assert!(

@@ -10,7 +10,9 @@
 /// Most frames one stack holds (`--stack-depth` is at most this).
 pub const MAX_FRAMES: usize = 127;
 /// Rows per element of the `UNWIND_ROWS` array map (4 KiB values).
-pub const ROWS_PER_CHUNK: u32 = 512;
+pub const ROWS_PER_CHUNK: u32 = 1024;
+/// Rules per element of the `UNWIND_RULES` array map (4 KiB values).
+pub const RULES_PER_CHUNK: u32 = 1024;
 /// Page-index entries per element of the `UNWIND_PAGES` array map.
 pub const PAGES_PER_CHUNK: u32 = 1024;
 /// log2 of the bytes of code one page-index entry covers.
@@ -23,8 +25,9 @@ pub const TABLE_NONE: u32 = u32::MAX;
 pub const TABLE_CAPPED: u32 = u32::MAX - 1;
 /// Most binary-search steps over a process's mappings (2^9 > [`MAX_MAPPINGS`]).
 pub const MAPPING_SEARCH_STEPS: u32 = 9;
-/// Most binary-search steps within one page's rows (pages hold at most 2^14 rows).
-pub const ROW_SEARCH_STEPS: u32 = 14;
+/// Most binary-search steps within one page's rows (a 4 KiB page holds at
+/// most 4097 rows).
+pub const ROW_SEARCH_STEPS: u32 = 13;
 
 /// How a row computes the caller's frame.
 #[repr(u8)]
@@ -49,13 +52,11 @@ pub enum RowKind {
     RbpDeref = 7,
 }
 
-/// One CFI row: from `pc` (file offset) until the next row, the caller's
-/// frame is found this way. 8 bytes.
+/// How to find the caller's frame: one entry of a table's rule dictionary
+/// (objects have a few hundred to a few thousand distinct rules). 4 bytes.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct UnwindRow {
-    /// First file offset this row covers.
-    pub pc: u32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct UnwindRule {
     /// CFA offset in units of 8 bytes (signed).
     pub cfa_offset8: i16,
     /// Where rbp was saved, relative to the CFA in units of 8 bytes; 0: rbp unchanged.
@@ -64,22 +65,41 @@ pub struct UnwindRow {
     pub kind: u8,
 }
 
+/// One CFI row as the kernel stores it: from `pc_in_page` (the offset within
+/// its 4 KiB page) until the next row, rule `rule` applies. Every page's rows
+/// begin with one at offset 0 (the rule covering the page's first byte).
+/// 4 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PageRow {
+    pub pc_in_page: u16,
+    /// Index in the table's rule dictionary.
+    pub rule: u16,
+}
+
 /// An element of the `UNWIND_ROWS` array map.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct RowChunk {
-    pub rows: [UnwindRow; ROWS_PER_CHUNK as usize],
+    pub rows: [PageRow; ROWS_PER_CHUNK as usize],
+}
+
+/// An element of the `UNWIND_RULES` array map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RuleChunk {
+    pub rules: [UnwindRule; RULES_PER_CHUNK as usize],
 }
 
 /// An element of the `UNWIND_PAGES` array map: for each 4 KiB page of an
-/// object's code, the global index of the row covering the page's first byte.
+/// object's code, the global index of the page's first row.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct PageChunk {
     pub first_row: [u32; PAGES_PER_CHUNK as usize],
 }
 
-/// Where one object's rows and page index sit in the global arrays.
+/// Where one object's rows, rules and page index sit in the global arrays.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TableInfo {
@@ -93,7 +113,8 @@ pub struct TableInfo {
     pub page_count: u32,
     /// File offset of page 0 (page-aligned).
     pub base: u32,
-    pub _pad: u32,
+    /// Global index of the table's first rule.
+    pub rule_start: u32,
 }
 
 /// One executable mapping of a traced process.
@@ -138,8 +159,10 @@ pub const STACK_MODE_FP: u32 = 1;
 /// memtrace's CFI unwinder (frame pointers where no CFI covers a PC).
 pub const STACK_MODE_DWARF: u32 = 2;
 
-const _: () = assert!(core::mem::size_of::<UnwindRow>() == 8);
+const _: () = assert!(core::mem::size_of::<UnwindRule>() == 4);
+const _: () = assert!(core::mem::size_of::<PageRow>() == 4);
 const _: () = assert!(core::mem::size_of::<RowChunk>() == 4096);
+const _: () = assert!(core::mem::size_of::<RuleChunk>() == 4096);
 const _: () = assert!(core::mem::size_of::<PageChunk>() == 4096);
 const _: () = assert!(core::mem::size_of::<TableInfo>() == 24);
 const _: () = assert!(core::mem::size_of::<MapEntry>() == 32);
@@ -151,6 +174,8 @@ mod user {
     // of them) with explicit padding fields: every bit pattern is valid and
     // there is no uninitialised padding.
     unsafe impl aya::Pod for super::RowChunk {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::RuleChunk {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::PageChunk {}
     // SAFETY: as above.

@@ -19,9 +19,9 @@ use aya_ebpf::{
 };
 use memtrace_common::{
     unwind::{
-        DwarfStack, MapEntry, PageChunk, ProcMaps, RowChunk, RowKind, TableInfo, UnwindRow,
-        MAPPING_SEARCH_STEPS, MAX_FRAMES, MAX_MAPPINGS, PAGES_PER_CHUNK, PAGE_SHIFT,
-        ROWS_PER_CHUNK, ROW_SEARCH_STEPS, TABLE_CAPPED, TABLE_NONE,
+        DwarfStack, MapEntry, PageChunk, PageRow, ProcMaps, RowChunk, RowKind, RuleChunk,
+        TableInfo, UnwindRule, MAPPING_SEARCH_STEPS, MAX_FRAMES, MAX_MAPPINGS, PAGES_PER_CHUNK,
+        PAGE_SHIFT, ROWS_PER_CHUNK, ROW_SEARCH_STEPS, RULES_PER_CHUNK, TABLE_CAPPED, TABLE_NONE,
     },
     Counter, EventKind,
 };
@@ -49,9 +49,12 @@ static OFF_RI_ORIG: Global<u32> = Global::new(0);
 #[no_mangle]
 static OFF_RI_NEXT: Global<u32> = Global::new(0);
 
-/// Rows of every object, in 512-row chunks (sized by the loader).
+/// Rows of every object, in 1024-row chunks (sized by the loader).
 #[map]
 static UNWIND_ROWS: Array<RowChunk> = Array::with_max_entries(1, 0);
+/// Rule dictionaries of every object (sized by the loader).
+#[map]
+static UNWIND_RULES: Array<RuleChunk> = Array::with_max_entries(1, 0);
 /// Page index of every object (sized by the loader).
 #[map]
 static UNWIND_PAGES: Array<PageChunk> = Array::with_max_entries(1, 0);
@@ -229,7 +232,7 @@ fn find_mapping(slot: u32, pc: u64) -> Option<MapEntry> {
 
 /// One step of the row search: `lo` ends as the last row with `pc <= key`.
 extern "C" fn row_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: `ctx` is the `Search` on `find_row`'s stack (see `mapping_step`).
+    // SAFETY: `ctx` is the `Search` on `find_rule`'s stack (see `mapping_step`).
     let search = unsafe { &mut *(ctx as *mut Search) };
     if search.hi <= search.lo + 1 {
         return 1;
@@ -238,7 +241,7 @@ extern "C" fn row_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
     let Some(row) = row_at(mid) else {
         return 1;
     };
-    if u64::from(row.pc) <= search.key {
+    if u64::from(row.pc_in_page) <= search.key {
         search.lo = mid;
     } else {
         search.hi = mid;
@@ -247,9 +250,18 @@ extern "C" fn row_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
 }
 
 #[inline(always)]
-fn row_at(index: u32) -> Option<UnwindRow> {
+fn row_at(index: u32) -> Option<PageRow> {
     let chunk = UNWIND_ROWS.get(index / ROWS_PER_CHUNK)?;
     chunk.rows.get((index % ROWS_PER_CHUNK) as usize).copied()
+}
+
+#[inline(always)]
+fn rule_at(index: u32) -> Option<UnwindRule> {
+    let chunk = UNWIND_RULES.get(index / RULES_PER_CHUNK)?;
+    chunk
+        .rules
+        .get((index % RULES_PER_CHUNK) as usize)
+        .copied()
 }
 
 #[inline(always)]
@@ -261,28 +273,28 @@ fn page_first_row(index: u32) -> Option<u32> {
         .copied()
 }
 
-/// The row covering file offset `offset` of table `table`.
+/// The rule covering file offset `offset` of table `table` ("no CFI" outside it).
 #[inline(always)]
-fn find_row(table: u32, offset: u64) -> Option<UnwindRow> {
+fn find_rule(table: u32, offset: u64) -> Option<UnwindRule> {
     let info = UNWIND_TABLES.get(table)?;
     if offset < u64::from(info.base) || info.row_count == 0 {
-        return Some(UnwindRow::default());
+        return Some(UnwindRule::default());
     }
     let page = ((offset - u64::from(info.base)) >> PAGE_SHIFT) as u32;
     if page >= info.page_count {
-        return Some(UnwindRow::default());
+        return Some(UnwindRule::default());
     }
     let first = page_first_row(info.page_start + page)?;
-    let last = if page + 1 < info.page_count {
+    let end = if page + 1 < info.page_count {
         page_first_row(info.page_start + page + 1)?
     } else {
-        info.row_start + info.row_count - 1
+        info.row_start + info.row_count
     };
-    // The last row whose pc <= offset, in [first, last].
+    // The page's last row at or before the offset; its first row is at 0.
     let mut search = Search {
         lo: first,
-        hi: last + 1,
-        key: offset,
+        hi: end,
+        key: offset & ((1 << PAGE_SHIFT) - 1),
         slot: 0,
         _pad: 0,
     };
@@ -295,13 +307,8 @@ fn find_row(table: u32, offset: u64) -> Option<UnwindRow> {
             0,
         );
     }
-    let lo = search.lo;
-    let row = row_at(lo)?;
-    Some(if u64::from(row.pc) <= offset {
-        row
-    } else {
-        UnwindRow::default()
-    })
+    let row = row_at(search.lo)?;
+    rule_at(info.rule_start + u32::from(row.rule))
 }
 
 /// Records the current PC and computes the caller's registers.
@@ -315,7 +322,7 @@ fn step(walk: &mut Walk) -> u32 {
     };
     walk.exact = 0;
     let (row, missing) = if walk.slot == NO_SLOT {
-        (UnwindRow::default(), NO_TABLE)
+        (UnwindRule::default(), NO_TABLE)
     } else {
         match find_mapping(walk.slot, lookup) {
             None => {
@@ -324,11 +331,11 @@ fn step(walk: &mut Walk) -> u32 {
                     // Not code: the previous frame's return address was not real.
                     return NO_TABLE;
                 }
-                (UnwindRow::default(), NO_TABLE)
+                (UnwindRule::default(), NO_TABLE)
             }
-            Some(entry) if entry.table == TABLE_NONE => (UnwindRow::default(), NO_TABLE),
-            Some(entry) if entry.table == TABLE_CAPPED => (UnwindRow::default(), CAPPED),
-            Some(entry) => match find_row(entry.table, lookup.wrapping_sub(entry.bias)) {
+            Some(entry) if entry.table == TABLE_NONE => (UnwindRule::default(), NO_TABLE),
+            Some(entry) if entry.table == TABLE_CAPPED => (UnwindRule::default(), CAPPED),
+            Some(entry) => match find_rule(entry.table, lookup.wrapping_sub(entry.bias)) {
                 Some(row) => (row, NO_TABLE),
                 None => return BAD_RULE,
             },

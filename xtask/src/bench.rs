@@ -21,6 +21,8 @@ use serde_json::Value;
 
 use super::{root, run};
 
+mod unwind;
+
 /// Options of `cargo xtask bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -103,6 +105,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let machine = machine(&env, &root, &memleak);
     eprintln!("xtask bench: malloc/free pairs ({rounds} rounds)");
     let pairs = bench_pairs(&env, &bpftrace, &memleak);
+    eprintln!("xtask bench: deep stacks without frame pointers ({rounds} rounds)");
+    let deep = unwind::bench_deep(&env);
+    eprintln!("xtask bench: unwind tables of real objects");
+    let tables = unwind::bench_tables(&env);
     eprintln!("xtask bench: inference-like workload");
     let inference = bench_inference(&env);
     eprintln!("xtask bench: pipeline capacity");
@@ -124,6 +130,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         elapsed: started.elapsed(),
         rounds,
         pairs,
+        deep,
+        tables,
         inference,
         capacity,
         rss,
@@ -837,7 +845,13 @@ fn bench_pairs(
             memtrace_flags(&["--stack-depth", "0"]),
             traced,
         ),
-        PairConfig::new("memtrace default", "`memtrace` (32-frame stacks)".into(), memtrace_flags(&[]), traced),
+        PairConfig::new("memtrace default", "`memtrace` (32-frame DWARF stacks)".into(), memtrace_flags(&[]), traced),
+        PairConfig::new(
+            "memtrace --stacks fp",
+            "`memtrace --stacks fp` (32-frame frame-pointer stacks)".into(),
+            memtrace_flags(&["--stacks", "fp"]),
+            traced,
+        ),
         PairConfig::new(
             "memtrace --sample-rate 100",
             "`memtrace --sample-rate 100`".into(),
@@ -858,11 +872,29 @@ fn bench_pairs(
         ),
     ];
     if let Err(why) = bpftrace {
-        configs[6].unavailable = Some(why.clone());
-    }
-    if let Err(why) = memleak {
         configs[7].unavailable = Some(why.clone());
     }
+    if let Err(why) = memleak {
+        configs[8].unavailable = Some(why.clone());
+    }
+    run_rounds(env, "mallocbench", &mut configs);
+    // A peer none of whose runs worked is unavailable, and says why.
+    for config in configs.iter_mut() {
+        let peer = matches!(config.tracer, Tracer::Bpftrace | Tracer::Memleak(_));
+        if peer && config.samples.is_empty() && config.unavailable.is_none() {
+            if let Some(first) = config.errors.first() {
+                config.unavailable = Some(first.clone());
+                config.errors.clear();
+            }
+        }
+    }
+    PairsResult { configs }
+}
+
+/// Runs every configuration `env.rounds` times, interleaved, on a
+/// mallocbench-like `program` (PAIRS WAIT LINGER, prints `ns_per_pair`),
+/// resizing each loop to about [`TARGET_LOOP_S`].
+fn run_rounds(env: &Env, program: &str, configs: &mut [PairConfig]) {
     for round in 0..env.rounds {
         for config in configs.iter_mut() {
             if config.unavailable.is_some() {
@@ -874,13 +906,13 @@ fn bench_pairs(
                 config.name,
                 config.pairs
             );
-            let mut cmd = env.program("mallocbench");
+            let mut cmd = env.program(program);
             cmd.arg(config.pairs.to_string()).arg("60").arg("30");
             let expect_s =
                 5.0 + config.pairs as f64 * median(&config.samples).unwrap_or(20_000.0) / 1e9 * 4.0;
             let result = traced_run(
                 env,
-                "mallocbench",
+                program,
                 &mut cmd,
                 &config.tracer,
                 "ns_per_pair",
@@ -906,17 +938,6 @@ fn bench_pairs(
             }
         }
     }
-    // A peer none of whose runs worked is unavailable, and says why.
-    for config in configs.iter_mut() {
-        let peer = matches!(config.tracer, Tracer::Bpftrace | Tracer::Memleak(_));
-        if peer && config.samples.is_empty() && config.unavailable.is_none() {
-            if let Some(first) = config.errors.first() {
-                config.unavailable = Some(first.clone());
-                config.errors.clear();
-            }
-        }
-    }
-    PairsResult { configs }
 }
 
 impl PairConfig {
@@ -1644,6 +1665,8 @@ struct Doc {
     elapsed: Duration,
     rounds: usize,
     pairs: PairsResult,
+    deep: unwind::DeepResult,
+    tables: Vec<unwind::TableRow>,
     inference: InferenceResult,
     capacity: (f64, Vec<CapacityRow>),
     rss: RssResult,
@@ -1824,6 +1847,12 @@ fn render(doc: &Doc) -> String {
     );
     let _ = writeln!(
         s,
+        "- memtrace default (DWARF) / memtrace --stacks fp, same frames (mallocbench has frame \
+         pointers): {} (goal <= 1.3x)",
+        fmt_ratio(memtrace_default, p.median_of("memtrace --stacks fp"))
+    );
+    let _ = writeln!(
+        s,
         "- bpftrace empty probes / placed floor: {} (the price of probing free at its entry, \
          where its first instruction is single-stepped)",
         fmt_ratio(p.median_of("bpftrace empty probes"), placed)
@@ -1851,6 +1880,9 @@ fn render(doc: &Doc) -> String {
         );
     }
     let _ = writeln!(s);
+
+    unwind::render_deep(&doc.deep, &mut s);
+    unwind::render_tables(&doc.tables, &mut s);
 
     // Inference.
     let inf = &doc.inference;

@@ -167,11 +167,7 @@ impl Probes {
         let unwind_capacity = if options.stack_mode == STACK_MODE_DWARF {
             options.unwind
         } else {
-            crate::unwind::kernel::Capacity {
-                row_chunks: 1,
-                page_chunks: 1,
-                processes: 1,
-            }
+            crate::unwind::kernel::Capacity::minimal()
         };
         let offsets = crate::unwind::btf::uprobe_offsets().unwrap_or_else(|| {
             log::warn!("no uprobe structures in the kernel's BTF: stacks through functions with return probes end there");
@@ -199,6 +195,7 @@ impl Probes {
             .map_max_entries("DWARF_STACKS", options.stack_entries.max(1))
             .map_max_entries("UNWIND_ROWS", unwind_capacity.row_chunks)
             .map_max_entries("UNWIND_PAGES", unwind_capacity.page_chunks)
+            .map_max_entries("UNWIND_RULES", unwind_capacity.rule_chunks)
             .map_max_entries("PROC_MAPS", unwind_capacity.processes)
             .map_max_entries("PROC_SLOTS", unwind_capacity.processes)
             .load(EBPF_OBJECT)

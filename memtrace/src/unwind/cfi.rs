@@ -16,8 +16,36 @@ use gimli::{
     BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, LittleEndian, RegisterRule,
     UnwindContext, UnwindSection, X86_64,
 };
-use memtrace_common::unwind::{RowKind, UnwindRow};
+use memtrace_common::unwind::{RowKind, UnwindRule};
 use object::{Object, ObjectSection, ObjectSegment};
+
+/// One row before it is packed for the kernel: from `pc` (file offset)
+/// until the next row, the caller's frame is found this way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnwindRow {
+    pub pc: u32,
+    /// CFA offset in units of 8 bytes (signed).
+    pub cfa_offset8: i16,
+    /// Where rbp was saved, relative to the CFA in units of 8 bytes; 0: unchanged.
+    pub rbp_offset8: i8,
+    /// [`RowKind`] as `u8`.
+    pub kind: u8,
+}
+
+impl UnwindRow {
+    /// The rule of this row, without its address.
+    pub fn rule(&self) -> UnwindRule {
+        UnwindRule {
+            cfa_offset8: self.cfa_offset8,
+            rbp_offset8: self.rbp_offset8,
+            kind: self.kind,
+        }
+    }
+}
+
+/// Gaps between FDEs up to this size are alignment padding (never a return
+/// address): the previous rule runs on over them rather than a "no CFI" row.
+const PADDING: u64 = 64;
 
 /// Why an object has no table.
 #[derive(Debug, thiserror::Error)]
@@ -328,7 +356,7 @@ fn merge(mut spans: Vec<Span>) -> Vec<UnwindRow> {
         if start >= span.end {
             continue; // wholly covered by an earlier (overlapping) FDE
         }
-        if start > covered_to && !rows.is_empty() {
+        if start > covered_to + PADDING && !rows.is_empty() {
             push(&mut rows, covered_to, none);
         }
         push(&mut rows, start, span.row);
@@ -415,21 +443,28 @@ mod tests {
                 end: 0x1040,
                 row: r(RowKind::Rbp, 2),
             },
+            Span {
+                start: 0x1100,
+                end: 0x1110,
+                row: r(RowKind::Rsp, 1),
+            },
         ];
         let rows = merge(spans);
         let pcs: Vec<(u32, u8)> = rows.iter().map(|r| (r.pc, r.kind)).collect();
+        // The 16-byte gap is padding; a wider one has no CFI.
         assert_eq!(
             pcs,
             vec![
                 (0x1000, RowKind::Rsp as u8),
                 (0x1001, RowKind::Rsp as u8),
-                (0x1020, RowKind::None as u8),
                 (0x1030, RowKind::Rbp as u8),
                 (0x1040, RowKind::None as u8),
+                (0x1100, RowKind::Rsp as u8),
+                (0x1110, RowKind::None as u8),
             ]
         );
         assert_eq!(lookup(&rows, 0x1015).map(|r| r.cfa_offset8), Some(2));
-        assert_eq!(lookup(&rows, 0x1025).map(|r| r.kind), Some(0));
+        assert_eq!(lookup(&rows, 0x1080).map(|r| r.kind), Some(0));
         assert_eq!(lookup(&rows, 0x0fff), None);
     }
 

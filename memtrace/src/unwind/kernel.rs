@@ -13,13 +13,14 @@ use std::time::Instant;
 use aya::maps::{Array, HashMap as BpfHashMap, MapData};
 use aya::Ebpf;
 use memtrace_common::unwind::{
-    MapEntry, PageChunk, ProcMaps, RowChunk, TableInfo, UnwindRow, MAX_MAPPINGS, PAGES_PER_CHUNK,
-    ROWS_PER_CHUNK, TABLE_CAPPED, TABLE_NONE,
+    MapEntry, PageChunk, PageRow, ProcMaps, RowChunk, RuleChunk, TableInfo, UnwindRule,
+    MAX_MAPPINGS, PAGES_PER_CHUNK, ROWS_PER_CHUNK, RULES_PER_CHUNK, TABLE_CAPPED, TABLE_NONE,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::probe::maps::Mapping;
-use crate::unwind::{cfi, table};
+use crate::unwind::cfi::{self, UnwindRow};
+use crate::unwind::table;
 
 /// Most objects with a table (the `UNWIND_TABLES` map's size).
 pub const MAX_TABLES: u32 = 4096;
@@ -28,22 +29,33 @@ pub const MAX_TABLES: u32 = 4096;
 #[derive(Clone, Copy, Debug)]
 pub struct Capacity {
     pub row_chunks: u32,
+    pub rule_chunks: u32,
     pub page_chunks: u32,
     pub processes: u32,
 }
 
 impl Capacity {
-    /// Splits `mib` of table memory between rows and the page index (which
-    /// is about 1/50 of the rows on real objects).
+    /// Splits `mib` of table memory between rows, rule dictionaries and the
+    /// page index (each about 1/50 of the rows on real objects).
     pub fn from_mib(mib: u32, processes: u32) -> Self {
         let chunks = (u64::from(mib.max(1)) << 20) / 4096;
-        let page_chunks = (chunks / 16).max(1);
+        let small = (chunks / 16).max(1);
+        let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX).max(1);
         Capacity {
-            row_chunks: u32::try_from(chunks - page_chunks)
-                .unwrap_or(u32::MAX)
-                .max(1),
-            page_chunks: u32::try_from(page_chunks).unwrap_or(u32::MAX),
+            row_chunks: clamp(chunks.saturating_sub(2 * small)),
+            rule_chunks: clamp(small),
+            page_chunks: clamp(small),
             processes: processes.max(1),
+        }
+    }
+
+    /// One element of everything (the unwinder unused).
+    pub fn minimal() -> Self {
+        Capacity {
+            row_chunks: 1,
+            rule_chunks: 1,
+            page_chunks: 1,
+            processes: 1,
         }
     }
 }
@@ -77,22 +89,26 @@ enum FileTable {
     None,
 }
 
-/// Kernel bytes a table of `rows` rows and `pages` page-index entries takes
-/// (whole 4 KiB chunks of each).
-pub fn kernel_bytes(rows: usize, pages: usize) -> u64 {
-    let chunks = rows.div_ceil(ROWS_PER_CHUNK as usize) + pages.div_ceil(PAGES_PER_CHUNK as usize);
+/// Kernel bytes a packed table takes (whole 4 KiB chunks of rows, rules and
+/// page index).
+pub fn kernel_bytes(packed: &table::Packed) -> u64 {
+    let chunks = packed.rows.len().div_ceil(ROWS_PER_CHUNK as usize)
+        + packed.rules.len().div_ceil(RULES_PER_CHUNK as usize)
+        + packed.pages.len().div_ceil(PAGES_PER_CHUNK as usize);
     chunks as u64 * 4096 + std::mem::size_of::<TableInfo>() as u64
 }
 
 /// The unwinder's maps and the tables loaded so far.
 pub struct UnwindTables {
     rows: Array<MapData, RowChunk>,
+    rules: Array<MapData, RuleChunk>,
     pages: Array<MapData, PageChunk>,
     tables: Array<MapData, TableInfo>,
     slots: BpfHashMap<MapData, u32, u32>,
     proc_maps: Array<MapData, ProcMaps>,
     capacity: Capacity,
     next_row_chunk: u32,
+    next_rule_chunk: u32,
     next_page_chunk: u32,
     next_table: u32,
     by_file: HashMap<(u64, u64), FileTable>,
@@ -109,18 +125,21 @@ impl UnwindTables {
                 .ok_or_else(|| anyhow::anyhow!("map {name} missing from the eBPF object"))
         };
         let rows = Array::try_from(take("UNWIND_ROWS")?)?;
+        let rules = Array::try_from(take("UNWIND_RULES")?)?;
         let pages = Array::try_from(take("UNWIND_PAGES")?)?;
         let tables = Array::try_from(take("UNWIND_TABLES")?)?;
         let slots = BpfHashMap::try_from(take("PROC_SLOTS")?)?;
         let proc_maps = Array::try_from(take("PROC_MAPS")?)?;
         Ok(UnwindTables {
             rows,
+            rules,
             pages,
             tables,
             slots,
             proc_maps,
             capacity,
             next_row_chunk: 0,
+            next_rule_chunk: 0,
             next_page_chunk: 0,
             next_table: 0,
             by_file: HashMap::new(),
@@ -129,6 +148,7 @@ impl UnwindTables {
             summary: UnwindSummary {
                 mode: "dwarf".into(),
                 kernel_bytes_reserved: (u64::from(capacity.row_chunks)
+                    + u64::from(capacity.rule_chunks)
                     + u64::from(capacity.page_chunks))
                     * 4096,
                 ..UnwindSummary::default()
@@ -278,32 +298,45 @@ impl UnwindTables {
         if rows.is_empty() {
             return None;
         }
-        let (base, pages) = table::page_index(rows);
-        let row_chunks = rows.len().div_ceil(ROWS_PER_CHUNK as usize) as u32;
-        let page_chunks = pages.len().div_ceil(PAGES_PER_CHUNK as usize) as u32;
+        let packed = table::pack(rows)?;
+        let row_chunks = packed.rows.len().div_ceil(ROWS_PER_CHUNK as usize) as u32;
+        let rule_chunks = packed.rules.len().div_ceil(RULES_PER_CHUNK as usize) as u32;
+        let page_chunks = packed.pages.len().div_ceil(PAGES_PER_CHUNK as usize) as u32;
         if self.next_table >= MAX_TABLES
             || self.next_row_chunk + row_chunks > self.capacity.row_chunks
+            || self.next_rule_chunk + rule_chunks > self.capacity.rule_chunks
             || self.next_page_chunk + page_chunks > self.capacity.page_chunks
         {
             return None;
         }
         let row_start = self.next_row_chunk * ROWS_PER_CHUNK;
-        for (i, chunk_rows) in rows.chunks(ROWS_PER_CHUNK as usize).enumerate() {
+        let rule_start = self.next_rule_chunk * RULES_PER_CHUNK;
+        let page_start = self.next_page_chunk * PAGES_PER_CHUNK;
+        for (i, part) in packed.rows.chunks(ROWS_PER_CHUNK as usize).enumerate() {
             let mut chunk = RowChunk {
-                rows: [UnwindRow::default(); ROWS_PER_CHUNK as usize],
+                rows: [PageRow::default(); ROWS_PER_CHUNK as usize],
             };
-            chunk.rows[..chunk_rows.len()].copy_from_slice(chunk_rows);
+            chunk.rows[..part.len()].copy_from_slice(part);
             if let Err(err) = self.rows.set(self.next_row_chunk + i as u32, chunk, 0) {
                 log::warn!("unwinder: cannot load rows: {err}");
                 return None;
             }
         }
-        let page_start = self.next_page_chunk * PAGES_PER_CHUNK;
-        for (i, chunk_pages) in pages.chunks(PAGES_PER_CHUNK as usize).enumerate() {
+        for (i, part) in packed.rules.chunks(RULES_PER_CHUNK as usize).enumerate() {
+            let mut chunk = RuleChunk {
+                rules: [UnwindRule::default(); RULES_PER_CHUNK as usize],
+            };
+            chunk.rules[..part.len()].copy_from_slice(part);
+            if let Err(err) = self.rules.set(self.next_rule_chunk + i as u32, chunk, 0) {
+                log::warn!("unwinder: cannot load rules: {err}");
+                return None;
+            }
+        }
+        for (i, part) in packed.pages.chunks(PAGES_PER_CHUNK as usize).enumerate() {
             let mut chunk = PageChunk {
                 first_row: [0; PAGES_PER_CHUNK as usize],
             };
-            for (slot, &row) in chunk.first_row.iter_mut().zip(chunk_pages) {
+            for (slot, &row) in chunk.first_row.iter_mut().zip(part) {
                 *slot = row_start + row;
             }
             if let Err(err) = self.pages.set(self.next_page_chunk + i as u32, chunk, 0) {
@@ -314,11 +347,11 @@ impl UnwindTables {
         let index = self.next_table;
         let info = TableInfo {
             row_start,
-            row_count: rows.len() as u32,
+            row_count: packed.rows.len() as u32,
             page_start,
-            page_count: pages.len() as u32,
-            base,
-            _pad: 0,
+            page_count: packed.pages.len() as u32,
+            base: packed.base,
+            rule_start,
         };
         if let Err(err) = self.tables.set(index, info, 0) {
             log::warn!("unwinder: cannot register a table: {err}");
@@ -326,10 +359,13 @@ impl UnwindTables {
         }
         self.next_table += 1;
         self.next_row_chunk += row_chunks;
+        self.next_rule_chunk += rule_chunks;
         self.next_page_chunk += page_chunks;
-        self.summary.kernel_bytes_used =
-            (u64::from(self.next_row_chunk) + u64::from(self.next_page_chunk)) * 4096
-                + u64::from(self.next_table) * std::mem::size_of::<TableInfo>() as u64;
+        self.summary.kernel_bytes_used = (u64::from(self.next_row_chunk)
+            + u64::from(self.next_rule_chunk)
+            + u64::from(self.next_page_chunk))
+            * 4096
+            + u64::from(self.next_table) * std::mem::size_of::<TableInfo>() as u64;
         Some(index)
     }
 }

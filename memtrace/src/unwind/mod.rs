@@ -30,17 +30,26 @@ pub fn describe(files: &[PathBuf]) -> anyhow::Result<ExitCode> {
         match cfi::rows_from_elf(&data) {
             Ok(rows) => {
                 let build_ms = started.elapsed().as_secs_f64() * 1000.0;
-                let (_, pages) = table::page_index(&rows.rows);
-                let kernel_bytes = kernel::kernel_bytes(rows.rows.len(), pages.len());
+                let Some(packed) = table::pack(&rows.rows) else {
+                    eprintln!(
+                        "memtrace: {}: more than 65536 distinct unwind rules",
+                        path.display()
+                    );
+                    failed = true;
+                    continue;
+                };
+                let kernel_bytes = kernel::kernel_bytes(&packed);
                 let line = serde_json::json!({
                     "file": path.display().to_string(),
                     "file_bytes": data.len(),
                     "eh_frame_bytes": cfi::eh_frame_size(&data),
                     "fdes": rows.fdes,
                     "rows": rows.rows.len(),
+                    "kernel_rows": packed.rows.len(),
+                    "rules": packed.rules.len(),
                     "malformed": rows.malformed,
                     "unsupported_rows": rows.unsupported,
-                    "pages": pages.len(),
+                    "pages": packed.pages.len(),
                     "kernel_bytes": kernel_bytes,
                     "build_ms": build_ms,
                 });
