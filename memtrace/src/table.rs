@@ -5,9 +5,13 @@
 //!
 //! Semantics: `realloc(p, n)` releases `p` and creates the new block;
 //! `realloc(NULL, n)` is an allocation; a release of an address the table does
-//! not hold (allocated before attach) is counted in `unmatched_frees`.
+//! not hold (allocated before attach) is counted in `unmatched_frees`; a
+//! release of the block the same thread released just before, with no other
+//! event of that thread in between, is one release seen at two probes (a C++
+//! `operator delete` that ends in a call of a probed `free`/`sdallocx`) and is
+//! counted in `releases_seen_twice`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::event::{Action, Event, StackRef};
 use crate::probe::catalog::Domain;
@@ -31,6 +35,8 @@ pub struct Counts {
     pub allocs: u64,
     pub frees: u64,
     pub unmatched_frees: u64,
+    /// Releases seen a second time at another probe (counted once).
+    pub releases_seen_twice: u64,
     /// Allocations not tracked because the table was at its cap.
     pub table_full: u64,
     /// Failed calls by (spec, return code).
@@ -45,6 +51,8 @@ pub struct LiveTable {
     blocks: BTreeMap<BlockKey, LiveBlock>,
     counts: Counts,
     max_blocks: usize,
+    /// Per thread, the block it released last, until its next event.
+    last_release: HashMap<u32, BlockKey>,
 }
 
 impl LiveTable {
@@ -53,6 +61,7 @@ impl LiveTable {
             blocks: BTreeMap::new(),
             counts: Counts::default(),
             max_blocks,
+            last_release: HashMap::new(),
         }
     }
 
@@ -60,10 +69,11 @@ impl LiveTable {
     pub fn apply(&mut self, event: &Event, domain: Domain) {
         match event.action {
             Action::Alloc { addr, size, stack } => {
+                self.last_release.remove(&event.tid);
                 self.counts.allocs += 1;
                 self.insert((event.pid, domain, addr), size, event, stack);
             }
-            Action::Free { addr } => self.release((event.pid, domain, addr)),
+            Action::Free { addr } => self.release_by(event.tid, (event.pid, domain, addr)),
             Action::Realloc {
                 old,
                 new,
@@ -71,6 +81,7 @@ impl LiveTable {
                 stack,
                 track_new,
             } => {
+                self.last_release.remove(&event.tid);
                 if old != 0 {
                     self.release((event.pid, domain, old));
                 }
@@ -103,6 +114,17 @@ impl LiveTable {
         self.blocks.insert(key, block);
     }
 
+    /// A release by thread `tid`: a repeat of its previous one is the same
+    /// release seen at a second probe.
+    fn release_by(&mut self, tid: u32, key: BlockKey) {
+        if !self.blocks.contains_key(&key) && self.last_release.get(&tid) == Some(&key) {
+            self.counts.releases_seen_twice += 1;
+            return;
+        }
+        self.release(key);
+        self.last_release.insert(tid, key);
+    }
+
     fn release(&mut self, key: BlockKey) {
         if self.blocks.remove(&key).is_some() {
             self.counts.frees += 1;
@@ -129,6 +151,45 @@ impl LiveTable {
         self.blocks
             .iter()
             .map(|(&(pid, domain, addr), block)| (pid, domain, addr, block))
+    }
+}
+
+#[cfg(test)]
+mod repeat_tests {
+    use super::*;
+    use crate::event::{Action, Event, StackRef};
+
+    fn ev(tid: u32, action: Action) -> Event {
+        Event {
+            ts_ns: 0,
+            pid: 1,
+            tid,
+            spec: 0,
+            action,
+        }
+    }
+
+    #[test]
+    fn a_release_seen_at_two_probes_counts_once() {
+        let mut t = LiveTable::new(100);
+        let alloc = |addr| Action::Alloc {
+            addr,
+            size: 8,
+            stack: StackRef::NotRequested,
+        };
+        t.apply(&ev(7, alloc(0x10)), Domain::Heap);
+        // operator delete, then the sdallocx it calls: one release.
+        t.apply(&ev(7, Action::Free { addr: 0x10 }), Domain::Heap);
+        t.apply(&ev(7, Action::Free { addr: 0x10 }), Domain::Heap);
+        assert_eq!((t.counts().frees, t.counts().unmatched_frees), (1, 0));
+        assert_eq!(t.counts().releases_seen_twice, 1);
+        // Another thread's free of the same address is unmatched.
+        t.apply(&ev(8, Action::Free { addr: 0x10 }), Domain::Heap);
+        assert_eq!(t.counts().unmatched_frees, 1);
+        // After an allocation of that thread, a repeat is no longer one.
+        t.apply(&ev(7, alloc(0x20)), Domain::Heap);
+        t.apply(&ev(7, Action::Free { addr: 0x10 }), Domain::Heap);
+        assert_eq!(t.counts().unmatched_frees, 2);
     }
 }
 
@@ -241,7 +302,10 @@ mod tests {
         table.apply(&child_free, Domain::Heap);
         let left: Vec<(u32, u64)> = table.blocks().map(|(p, _, _, b)| (p, b.size)).collect();
         assert_eq!(left, vec![(1, 8)]);
-        // A free of an address only the parent holds is unmatched in the child.
+        // A free of an address only the parent holds is unmatched in the
+        // child (by another thread: the same thread's repeat would be one
+        // release seen twice).
+        child_free.tid += 1;
         table.apply(&child_free, Domain::Heap);
         assert_eq!(table.counts().unmatched_frees, 1);
     }

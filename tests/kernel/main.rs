@@ -4,6 +4,7 @@
 
 mod support;
 
+mod allocators;
 mod analysis;
 mod bad_input;
 mod core_host;

@@ -114,11 +114,19 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     eprintln!("xtask bench: collateral cost on another process ({rounds} rounds)");
     let collateral = bench_collateral(&env);
 
+    eprintln!("xtask bench: redis-server under redis-benchmark ({rounds} rounds)");
+    let redis = super::bench_redis::section(&super::bench_redis::RedisBench {
+        memtrace: &env.memtrace,
+        work: &env.work,
+        rounds,
+        requests: if quick { 20_000 } else { 50_000 },
+    });
+
     let command = std::iter::once("cargo xtask".to_string())
         .chain(std::env::args().skip(1))
         .collect::<Vec<_>>()
         .join(" ");
-    let doc = render(&Doc {
+    let mut doc = render(&Doc {
         command,
         machine,
         elapsed: started.elapsed(),
@@ -130,6 +138,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         attach,
         collateral,
     });
+    doc.push('\n');
+    doc.push_str(&redis);
     let out = if args.out.is_absolute() {
         args.out.clone()
     } else {
