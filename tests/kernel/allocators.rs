@@ -60,9 +60,17 @@ fn assert_nothing_counted_twice(report: &Value) {
 /// The C++ fixture's known leaks, under whichever allocator.
 fn check_cxx(report: &Value, allocator: &str) {
     assert_eq!(site_totals(report, "make_nodes"), (4800, 100), "new Node");
-    assert_eq!(site_totals(report, "make_arrays"), (1000, 10), "new char[100]");
+    assert_eq!(
+        site_totals(report, "make_arrays"),
+        (1000, 10),
+        "new char[100]"
+    );
     assert_eq!(site_totals(report, "make_aligned"), (640, 5), "aligned new");
-    assert_eq!(site_totals(report, "leak_nothrow"), (512, 8), "nothrow new[]");
+    assert_eq!(
+        site_totals(report, "leak_nothrow"),
+        (512, 8),
+        "nothrow new[]"
+    );
     assert!(
         sites_of(report, "balanced_nodes").is_empty(),
         "balanced_nodes freed everything"
@@ -172,8 +180,16 @@ fn jemalloc_api_direct_and_moved_probes_under_load() {
     let malloc = probe_of(&report, "libjemalloc", "malloc");
     assert_eq!(malloc["probe_offset"], 7, "{malloc}");
     assert_eq!(malloc["emulated"], true, "{malloc}");
-    assert_eq!(site_totals(&report, "leak_small_t"), (1280, 32), "fall-through");
-    assert_eq!(site_totals(&report, "leak_large_t"), (160000, 32), "branch taken");
+    assert_eq!(
+        site_totals(&report, "leak_small_t"),
+        (1280, 32),
+        "fall-through"
+    );
+    assert_eq!(
+        site_totals(&report, "leak_large_t"),
+        (160000, 32),
+        "branch taken"
+    );
     for site in ["leak_mallocx", "leak_small_t", "leak_large_t"] {
         assert_eq!(allocator_of(&report, site), "jemalloc", "{site}");
     }

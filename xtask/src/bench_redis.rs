@@ -82,7 +82,9 @@ pub fn section(opts: &RedisBench) -> String {
         opts.requests,
         opts.rounds
     );
-    md.push_str("| configuration | SET req/s | SET ratio | GET req/s | GET ratio | allocs seen | lost |\n");
+    md.push_str(
+        "| configuration | SET req/s | SET ratio | GET req/s | GET ratio | allocs seen | lost |\n",
+    );
     md.push_str("|---|---|---|---|---|---|---|\n");
     let base_set = median(&configs[0].set);
     let base_get = median(&configs[0].get);
@@ -193,7 +195,16 @@ fn one_run(opts: &RedisBench, flags: Option<&[&str]>) -> Result<Run> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut server = Guard(
         Command::new("redis-server")
-            .args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &port,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .args(["--daemonize", "no", "--protected-mode", "yes", "--dir"])
             .arg(&dir)
             .stdin(Stdio::null())
@@ -207,7 +218,13 @@ fn one_run(opts: &RedisBench, flags: Option<&[&str]>) -> Result<Run> {
     let mut tracer = match (flags, &report_path) {
         (Some(flags), Some(report)) => {
             let mut child = Command::new(opts.memtrace)
-                .args(["--pid", &server.0.id().to_string(), "--format", "json", "-o"])
+                .args([
+                    "--pid",
+                    &server.0.id().to_string(),
+                    "--format",
+                    "json",
+                    "-o",
+                ])
                 .arg(report)
                 .args(flags)
                 .stdin(Stdio::null())
@@ -231,7 +248,18 @@ fn one_run(opts: &RedisBench, flags: Option<&[&str]>) -> Result<Run> {
         _ => None,
     };
     let out = Command::new("redis-benchmark")
-        .args(["-h", "127.0.0.1", "-p", &port, "-t", "set,get", "-c", "50", "--csv", "-n"])
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "-t",
+            "set,get",
+            "-c",
+            "50",
+            "--csv",
+            "-n",
+        ])
         .arg(opts.requests.to_string())
         .output()
         .context("running redis-benchmark")?;
@@ -253,8 +281,8 @@ fn one_run(opts: &RedisBench, flags: Option<&[&str]>) -> Result<Run> {
     let mut events = None;
     if let (Some(tracer), Some(path)) = (tracer.as_mut(), &report_path) {
         tracer.interrupt_and_wait(Duration::from_secs(60))?;
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading {}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let json: Value = serde_json::from_str(&text).context("memtrace's report")?;
         let num = |v: &Value| v.as_u64().unwrap_or(0);
         events = Some((

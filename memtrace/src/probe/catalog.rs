@@ -363,7 +363,9 @@ pub static CATALOG: &[FuncDef] = &[
     // ---- tcmalloc's `tc_*` entry points ----
     FuncDef::new("tc_malloc", Tcmalloc, Host, Heap).returns_ptr(0),
     FuncDef::new("tc_malloc_skip_new_handler", Tcmalloc, Host, Heap).returns_ptr(0),
-    FuncDef::new("tc_calloc", Tcmalloc, Host, Heap).returns_ptr(1).count(0),
+    FuncDef::new("tc_calloc", Tcmalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
     FuncDef::new("tc_realloc", Tcmalloc, Host, Heap).realloc(0, 1),
     FuncDef::new("tc_memalign", Tcmalloc, Host, Heap).returns_ptr(1),
     FuncDef::new("tc_posix_memalign", Tcmalloc, Host, Heap).out_status(0, 2),
@@ -398,20 +400,32 @@ pub static CATALOG: &[FuncDef] = &[
     FuncDef::new("mi_malloc_small", Mimalloc, Host, Heap).returns_ptr(0),
     FuncDef::new("mi_zalloc_small", Mimalloc, Host, Heap).returns_ptr(0),
     // `void *mi_calloc(size_t count, size_t size)`, `mi_mallocn` alike
-    FuncDef::new("mi_calloc", Mimalloc, Host, Heap).returns_ptr(1).count(0),
-    FuncDef::new("mi_mallocn", Mimalloc, Host, Heap).returns_ptr(1).count(0),
+    FuncDef::new("mi_calloc", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    FuncDef::new("mi_mallocn", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
     FuncDef::new("mi_realloc", Mimalloc, Host, Heap).realloc(0, 1),
     // `void *mi_reallocn(void *p, size_t count, size_t size)`, `mi_reallocarray` alike
-    FuncDef::new("mi_reallocn", Mimalloc, Host, Heap).realloc(0, 2).count(1),
-    FuncDef::new("mi_reallocarray", Mimalloc, Host, Heap).realloc(0, 2).count(1),
+    FuncDef::new("mi_reallocn", Mimalloc, Host, Heap)
+        .realloc(0, 2)
+        .count(1),
+    FuncDef::new("mi_reallocarray", Mimalloc, Host, Heap)
+        .realloc(0, 2)
+        .count(1),
     // `void *mi_malloc_aligned(size_t size, size_t alignment)` and the `_at` forms
     FuncDef::new("mi_malloc_aligned", Mimalloc, Host, Heap).returns_ptr(0),
     FuncDef::new("mi_malloc_aligned_at", Mimalloc, Host, Heap).returns_ptr(0),
     FuncDef::new("mi_zalloc_aligned", Mimalloc, Host, Heap).returns_ptr(0),
     FuncDef::new("mi_zalloc_aligned_at", Mimalloc, Host, Heap).returns_ptr(0),
     // `void *mi_calloc_aligned(size_t count, size_t size, size_t alignment)`
-    FuncDef::new("mi_calloc_aligned", Mimalloc, Host, Heap).returns_ptr(1).count(0),
-    FuncDef::new("mi_calloc_aligned_at", Mimalloc, Host, Heap).returns_ptr(1).count(0),
+    FuncDef::new("mi_calloc_aligned", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    FuncDef::new("mi_calloc_aligned_at", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
     // `void *mi_realloc_aligned(void *p, size_t newsize, size_t alignment)`
     FuncDef::new("mi_realloc_aligned", Mimalloc, Host, Heap).realloc(0, 1),
     FuncDef::new("mi_realloc_aligned_at", Mimalloc, Host, Heap).realloc(0, 1),
@@ -421,10 +435,14 @@ pub static CATALOG: &[FuncDef] = &[
     FuncDef::new("mi_new_nothrow", Mimalloc, Host, Heap).returns_ptr(0),
     FuncDef::new("mi_new_aligned_nothrow", Mimalloc, Host, Heap).returns_ptr(0),
     // `void *mi_new_n(size_t count, size_t size)`
-    FuncDef::new("mi_new_n", Mimalloc, Host, Heap).returns_ptr(1).count(0),
+    FuncDef::new("mi_new_n", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
     FuncDef::new("mi_new_realloc", Mimalloc, Host, Heap).realloc(0, 1),
     // `void *mi_new_reallocn(void *p, size_t newcount, size_t size)`
-    FuncDef::new("mi_new_reallocn", Mimalloc, Host, Heap).realloc(0, 2).count(1),
+    FuncDef::new("mi_new_reallocn", Mimalloc, Host, Heap)
+        .realloc(0, 2)
+        .count(1),
     // `void mi_free(void *p)`, sized and aligned forms
     FuncDef::new("mi_free", Mimalloc, Host, Heap).release(0),
     FuncDef::new("mi_free_size", Mimalloc, Host, Heap).release(0),
@@ -552,7 +570,10 @@ pub fn prefixed(prefix: &str, base: &[&'static FuncDef]) -> Vec<&'static FuncDef
 /// Which heap allocator an object is, from its file name and the catalogue
 /// functions it defines: the standard names (`malloc`, `operator new`) are
 /// reported under it.
-pub fn heap_allocator<'a>(path: &std::path::Path, defined: impl Iterator<Item = &'a FuncDef>) -> Allocator {
+pub fn heap_allocator<'a>(
+    path: &std::path::Path,
+    defined: impl Iterator<Item = &'a FuncDef>,
+) -> Allocator {
     let mut own = None;
     for def in defined {
         if matches!(def.allocator, Jemalloc | Tcmalloc | Mimalloc) {
@@ -567,10 +588,14 @@ pub fn heap_allocator<'a>(path: &std::path::Path, defined: impl Iterator<Item = 
         .file_name()
         .map(|n| n.to_string_lossy().to_lowercase())
         .unwrap_or_default();
-    [("jemalloc", Jemalloc), ("tcmalloc", Tcmalloc), ("mimalloc", Mimalloc)]
-        .into_iter()
-        .find(|(word, _)| file.contains(word))
-        .map_or(Libc, |(_, allocator)| allocator)
+    [
+        ("jemalloc", Jemalloc),
+        ("tcmalloc", Tcmalloc),
+        ("mimalloc", Mimalloc),
+    ]
+    .into_iter()
+    .find(|(word, _)| file.contains(word))
+    .map_or(Libc, |(_, allocator)| allocator)
 }
 
 /// Looks a function up by name.

@@ -126,7 +126,9 @@ pub fn stripped_with_own_allocator(path: &Path) -> Result<bool, ElfError> {
         source,
     })?;
     let imports_malloc = file.dynamic_symbols().any(|s| {
-        s.is_undefined() && s.name().is_ok_and(|n| n.split('@').next() == Some("malloc"))
+        s.is_undefined()
+            && s.name()
+                .is_ok_and(|n| n.split('@').next() == Some("malloc"))
     });
     Ok(file.symbol_table().is_none() && !imports_malloc)
 }

@@ -283,7 +283,9 @@ pub fn choose(code: &[u8], needs: Needs) -> Placement {
         if insn.emulated {
             return match walk.accept(at) {
                 Ok(placement) => placement,
-                Err(why) => fallback.unwrap_or_else(|| stay(entry, format!("{why}; no safe emulated spot"))),
+                Err(why) => {
+                    fallback.unwrap_or_else(|| stay(entry, format!("{why}; no safe emulated spot")))
+                }
             };
         }
         if let Some(ptr) = needs.release_ptr {
@@ -300,7 +302,8 @@ pub fn choose(code: &[u8], needs: Needs) -> Placement {
             }
         }
         if let Err(why) = walk.skip(at) {
-            return fallback.unwrap_or_else(|| stay(entry, format!("{why}; no safe emulated spot")));
+            return fallback
+                .unwrap_or_else(|| stay(entry, format!("{why}; no safe emulated spot")));
         }
         at += 1;
     }
@@ -369,8 +372,7 @@ impl<'a> Walk<'a> {
             Code::Mov_r64_rm64 | Code::Mov_rm64_r64
                 if instr.op0_kind() == OpKind::Register && instr.op1_kind() == OpKind::Register =>
             {
-                ArgReg::of(instr.op1_register())
-                    .map(|src| self.holds[usize::from(src.index())])
+                ArgReg::of(instr.op1_register()).map(|src| self.holds[usize::from(src.index())])
             }
             _ => None,
         };
@@ -726,7 +728,12 @@ mod tests {
         // An entry probe must see NULL frees too: it stops on the `je`.
         let p = choose(&GLIBC_FREE, Needs::ENTRY);
         assert_eq!(p.offset, 3, "{p}");
-        assert!(p.reason.to_string().starts_with("skipped `test rdi,rdi`; `je"), "{p}");
+        assert!(
+            p.reason
+                .to_string()
+                .starts_with("skipped `test rdi,rdi`; `je"),
+            "{p}"
+        );
     }
 
     #[test]
@@ -770,7 +777,9 @@ mod tests {
         let p = choose(&GLIBC_MUNMAP, FREE);
         assert_stays(&p);
         assert!(
-            p.reason.to_string().contains("`syscall` at +0x5 leaves the straight line"),
+            p.reason
+                .to_string()
+                .contains("`syscall` at +0x5 leaves the straight line"),
             "{p}"
         );
     }
@@ -781,7 +790,10 @@ mod tests {
         // write rcx/rdx/rax only, up to the `jne` at +0x17.
         let (offset, why) = at(&GLIBC_MALLOC_USABLE_SIZE, FREE);
         assert_eq!(offset, 0x17, "{why}");
-        assert!(why.starts_with("skipped NULL check `test rdi,rdi; je`, `mov rcx,[rdi-0x8]`"), "{why}");
+        assert!(
+            why.starts_with("skipped NULL check `test rdi,rdi; je`, `mov rcx,[rdi-0x8]`"),
+            "{why}"
+        );
     }
 
     #[test]
@@ -866,7 +878,10 @@ mod tests {
         let p = choose(&code, ALLOC);
         assert_eq!(p.offset, 5, "{p}");
         assert_eq!(p.arg(0), 1);
-        assert!(p.reason.to_string().ends_with("; argument 0 read from rsi"), "{p}");
+        assert!(
+            p.reason.to_string().ends_with("; argument 0 read from rsi"),
+            "{p}"
+        );
         // A 32-bit copy is not the 64-bit value.
         let code = [0x89, 0xfe, 0x31, 0xff, 0x53, 0xc3];
         assert_stays(&choose(&code, ALLOC));
@@ -879,7 +894,10 @@ mod tests {
         assert_eq!(choose(&code, FREE).offset, 4);
         let p = choose(&code, ALLOC);
         assert_stays(&p);
-        assert!(p.reason.to_string().contains("moves the stack pointer"), "{p}");
+        assert!(
+            p.reason.to_string().contains("moves the stack pointer"),
+            "{p}"
+        );
     }
 
     #[test]
@@ -968,13 +986,21 @@ mod tests {
         // sized delete: NULL check, `sub rsp,8` (fine without a return probe), `call`.
         let (offset, why) = at(JEMALLOC__ZDLPVM, FREE);
         assert_eq!(offset, 9, "{why}");
-        assert!(why.starts_with("skipped NULL check `test rdi,rdi; je`, `sub rsp,0x8`"), "{why}");
+        assert!(
+            why.starts_with("skipped NULL check `test rdi,rdi; je`, `sub rsp,0x8`"),
+            "{why}"
+        );
         // sdallocx(ptr, size, flags): `mov r8,rdi; cmp rsi,0x1000; ja`.
         assert_eq!(at(JEMALLOC_SDALLOCX, FREE).0, 10);
         // rallocx(ptr, size, flags): `xor ecx,ecx; jmp` (rcx is not read).
         assert_eq!(at(JEMALLOC_RALLOCX, REALLOC).0, 2);
         // calloc, mallocx, dallocx, realloc start with a push.
-        for code in [JEMALLOC_CALLOC, JEMALLOC_MALLOCX, JEMALLOC_DALLOCX, JEMALLOC_REALLOC] {
+        for code in [
+            JEMALLOC_CALLOC,
+            JEMALLOC_MALLOCX,
+            JEMALLOC_DALLOCX,
+            JEMALLOC_REALLOC,
+        ] {
             assert_eq!(at(code, REALLOC).0, 0);
         }
     }
@@ -1023,13 +1049,25 @@ mod tests {
     fn every_real_prologue_gets_a_reasoned_placement() {
         for (name, code, needs) in [
             ("jemalloc xallocx", JEMALLOC_XALLOCX, REALLOC),
-            ("jemalloc posix_memalign", JEMALLOC_POSIX_MEMALIGN, Needs::ENTRY),
-            ("jemalloc aligned_alloc", JEMALLOC_ALIGNED_ALLOC, Needs::ENTRY),
+            (
+                "jemalloc posix_memalign",
+                JEMALLOC_POSIX_MEMALIGN,
+                Needs::ENTRY,
+            ),
+            (
+                "jemalloc aligned_alloc",
+                JEMALLOC_ALIGNED_ALLOC,
+                Needs::ENTRY,
+            ),
             ("jemalloc operator delete", JEMALLOC__ZDLPV, FREE),
             ("tcmalloc aligned new", TCMALLOC__ZNWM_ALIGNED, REALLOC),
             ("tcmalloc tc_memalign", TCMALLOC_TC_MEMALIGN, REALLOC),
             ("mimalloc sized delete", MIMALLOC__ZDLPVM, FREE),
-            ("mimalloc mi_malloc_aligned", MIMALLOC_MI_MALLOC_ALIGNED, REALLOC),
+            (
+                "mimalloc mi_malloc_aligned",
+                MIMALLOC_MI_MALLOC_ALIGNED,
+                REALLOC,
+            ),
             ("mimalloc mi_free_size", MIMALLOC_MI_FREE_SIZE, FREE),
             ("libstdc++ new[]", LIBSTDCXX__ZNAM, ALLOC),
             ("libstdc++ delete", LIBSTDCXX__ZDLPV, FREE),
@@ -1043,7 +1081,10 @@ mod tests {
         // register) before overwriting rdi: it stays, and says why.
         let p = choose(MIMALLOC_CALLOC, REALLOC);
         assert_stays(&p);
-        assert!(p.reason.to_string().contains("overwrites argument 0 (rdi)"), "{p}");
+        assert!(
+            p.reason.to_string().contains("overwrites argument 0 (rdi)"),
+            "{p}"
+        );
     }
 
     #[test]

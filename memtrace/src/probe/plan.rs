@@ -193,14 +193,20 @@ fn forward_target(
         match instr.flow_control() {
             FlowControl::Next => {
                 let writes_memory = info.info(&instr).used_memory().iter().any(|m| {
-                    !matches!(m.access(), iced_x86::OpAccess::Read | iced_x86::OpAccess::NoMemAccess)
+                    !matches!(
+                        m.access(),
+                        iced_x86::OpAccess::Read | iced_x86::OpAccess::NoMemAccess
+                    )
                 });
                 if writes_memory || instr.code() == Code::Push_r64 {
                     return None;
                 }
             }
             FlowControl::UnconditionalBranch
-                if matches!(instr.op0_kind(), OpKind::NearBranch32 | OpKind::NearBranch64) =>
+                if matches!(
+                    instr.op0_kind(),
+                    OpKind::NearBranch32 | OpKind::NearBranch64
+                ) =>
             {
                 let target = instr.near_branch_target();
                 let name = defined
@@ -255,8 +261,15 @@ mod tests {
         offsets.dedup();
         assert_eq!(offsets.len(), plan.functions.len());
         // Return probes sit with the entry probe.
-        let malloc = plan.functions.iter().find(|p| p.function == "malloc").expect("malloc");
-        assert_eq!(malloc.return_offset(), Some(malloc.file_offset + malloc.probe_offset));
+        let malloc = plan
+            .functions
+            .iter()
+            .find(|p| p.function == "malloc")
+            .expect("malloc");
+        assert_eq!(
+            malloc.return_offset(),
+            Some(malloc.file_offset + malloc.probe_offset)
+        );
     }
 
     #[test]
@@ -274,7 +287,10 @@ mod tests {
             args: [1, 2, 2, 3, 4, 5],
         };
         let spec = probe.spec(7);
-        assert_eq!((spec.ptr_arg, spec.size_arg, spec.count_arg), (1, 2, ARG_NONE));
+        assert_eq!(
+            (spec.ptr_arg, spec.size_arg, spec.count_arg),
+            (1, 2, ARG_NONE)
+        );
         assert_eq!(probe.return_offset(), Some(0x114));
     }
 
@@ -297,13 +313,30 @@ mod tests {
             .expect("readable")
             .expect("libstdc++ defines operator new");
         assert_eq!(plan.allocator, Some("libc"));
-        let forwards = |name: &str| plan.forwarders.iter().find(|f| f.function == name).map(|f| f.to.as_str());
+        let forwards = |name: &str| {
+            plan.forwarders
+                .iter()
+                .find(|f| f.function == name)
+                .map(|f| f.to.as_str())
+        };
         assert_eq!(forwards("_ZdlPv"), Some("free"), "{:?}", plan.forwarders);
         assert_eq!(forwards("_ZdlPvm"), Some("_ZdlPv"));
         assert_eq!(forwards("_Znam"), Some("_Znwm"));
-        let new = plan.functions.iter().find(|p| p.function == "_Znwm").expect("operator new probed");
+        let new = plan
+            .functions
+            .iter()
+            .find(|p| p.function == "_Znwm")
+            .expect("operator new probed");
         assert!(new.emulated, "{}", new.placement);
-        assert!(plan.functions.iter().all(|p| !p.function.starts_with("_Zd")), "{:?}",
-            plan.functions.iter().map(|p| p.function).collect::<Vec<_>>());
+        assert!(
+            plan.functions
+                .iter()
+                .all(|p| !p.function.starts_with("_Zd")),
+            "{:?}",
+            plan.functions
+                .iter()
+                .map(|p| p.function)
+                .collect::<Vec<_>>()
+        );
     }
 }

@@ -58,9 +58,8 @@ impl Discovery {
         let plan = plan::plan_library(path, open_path, &self.catalog, self.place)?;
         Ok(plan.and_then(|mut plan| {
             if !self.heap_allowed.is_empty() {
-                plan.functions.retain(|p| {
-                    !p.allocator.is_heap() || self.heap_allowed.contains(&p.allocator)
-                });
+                plan.functions
+                    .retain(|p| !p.allocator.is_heap() || self.heap_allowed.contains(&p.allocator));
             }
             (!plan.functions.is_empty()).then_some(plan)
         }))

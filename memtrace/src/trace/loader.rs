@@ -213,8 +213,7 @@ impl Probes {
             .ok()
             .filter(|&i| u32::from(i) < MAX_SPECS)
             .ok_or_else(|| Failure::runtime("too many probed functions"))?;
-        self.spec_map
-            .set(u32::from(index), probe.spec(index), 0)?;
+        self.spec_map.set(u32::from(index), probe.spec(index), 0)?;
         let function = AttachedFunction {
             path: path.to_path_buf(),
             entry_offset: probe.file_offset + probe.probe_offset,

@@ -407,7 +407,11 @@ fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::F
         .map(|p| p.to_string())
         .collect();
     for prefix in &args.symbol_prefix {
-        if prefix.is_empty() || !prefix.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        if prefix.is_empty()
+            || !prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
             return Err(Failure::usage(format!(
                 "--symbol-prefix: '{prefix}' is not a symbol prefix (letters, digits, '_')"
             )));
@@ -632,6 +636,10 @@ impl Session<'_> {
                 shown.join(", "),
                 if exited.len() > SHOWN { ", ..." } else { "" }
             ));
+        }
+        // The figures as of now, not of the last rescan (up to 500 ms old).
+        if let Some(memory) = read_memory(self.target.pid) {
+            self.memory_last = Some(memory);
         }
         let reconciliation = self.reconciliation(probes);
         if let Some(note) = reconciliation
