@@ -51,8 +51,9 @@ pub struct LiveTable {
     blocks: BTreeMap<BlockKey, LiveBlock>,
     counts: Counts,
     max_blocks: usize,
-    /// Per thread, the block it released last, until its next event.
-    last_release: HashMap<u32, BlockKey>,
+    /// Per thread, the block it released last and the spec that released
+    /// it, until its next event.
+    last_release: HashMap<u32, (BlockKey, u16)>,
 }
 
 impl LiveTable {
@@ -73,7 +74,7 @@ impl LiveTable {
                 self.counts.allocs += 1;
                 self.insert((event.pid, domain, addr), size, event, stack);
             }
-            Action::Free { addr } => self.release_by(event.tid, (event.pid, domain, addr)),
+            Action::Free { addr } => self.release_by(event, (event.pid, domain, addr)),
             Action::Realloc {
                 old,
                 new,
@@ -114,15 +115,23 @@ impl LiveTable {
         self.blocks.insert(key, block);
     }
 
-    /// A release by thread `tid`: a repeat of its previous one is the same
-    /// release seen at a second probe.
-    fn release_by(&mut self, tid: u32, key: BlockKey) {
-        if !self.blocks.contains_key(&key) && self.last_release.get(&tid) == Some(&key) {
-            self.counts.releases_seen_twice += 1;
-            return;
+    /// A release: the same block released again by the same thread through
+    /// another function, with no event of that thread in between, is the
+    /// same release seen at a second probe (once: a third is a release of its
+    /// own). The same function releasing the same address twice in a row is
+    /// two releases (a loop whose allocations a kernel filter skipped).
+    fn release_by(&mut self, event: &Event, key: BlockKey) {
+        if !self.blocks.contains_key(&key) {
+            if let Some(&(last, spec)) = self.last_release.get(&event.tid) {
+                if last == key && spec != event.spec {
+                    self.counts.releases_seen_twice += 1;
+                    self.last_release.remove(&event.tid);
+                    return;
+                }
+            }
         }
         self.release(key);
-        self.last_release.insert(tid, key);
+        self.last_release.insert(event.tid, (key, event.spec));
     }
 
     fn release(&mut self, key: BlockKey) {
@@ -159,12 +168,12 @@ mod repeat_tests {
     use super::*;
     use crate::event::{Action, Event, StackRef};
 
-    fn ev(tid: u32, action: Action) -> Event {
+    fn ev(tid: u32, spec: u16, action: Action) -> Event {
         Event {
             ts_ns: 0,
             pid: 1,
             tid,
-            spec: 0,
+            spec,
             action,
         }
     }
@@ -177,19 +186,30 @@ mod repeat_tests {
             size: 8,
             stack: StackRef::NotRequested,
         };
-        t.apply(&ev(7, alloc(0x10)), Domain::Heap);
-        // operator delete, then the sdallocx it calls: one release.
-        t.apply(&ev(7, Action::Free { addr: 0x10 }), Domain::Heap);
-        t.apply(&ev(7, Action::Free { addr: 0x10 }), Domain::Heap);
+        let free = |addr| Action::Free { addr };
+        t.apply(&ev(7, 0, alloc(0x10)), Domain::Heap);
+        // operator delete (spec 1), then the sdallocx it calls (spec 2).
+        t.apply(&ev(7, 1, free(0x10)), Domain::Heap);
+        t.apply(&ev(7, 2, free(0x10)), Domain::Heap);
         assert_eq!((t.counts().frees, t.counts().unmatched_frees), (1, 0));
         assert_eq!(t.counts().releases_seen_twice, 1);
-        // Another thread's free of the same address is unmatched.
-        t.apply(&ev(8, Action::Free { addr: 0x10 }), Domain::Heap);
+        // A third is a release of its own (unmatched here).
+        t.apply(&ev(7, 1, free(0x10)), Domain::Heap);
         assert_eq!(t.counts().unmatched_frees, 1);
-        // After an allocation of that thread, a repeat is no longer one.
-        t.apply(&ev(7, alloc(0x20)), Domain::Heap);
-        t.apply(&ev(7, Action::Free { addr: 0x10 }), Domain::Heap);
+        // Another thread's free of the same address is unmatched.
+        t.apply(&ev(8, 2, free(0x10)), Domain::Heap);
         assert_eq!(t.counts().unmatched_frees, 2);
+        // The same function twice in a row: two releases (allocations
+        // filtered in the kernel).
+        t.apply(&ev(9, 3, free(0x30)), Domain::Heap);
+        t.apply(&ev(9, 3, free(0x30)), Domain::Heap);
+        assert_eq!(t.counts().unmatched_frees, 4);
+        // After an allocation of that thread, a repeat is no longer one.
+        t.apply(&ev(7, 1, free(0x40)), Domain::Heap);
+        t.apply(&ev(7, 0, alloc(0x20)), Domain::Heap);
+        t.apply(&ev(7, 2, free(0x40)), Domain::Heap);
+        assert_eq!(t.counts().unmatched_frees, 6);
+        assert_eq!(t.counts().releases_seen_twice, 1);
     }
 }
 
@@ -302,10 +322,7 @@ mod tests {
         table.apply(&child_free, Domain::Heap);
         let left: Vec<(u32, u64)> = table.blocks().map(|(p, _, _, b)| (p, b.size)).collect();
         assert_eq!(left, vec![(1, 8)]);
-        // A free of an address only the parent holds is unmatched in the
-        // child (by another thread: the same thread's repeat would be one
-        // release seen twice).
-        child_free.tid += 1;
+        // A free of an address only the parent holds is unmatched in the child.
         table.apply(&child_free, Domain::Heap);
         assert_eq!(table.counts().unmatched_frees, 1);
     }

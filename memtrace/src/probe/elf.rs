@@ -59,6 +59,7 @@ pub fn scan(path: &Path, wanted: &[&str]) -> Result<Defined, ElfError> {
         path: path.to_path_buf(),
         source,
     })?;
+    let wanted: std::collections::HashSet<&str> = wanted.iter().copied().collect();
     let mut found: HashMap<String, DefinedFunction> = HashMap::new();
     for symbol in file.dynamic_symbols().chain(file.symbols()) {
         if symbol.kind() != SymbolKind::Text || symbol.is_undefined() {
@@ -69,7 +70,7 @@ pub fn scan(path: &Path, wanted: &[&str]) -> Result<Defined, ElfError> {
         };
         // Versioned names such as `malloc@@GLIBC_2.2.5` in a static symtab.
         let name = raw_name.split('@').next().unwrap_or(raw_name);
-        if !wanted.contains(&name) || found.contains_key(name) {
+        if !wanted.contains(name) || found.contains_key(name) {
             continue;
         }
         let Some(section) = symbol

@@ -442,7 +442,11 @@ fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::F
     }
     // All sources at once: pairs from different files that name the same
     // release function share it.
-    defs.extend(pairs::parse_sources(&sources).map_err(|err| Failure::usage(err.to_string()))?);
+    let declared = pairs::parse_sources(&sources).map_err(|err| Failure::usage(err.to_string()))?;
+    // A function the user declared in a pair is theirs, even when the
+    // catalogue knows its name (a pool's `je_malloc`).
+    defs.retain(|def| !declared.iter().any(|pair| pair.name == def.name));
+    defs.extend(declared);
     Ok(defs)
 }
 
