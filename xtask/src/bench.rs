@@ -121,6 +121,12 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         rounds,
         requests: if quick { 20_000 } else { 50_000 },
     });
+    eprintln!("xtask bench: mallocbench under each preloaded allocator ({rounds} rounds)");
+    let allocators = super::bench_allocators::section(&super::bench_allocators::AllocatorBench {
+        memtrace: &env.memtrace,
+        mallocbench: &env.bin.join("mallocbench"),
+        rounds,
+    });
 
     let command = std::iter::once("cargo xtask".to_string())
         .chain(std::env::args().skip(1))
@@ -140,6 +146,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     });
     doc.push('\n');
     doc.push_str(&redis);
+    doc.push_str(&allocators);
     let out = if args.out.is_absolute() {
         args.out.clone()
     } else {

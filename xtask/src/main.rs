@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_allocators;
 mod bench_redis;
 mod soak;
 
@@ -47,6 +48,12 @@ enum Task {
         #[arg(long, default_value_t = 50_000)]
         requests: u64,
     },
+    /// Only the bench section on mallocbench under each preloaded allocator (prints Markdown).
+    BenchAllocators {
+        /// Interleaved rounds per configuration.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// Trace a steady workload for 30 minutes and judge memtrace's own memory.
     Soak(soak::SoakArgs),
 }
@@ -60,6 +67,7 @@ fn main() -> Result<()> {
         Task::Demo => demo(),
         Task::Bench(args) => bench::bench(args),
         Task::BenchRedis { rounds, requests } => bench_redis_only(rounds, requests),
+        Task::BenchAllocators { rounds } => bench_allocators_only(rounds),
         Task::Soak(args) => soak::soak(args),
     }
 }
@@ -82,6 +90,31 @@ fn bench_redis_only(rounds: usize, requests: u64) -> Result<()> {
             work: &work,
             rounds: rounds.max(1),
             requests,
+        })
+    );
+    Ok(())
+}
+
+/// `cargo xtask bench-allocators`: that section alone, on the release build.
+fn bench_allocators_only(rounds: usize) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("cargo xtask bench-allocators attaches uprobes: run it as root");
+    }
+    build_release()?;
+    let root = root();
+    let fixtures = root.join("target/fixtures");
+    run(Command::new("make")
+        .args(["-s", "-f"])
+        .arg(root.join("tests/fixtures/bench/bench.mk"))
+        .arg(format!("OUT={}", fixtures.display()))
+        .arg("bench"))?;
+    print!(
+        "{}",
+        bench_allocators::section(&bench_allocators::AllocatorBench {
+            memtrace: &root.join("target/release/memtrace"),
+            mallocbench: &fixtures.join("bench/mallocbench"),
+            rounds: rounds.max(1),
         })
     );
     Ok(())
