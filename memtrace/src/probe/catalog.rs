@@ -5,8 +5,6 @@
 use memtrace_common::{ProbeSpec, RetKind, SpecKind, SpecQuirk, ARG_NONE};
 use serde::Serialize;
 
-use super::placement;
-
 /// An allocator family as reported to users (serialized as its name).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Allocator {
@@ -246,24 +244,6 @@ impl FuncDef {
     /// placed past a leading NULL check.
     pub fn is_plain_release(&self) -> bool {
         self.kind == SpecKind::Free && self.ret == RetKind::Void
-    }
-
-    /// What the entry probe reads, which bounds where it may be placed.
-    pub fn needs(&self) -> placement::Needs {
-        let mut args = 0u8;
-        for arg in [self.size_arg, self.count_arg, self.ptr_arg, self.out_arg] {
-            if arg < 6 {
-                args |= 1 << arg;
-            }
-        }
-        if self.quirk == SpecQuirk::AnonMmap {
-            args |= 1 << 3; // mmap's flags
-        }
-        placement::Needs {
-            args,
-            keep_stack: self.needs_return_probe() || self.quirk == SpecQuirk::Malloc3D,
-            release_ptr: (self.is_plain_release() && self.ptr_arg < 6).then_some(self.ptr_arg),
-        }
     }
 
     /// Which group of names a missing function is reported within: the C

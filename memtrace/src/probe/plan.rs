@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, OpKind};
-use memtrace_common::{ProbeSpec, ARG_NONE};
+use memtrace_common::{ProbeSpec, SpecQuirk, ARG_NONE};
 use serde::Serialize;
 
 use super::catalog::{self, Allocator, FuncDef};
@@ -131,9 +131,9 @@ pub fn plan_library(
             continue;
         }
         let placed = if place {
-            placement::choose(&found.code, def.needs())
+            placement::choose(&found.code, needs(def))
         } else {
-            placement::choose(&found.code, def.needs()).at_entry()
+            placement::choose(&found.code, needs(def)).at_entry()
         };
         functions.push(PlannedProbe {
             def,
@@ -167,6 +167,24 @@ pub fn plan_library(
         functions,
         forwarders,
     }))
+}
+
+/// What the entry probe of `def` reads, which bounds where it may be placed.
+fn needs(def: &FuncDef) -> placement::Needs {
+    let mut args = 0u8;
+    for arg in [def.size_arg, def.count_arg, def.ptr_arg, def.out_arg] {
+        if arg < 6 {
+            args |= 1 << arg;
+        }
+    }
+    if def.quirk == SpecQuirk::AnonMmap {
+        args |= 1 << 3; // mmap's flags
+    }
+    placement::Needs {
+        args,
+        keep_stack: def.needs_return_probe() || def.quirk == SpecQuirk::Malloc3D,
+        release_ptr: (def.is_plain_release() && def.ptr_arg < 6).then_some(def.ptr_arg),
+    }
 }
 
 /// The catalogue function `function` only jumps to, if it does: its code
