@@ -361,11 +361,24 @@ impl<'a> Walk<'a> {
             .filter(|used| writes(used.access()))
             .map(|used| used.register().full_register())
             .collect();
-        if self.needs.keep_stack && written.contains(&Register::RSP) {
-            return Err(format!(
-                "skipped `{}` moves the stack pointer (a return probe needs it)",
-                insn.text
-            ));
+        if written.contains(&Register::RSP) {
+            if self.needs.keep_stack {
+                return Err(format!(
+                    "skipped `{}` moves the stack pointer (a return probe needs it)",
+                    insn.text
+                ));
+            }
+            // Only growing the stack (`sub rsp,imm`): the nesting check
+            // compares stack pointers, which must not rise above the entry's.
+            let grows = matches!(instr.code(), Code::Sub_rm64_imm8 | Code::Sub_rm64_imm32)
+                && instr.op0_kind() == OpKind::Register
+                && instr.op0_register() == Register::RSP;
+            if !grows {
+                return Err(format!(
+                    "skipped `{}` moves the stack pointer other than down",
+                    insn.text
+                ));
+            }
         }
         // `mov r64,r64` between argument registers copies an argument.
         let copy = match instr.code() {
@@ -892,6 +905,10 @@ mod tests {
         // sub rsp,8; call +0  -- fine for a release, not under a uretprobe.
         let code = [0x48, 0x83, 0xec, 0x08, 0xe8, 0x00, 0x00, 0x00, 0x00, 0xc3];
         assert_eq!(choose(&code, FREE).offset, 4);
+        // pop rbx; push rbx -- the stack pointer rises: refused even for a release.
+        let p = choose(&[0x5b, 0x53, 0xc3], FREE);
+        assert_stays(&p);
+        assert!(p.reason.to_string().contains("other than down"), "{p}");
         let p = choose(&code, ALLOC);
         assert_stays(&p);
         assert!(
