@@ -108,10 +108,13 @@ pub fn scan(path: &Path, wanted: &[&str]) -> Result<Defined, ElfError> {
     }
     let mut functions: Vec<DefinedFunction> = found.into_values().collect();
     functions.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(Defined {
-        functions,
-        plt: plt_stubs(&file),
-    })
+    // The PLT only matters for objects that define something (forwarders).
+    let plt = if functions.is_empty() {
+        HashMap::new()
+    } else {
+        plt_stubs(&file)
+    };
+    Ok(Defined { functions, plt })
 }
 
 /// Whether the file is stripped (no `.symtab`) and imports no `malloc`: an
