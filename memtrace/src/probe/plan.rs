@@ -312,8 +312,7 @@ mod tests {
         assert_eq!(probe.return_offset(), Some(0x114));
     }
 
-    /// The installed libstdc++ (this crate links it? no: the test runner
-    /// maps it only when something does), else skipped by the caller.
+    /// A library installed in the system's library directory.
     fn system_lib(name: &str) -> Option<PathBuf> {
         ["/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu"]
             .iter()
