@@ -67,6 +67,10 @@ pub enum SpecQuirk {
     /// Handles are 32-bit (`int fd`, `uint32_t modelId`): the upper half of the
     /// register or out-parameter is not part of the value.
     Handle32 = 5,
+    /// `xallocx(ptr, size, extra, flags)`: resizes the block in place and
+    /// returns its new real size, so the block stays at `ptr_arg` and its size
+    /// is the return value.
+    ResizeInPlace = 6,
 }
 
 /// Per-attach-point description of a probed function, stored in the `SPECS`
@@ -310,7 +314,8 @@ try_from_u8!(SpecQuirk {
     Munmap,
     SizeOutParam,
     Malloc3D,
-    Handle32
+    Handle32,
+    ResizeInPlace
 });
 
 const _: () = assert!(core::mem::size_of::<WireEvent>() == 48);

@@ -488,6 +488,11 @@ fn finish_call(
     if handle32 {
         addr &= 0xffff_ffff;
     }
+    if spec.quirk == SpecQuirk::ResizeInPlace as u8 {
+        // xallocx returns the block's new size; the block stays where it was.
+        addr = call.ptr;
+        size = ret;
+    }
     if spec.quirk == SpecQuirk::SizeOutParam as u8 {
         // SAFETY: as above.
         let pitch = unsafe { bpf_probe_read_user(call.size as *const u64) }.unwrap_or(0);

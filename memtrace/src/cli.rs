@@ -165,11 +165,18 @@ pub struct TraceArgs {
     #[arg(long)]
     pub max_size: Option<u64>,
 
-    /// Trace only these allocators (comma-separated: libc, mmap, cuda,
-    /// cuda-driver, acl); default: all found. Pairs from --pairs/--preset are
-    /// always traced.
+    /// Trace only these allocators (comma-separated: libc, jemalloc,
+    /// tcmalloc, mimalloc, mmap, cuda, cuda-driver, acl); default: all found.
+    /// A heap allocator is the object defining `malloc`/`operator new`.
+    /// Pairs from --pairs/--preset are always traced.
     #[arg(long, value_delimiter = ',', value_name = "LIST")]
     pub allocators: Vec<String>,
+
+    /// Also look for the heap functions under this symbol prefix (an
+    /// allocator built with prefixed names, e.g. `my_` for `my_malloc`);
+    /// `je_` and `_rjem_` (jemalloc) are always looked for. Repeatable.
+    #[arg(long, value_name = "PREFIX")]
+    pub symbol_prefix: Vec<String>,
 
     /// Also probe this object file (a library memtrace does not find by
     /// itself, e.g. one not yet loaded). Repeatable.

@@ -159,6 +159,9 @@ pub struct EventCounts {
     /// Events that never reached memtrace (every cause in `lost_by_cause`).
     pub lost: u64,
     pub unmatched_frees: u64,
+    /// Releases seen at two probes (an `operator delete` ending in a probed
+    /// `sdallocx`), counted once.
+    pub releases_seen_twice: u64,
     pub stack_failures: u64,
     pub failed_calls: u64,
     /// Allocations not tracked because the live table was at its cap.
@@ -504,6 +507,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         frees: counts.frees,
         lost,
         unmatched_frees: counts.unmatched_frees,
+        releases_seen_twice: counts.releases_seen_twice,
         stack_failures: stack_failures_by_cause.values().sum(),
         failed_calls: failed_calls.iter().map(|f| f.count).sum(),
         table_full: counts.table_full,

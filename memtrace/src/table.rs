@@ -5,9 +5,13 @@
 //!
 //! Semantics: `realloc(p, n)` releases `p` and creates the new block;
 //! `realloc(NULL, n)` is an allocation; a release of an address the table does
-//! not hold (allocated before attach) is counted in `unmatched_frees`.
+//! not hold (allocated before attach) is counted in `unmatched_frees`; a
+//! release of the block the same thread released just before, with no other
+//! event of that thread in between, is one release seen at two probes (a C++
+//! `operator delete` that ends in a call of a probed `free`/`sdallocx`) and is
+//! counted in `releases_seen_twice`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::event::{Action, Event, StackRef};
 use crate::probe::catalog::Domain;
@@ -31,6 +35,8 @@ pub struct Counts {
     pub allocs: u64,
     pub frees: u64,
     pub unmatched_frees: u64,
+    /// Releases seen a second time at another probe (counted once).
+    pub releases_seen_twice: u64,
     /// Allocations not tracked because the table was at its cap.
     pub table_full: u64,
     /// Failed calls by (spec, return code).
@@ -47,6 +53,9 @@ pub struct LiveTable {
     blocks: BTreeMap<BlockKey, LiveBlock>,
     counts: Counts,
     max_blocks: usize,
+    /// Per thread, the block it released last and the spec that released
+    /// it, until its next event.
+    last_release: HashMap<u32, (BlockKey, u16)>,
 }
 
 impl LiveTable {
@@ -56,6 +65,7 @@ impl LiveTable {
             blocks: BTreeMap::new(),
             counts: Counts::default(),
             max_blocks,
+            last_release: HashMap::new(),
         }
     }
 
@@ -94,10 +104,11 @@ impl LiveTable {
         }
         match event.action {
             Action::Alloc { addr, size, stack } => {
+                self.last_release.remove(&event.tid);
                 self.counts.allocs += 1;
                 self.insert((event.pid, domain, addr), size, event, stack);
             }
-            Action::Free { addr } => self.release((event.pid, domain, addr)),
+            Action::Free { addr } => self.release_by(event, (event.pid, domain, addr)),
             Action::Realloc {
                 old,
                 new,
@@ -105,6 +116,7 @@ impl LiveTable {
                 stack,
                 track_new,
             } => {
+                self.last_release.remove(&event.tid);
                 if old != 0 {
                     self.release((event.pid, domain, old));
                 }
@@ -137,6 +149,25 @@ impl LiveTable {
         self.blocks.insert(key, block);
     }
 
+    /// A release: the same block released again by the same thread through
+    /// another function, with no event of that thread in between, is the
+    /// same release seen at a second probe (once: a third is a release of its
+    /// own). The same function releasing the same address twice in a row is
+    /// two releases (a loop whose allocations a kernel filter skipped).
+    fn release_by(&mut self, event: &Event, key: BlockKey) {
+        if !self.blocks.contains_key(&key) {
+            if let Some(&(last, spec)) = self.last_release.get(&event.tid) {
+                if last == key && spec != event.spec {
+                    self.counts.releases_seen_twice += 1;
+                    self.last_release.remove(&event.tid);
+                    return;
+                }
+            }
+        }
+        self.release(key);
+        self.last_release.insert(event.tid, (key, event.spec));
+    }
+
     fn release(&mut self, key: BlockKey) {
         if self.blocks.remove(&key).is_some() {
             self.counts.frees += 1;
@@ -163,6 +194,56 @@ impl LiveTable {
         self.blocks
             .iter()
             .map(|(&(pid, domain, addr), block)| (pid, domain, addr, block))
+    }
+}
+
+#[cfg(test)]
+mod repeat_tests {
+    use super::*;
+    use crate::event::{Action, Event, StackRef};
+
+    fn ev(tid: u32, spec: u16, action: Action) -> Event {
+        Event {
+            ts_ns: 0,
+            pid: 1,
+            tid,
+            spec,
+            action,
+        }
+    }
+
+    #[test]
+    fn a_release_seen_at_two_probes_counts_once() {
+        let mut t = LiveTable::new(100);
+        let alloc = |addr| Action::Alloc {
+            addr,
+            size: 8,
+            stack: StackRef::NotRequested,
+        };
+        let free = |addr| Action::Free { addr };
+        t.apply(&ev(7, 0, alloc(0x10)), Domain::Heap);
+        // operator delete (spec 1), then the sdallocx it calls (spec 2).
+        t.apply(&ev(7, 1, free(0x10)), Domain::Heap);
+        t.apply(&ev(7, 2, free(0x10)), Domain::Heap);
+        assert_eq!((t.counts().frees, t.counts().unmatched_frees), (1, 0));
+        assert_eq!(t.counts().releases_seen_twice, 1);
+        // A third is a release of its own (unmatched here).
+        t.apply(&ev(7, 1, free(0x10)), Domain::Heap);
+        assert_eq!(t.counts().unmatched_frees, 1);
+        // Another thread's free of the same address is unmatched.
+        t.apply(&ev(8, 2, free(0x10)), Domain::Heap);
+        assert_eq!(t.counts().unmatched_frees, 2);
+        // The same function twice in a row: two releases (allocations
+        // filtered in the kernel).
+        t.apply(&ev(9, 3, free(0x30)), Domain::Heap);
+        t.apply(&ev(9, 3, free(0x30)), Domain::Heap);
+        assert_eq!(t.counts().unmatched_frees, 4);
+        // After an allocation of that thread, a repeat is no longer one.
+        t.apply(&ev(7, 1, free(0x40)), Domain::Heap);
+        t.apply(&ev(7, 0, alloc(0x20)), Domain::Heap);
+        t.apply(&ev(7, 2, free(0x40)), Domain::Heap);
+        assert_eq!(t.counts().unmatched_frees, 6);
+        assert_eq!(t.counts().releases_seen_twice, 1);
     }
 }
 

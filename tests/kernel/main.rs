@@ -5,6 +5,7 @@
 mod support;
 
 mod accuracy;
+mod allocators;
 mod analysis;
 mod bad_input;
 mod core_host;

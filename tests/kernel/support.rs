@@ -60,8 +60,14 @@ pub struct Fixture {
 impl Fixture {
     /// Starts `name` with `args` and waits for its `ready <pid>` line.
     pub fn start(name: &str, args: &[&str]) -> Fixture {
+        Fixture::start_env(name, args, &[])
+    }
+
+    /// [`Fixture::start`] with extra environment variables (`LD_PRELOAD`).
+    pub fn start_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> Fixture {
         let mut child = Command::new(fixture(name))
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

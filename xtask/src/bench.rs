@@ -120,11 +120,25 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     eprintln!("xtask bench: collateral cost on another process ({rounds} rounds)");
     let collateral = bench_collateral(&env);
 
+    eprintln!("xtask bench: redis-server under redis-benchmark ({rounds} rounds)");
+    let redis = super::bench_redis::section(&super::bench_redis::RedisBench {
+        memtrace: &env.memtrace,
+        work: &env.work,
+        rounds,
+        requests: if quick { 20_000 } else { 50_000 },
+    });
+    eprintln!("xtask bench: mallocbench under each preloaded allocator ({rounds} rounds)");
+    let allocators = super::bench_allocators::section(&super::bench_allocators::AllocatorBench {
+        memtrace: &env.memtrace,
+        mallocbench: &env.bin.join("mallocbench"),
+        rounds,
+    });
+
     let command = std::iter::once("cargo xtask".to_string())
         .chain(std::env::args().skip(1))
         .collect::<Vec<_>>()
         .join(" ");
-    let doc = render(&Doc {
+    let mut doc = render(&Doc {
         command,
         machine,
         elapsed: started.elapsed(),
@@ -138,6 +152,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         attach,
         collateral,
     });
+    doc.push('\n');
+    doc.push_str(&redis);
+    doc.push_str(&allocators);
     let out = if args.out.is_absolute() {
         args.out.clone()
     } else {

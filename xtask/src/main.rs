@@ -10,6 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_allocators;
+mod bench_redis;
 mod soak;
 
 #[derive(Parser)]
@@ -37,6 +39,21 @@ enum Task {
     Demo,
     /// Measure memtrace against the probe floor and its peers (writes BENCHMARKS.md).
     Bench(bench::BenchArgs),
+    /// Only the bench section on redis-server under redis-benchmark (prints Markdown).
+    BenchRedis {
+        /// Interleaved rounds per configuration.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Requests per test (SET, GET) and run.
+        #[arg(long, default_value_t = 50_000)]
+        requests: u64,
+    },
+    /// Only the bench section on mallocbench under each preloaded allocator (prints Markdown).
+    BenchAllocators {
+        /// Interleaved rounds per configuration.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// Trace a steady workload for 30 minutes and judge memtrace's own memory.
     Soak(soak::SoakArgs),
 }
@@ -49,8 +66,58 @@ fn main() -> Result<()> {
         Task::Test { args } => test(&args),
         Task::Demo => demo(),
         Task::Bench(args) => bench::bench(args),
+        Task::BenchRedis { rounds, requests } => bench_redis_only(rounds, requests),
+        Task::BenchAllocators { rounds } => bench_allocators_only(rounds),
         Task::Soak(args) => soak::soak(args),
     }
+}
+
+/// `cargo xtask bench-redis`: the redis section alone, on the release build.
+fn bench_redis_only(rounds: usize, requests: u64) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("cargo xtask bench-redis attaches uprobes: run it as root");
+    }
+    build_release()?;
+    let root = root();
+    let work = root.join("target/bench");
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    let memtrace = root.join("target/release/memtrace");
+    print!(
+        "{}",
+        bench_redis::section(&bench_redis::RedisBench {
+            memtrace: &memtrace,
+            work: &work,
+            rounds: rounds.max(1),
+            requests,
+        })
+    );
+    Ok(())
+}
+
+/// `cargo xtask bench-allocators`: that section alone, on the release build.
+fn bench_allocators_only(rounds: usize) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("cargo xtask bench-allocators attaches uprobes: run it as root");
+    }
+    build_release()?;
+    let root = root();
+    let fixtures = root.join("target/fixtures");
+    run(Command::new("make")
+        .args(["-s", "-f"])
+        .arg(root.join("tests/fixtures/bench/bench.mk"))
+        .arg(format!("OUT={}", fixtures.display()))
+        .arg("bench"))?;
+    print!(
+        "{}",
+        bench_allocators::section(&bench_allocators::AllocatorBench {
+            memtrace: &root.join("target/release/memtrace"),
+            mallocbench: &fixtures.join("bench/mallocbench"),
+            rounds: rounds.max(1),
+        })
+    );
+    Ok(())
 }
 
 /// The workspace root (the parent of this crate).

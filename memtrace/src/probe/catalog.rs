@@ -8,8 +8,15 @@ use serde::Serialize;
 /// An allocator family as reported to users (serialized as its name).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Allocator {
-    /// The C library's heap (`malloc` and friends), whichever library defines it.
+    /// The C library's heap (`malloc` and friends, C++ `operator new`/`delete`
+    /// over it): glibc, or any object not identified as another allocator.
     Libc,
+    /// jemalloc (Debian's `libjemalloc2`, redis, Rust's tikv-jemallocator).
+    Jemalloc,
+    /// gperftools' tcmalloc (`libtcmalloc*.so`).
+    Tcmalloc,
+    /// Microsoft's mimalloc (`libmimalloc.so`, Rust's mimalloc crate).
+    Mimalloc,
     /// Anonymous `mmap`/`munmap`.
     Mmap,
     /// CUDA runtime (`cudaMalloc` ...).
@@ -32,6 +39,9 @@ impl Allocator {
     pub fn name(self) -> &'static str {
         match self {
             Allocator::Libc => "libc",
+            Allocator::Jemalloc => "jemalloc",
+            Allocator::Tcmalloc => "tcmalloc",
+            Allocator::Mimalloc => "mimalloc",
             Allocator::Mmap => "mmap",
             Allocator::Cuda => "cuda",
             Allocator::CudaDriver => "cuda-driver",
@@ -44,6 +54,9 @@ impl Allocator {
     pub fn parse_builtin(name: &str) -> Option<Allocator> {
         [
             Allocator::Libc,
+            Allocator::Jemalloc,
+            Allocator::Tcmalloc,
+            Allocator::Mimalloc,
             Allocator::Mmap,
             Allocator::Cuda,
             Allocator::CudaDriver,
@@ -53,10 +66,21 @@ impl Allocator {
         .find(|a| a.name() == name)
     }
 
+    /// Whether this is a heap allocator (`malloc`-like, C++ `new`): these
+    /// share one address domain and one nesting family, so `operator new`
+    /// over a traced `malloc`, or jemalloc's `mmap` under its `malloc`, is
+    /// counted once.
+    pub fn is_heap(self) -> bool {
+        matches!(
+            self,
+            Allocator::Libc | Allocator::Jemalloc | Allocator::Tcmalloc | Allocator::Mimalloc
+        )
+    }
+
     /// Nesting family used by the eBPF programs (see [`ProbeSpec::family`]).
     pub fn family(self) -> u8 {
         match self {
-            Allocator::Libc => 0,
+            Allocator::Libc | Allocator::Jemalloc | Allocator::Tcmalloc | Allocator::Mimalloc => 0,
             Allocator::Mmap => 1,
             Allocator::Cuda => 2,
             Allocator::CudaDriver => 3,
@@ -132,6 +156,9 @@ pub struct FuncDef {
     pub quirk: SpecQuirk,
     /// Status meaning success when `ret` is [`RetKind::Status`].
     pub success_code: i64,
+    /// The symbol prefix this definition was made with (`je_`, `_rjem_`,
+    /// `--symbol-prefix`), empty for the catalogue's own names.
+    pub prefix: &'static str,
 }
 
 const N: u8 = ARG_NONE;
@@ -156,6 +183,7 @@ impl FuncDef {
             out_arg: N,
             quirk: SpecQuirk::None,
             success_code: 0,
+            prefix: "",
         }
     }
 
@@ -218,6 +246,12 @@ impl FuncDef {
         self.kind == SpecKind::Free && self.ret == RetKind::Void
     }
 
+    /// Which group of names a missing function is reported within: the C
+    /// interface, the C++ operators, or one allocator's own API, per prefix.
+    pub fn group(&self) -> (Allocator, bool, &'static str) {
+        (self.allocator, self.name.starts_with("_Z"), self.prefix)
+    }
+
     /// The eBPF-side description of this function, stored at `index`.
     pub fn spec(&self, index: u16) -> ProbeSpec {
         let mut spec = ProbeSpec::empty();
@@ -236,7 +270,7 @@ impl FuncDef {
     }
 }
 
-use Allocator::{Acl, Cuda, CudaDriver, Libc, Mmap};
+use Allocator::{Acl, Cuda, CudaDriver, Jemalloc, Libc, Mimalloc, Mmap, Tcmalloc};
 use Domain::{AclMemory, CudaMemory, CudaVmmHandle, Heap, Mapping};
 use Memory::{Device, Host, Managed, Pinned};
 
@@ -267,6 +301,133 @@ pub static CATALOG: &[FuncDef] = &[
     FuncDef::new("pvalloc", Libc, Host, Heap).returns_ptr(0),
     // `void free(void *ptr)`
     FuncDef::new("free", Libc, Host, Heap).release(0),
+    // ---- C++ operators, in whichever object defines them (libstdc++,
+    // libc++, an allocator, the executable) ----
+    // `void *operator new(size_t)`, `new[]`, nothrow and `align_val_t` forms
+    FuncDef::new("_Znwm", Libc, Host, Heap).returns_ptr(0),
+    FuncDef::new("_Znam", Libc, Host, Heap).returns_ptr(0),
+    FuncDef::new("_ZnwmRKSt9nothrow_t", Libc, Host, Heap).returns_ptr(0),
+    FuncDef::new("_ZnamRKSt9nothrow_t", Libc, Host, Heap).returns_ptr(0),
+    FuncDef::new("_ZnwmSt11align_val_t", Libc, Host, Heap).returns_ptr(0),
+    FuncDef::new("_ZnamSt11align_val_t", Libc, Host, Heap).returns_ptr(0),
+    FuncDef::new("_ZnwmSt11align_val_tRKSt9nothrow_t", Libc, Host, Heap).returns_ptr(0),
+    FuncDef::new("_ZnamSt11align_val_tRKSt9nothrow_t", Libc, Host, Heap).returns_ptr(0),
+    // `void operator delete(void *, ...)`, `delete[]`: plain, sized, aligned,
+    // sized+aligned, nothrow
+    FuncDef::new("_ZdlPv", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdaPv", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdlPvm", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdaPvm", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdlPvSt11align_val_t", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdaPvSt11align_val_t", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdlPvmSt11align_val_t", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdaPvmSt11align_val_t", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdlPvRKSt9nothrow_t", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdaPvRKSt9nothrow_t", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdlPvSt11align_val_tRKSt9nothrow_t", Libc, Host, Heap).release(0),
+    FuncDef::new("_ZdaPvSt11align_val_tRKSt9nothrow_t", Libc, Host, Heap).release(0),
+    // ---- jemalloc's own API ----
+    // `void *mallocx(size_t size, int flags)`
+    FuncDef::new("mallocx", Jemalloc, Host, Heap).returns_ptr(0),
+    // `void *rallocx(void *ptr, size_t size, int flags)`
+    FuncDef::new("rallocx", Jemalloc, Host, Heap).realloc(0, 1),
+    // `size_t xallocx(void *ptr, size_t size, size_t extra, int flags)`: resizes
+    // in place and returns the new real size.
+    FuncDef::new("xallocx", Jemalloc, Host, Heap)
+        .realloc(0, 1)
+        .quirk(SpecQuirk::ResizeInPlace),
+    // `void sdallocx(void *ptr, size_t size, int flags)`
+    FuncDef::new("sdallocx", Jemalloc, Host, Heap).release(0),
+    // `void dallocx(void *ptr, int flags)`
+    FuncDef::new("dallocx", Jemalloc, Host, Heap).release(0),
+    // ---- tcmalloc's `tc_*` entry points ----
+    FuncDef::new("tc_malloc", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_malloc_skip_new_handler", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_calloc", Tcmalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    FuncDef::new("tc_realloc", Tcmalloc, Host, Heap).realloc(0, 1),
+    FuncDef::new("tc_memalign", Tcmalloc, Host, Heap).returns_ptr(1),
+    FuncDef::new("tc_posix_memalign", Tcmalloc, Host, Heap).out_status(0, 2),
+    FuncDef::new("tc_valloc", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_pvalloc", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_new", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_newarray", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_new_nothrow", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_newarray_nothrow", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_new_aligned", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_newarray_aligned", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_new_aligned_nothrow", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_newarray_aligned_nothrow", Tcmalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("tc_free", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_cfree", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_free_sized", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_delete", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_deletearray", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_delete_sized", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_deletearray_sized", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_delete_aligned", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_deletearray_aligned", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_delete_sized_aligned", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_deletearray_sized_aligned", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_delete_nothrow", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_deletearray_nothrow", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_delete_aligned_nothrow", Tcmalloc, Host, Heap).release(0),
+    FuncDef::new("tc_deletearray_aligned_nothrow", Tcmalloc, Host, Heap).release(0),
+    // ---- mimalloc's `mi_*` API (not the `mi_heap_*` one) ----
+    FuncDef::new("mi_malloc", Mimalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("mi_zalloc", Mimalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("mi_malloc_small", Mimalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("mi_zalloc_small", Mimalloc, Host, Heap).returns_ptr(0),
+    // `void *mi_calloc(size_t count, size_t size)`, `mi_mallocn` alike
+    FuncDef::new("mi_calloc", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    FuncDef::new("mi_mallocn", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    FuncDef::new("mi_realloc", Mimalloc, Host, Heap).realloc(0, 1),
+    // `void *mi_reallocn(void *p, size_t count, size_t size)`, `mi_reallocarray` alike
+    FuncDef::new("mi_reallocn", Mimalloc, Host, Heap)
+        .realloc(0, 2)
+        .count(1),
+    FuncDef::new("mi_reallocarray", Mimalloc, Host, Heap)
+        .realloc(0, 2)
+        .count(1),
+    // `void *mi_malloc_aligned(size_t size, size_t alignment)` and the `_at` forms
+    FuncDef::new("mi_malloc_aligned", Mimalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("mi_malloc_aligned_at", Mimalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("mi_zalloc_aligned", Mimalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("mi_zalloc_aligned_at", Mimalloc, Host, Heap).returns_ptr(0),
+    // `void *mi_calloc_aligned(size_t count, size_t size, size_t alignment)`
+    FuncDef::new("mi_calloc_aligned", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    FuncDef::new("mi_calloc_aligned_at", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    // `void *mi_realloc_aligned(void *p, size_t newsize, size_t alignment)`
+    FuncDef::new("mi_realloc_aligned", Mimalloc, Host, Heap).realloc(0, 1),
+    FuncDef::new("mi_realloc_aligned_at", Mimalloc, Host, Heap).realloc(0, 1),
+    // `void *mi_new(size_t size)` and the rest of the `new` family
+    FuncDef::new("mi_new", Mimalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("mi_new_aligned", Mimalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("mi_new_nothrow", Mimalloc, Host, Heap).returns_ptr(0),
+    FuncDef::new("mi_new_aligned_nothrow", Mimalloc, Host, Heap).returns_ptr(0),
+    // `void *mi_new_n(size_t count, size_t size)`
+    FuncDef::new("mi_new_n", Mimalloc, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    FuncDef::new("mi_new_realloc", Mimalloc, Host, Heap).realloc(0, 1),
+    // `void *mi_new_reallocn(void *p, size_t newcount, size_t size)`
+    FuncDef::new("mi_new_reallocn", Mimalloc, Host, Heap)
+        .realloc(0, 2)
+        .count(1),
+    // `void mi_free(void *p)`, sized and aligned forms
+    FuncDef::new("mi_free", Mimalloc, Host, Heap).release(0),
+    FuncDef::new("mi_free_size", Mimalloc, Host, Heap).release(0),
+    FuncDef::new("mi_free_aligned", Mimalloc, Host, Heap).release(0),
+    FuncDef::new("mi_free_size_aligned", Mimalloc, Host, Heap).release(0),
     // ---- anonymous mappings ----
     // `void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset)`
     FuncDef::new("mmap", Mmap, Host, Mapping)
@@ -353,6 +514,68 @@ impl FuncDef {
         self.ret = RetKind::MmapPointer;
         self
     }
+}
+
+/// Symbol prefixes of jemalloc builds made not to replace `malloc`:
+/// `je_` (`--with-jemalloc-prefix=je_`, redis's bundled copy) and `_rjem_`
+/// (Rust's tikv-jemallocator).
+pub const JEMALLOC_PREFIXES: [&str; 2] = ["je_", "_rjem_"];
+
+/// The catalogue's C heap functions (the standard names and jemalloc's own)
+/// again under `prefix`: what a prefixed allocator build exports. Made once
+/// per session (the copies live as long as the process).
+pub fn prefixed(prefix: &str, base: &[&'static FuncDef]) -> Vec<&'static FuncDef> {
+    let jemalloc = JEMALLOC_PREFIXES.contains(&prefix);
+    let prefix: &'static str = Box::leak(prefix.to_string().into_boxed_str());
+    base.iter()
+        .filter(|def| {
+            def.prefix.is_empty()
+                && !def.name.starts_with("_Z")
+                && matches!(def.allocator, Libc | Jemalloc)
+        })
+        .map(|def| {
+            let name: &'static str = Box::leak(format!("{prefix}{}", def.name).into_boxed_str());
+            let allocator = if jemalloc { Jemalloc } else { def.allocator };
+            let copy: &'static FuncDef = Box::leak(Box::new(FuncDef {
+                name,
+                allocator,
+                prefix,
+                ..**def
+            }));
+            copy
+        })
+        .collect()
+}
+
+/// Which heap allocator an object is, from its file name and the catalogue
+/// functions it defines: the standard names (`malloc`, `operator new`) are
+/// reported under it.
+pub fn heap_allocator<'a>(
+    path: &std::path::Path,
+    defined: impl Iterator<Item = &'a FuncDef>,
+) -> Allocator {
+    let mut own = None;
+    for def in defined {
+        if matches!(def.allocator, Jemalloc | Tcmalloc | Mimalloc) {
+            own = Some(def.allocator);
+            break;
+        }
+    }
+    if let Some(own) = own {
+        return own;
+    }
+    let file = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_lowercase())
+        .unwrap_or_default();
+    [
+        ("jemalloc", Jemalloc),
+        ("tcmalloc", Tcmalloc),
+        ("mimalloc", Mimalloc),
+    ]
+    .into_iter()
+    .find(|(word, _)| file.contains(word))
+    .map_or(Libc, |(_, allocator)| allocator)
 }
 
 /// Looks a function up by name.

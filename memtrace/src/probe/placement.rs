@@ -1,5 +1,5 @@
 //! Probe placement: choosing the byte offset inside a traced function at
-//! which its uprobe is attached.
+//! which its uprobe (and uretprobe) is attached.
 //!
 //! This module owns one decision, made from the first bytes of the function
 //! as read from the ELF file: attach at the entry (offset 0), or a few bytes
@@ -7,14 +7,29 @@
 //! single-stepping it out of line. On x86-64 (kernel 6.18, measured) a hit on
 //! an emulated instruction costs ~0.4 us; a single-stepped one ~15 us more,
 //! because it takes a second trap. glibc `malloc` starts with `push r12`
-//! (emulated), while `free` starts with `test rdi,rdi` (single-stepped) and
-//! only reaches `push rbp` at `+9`, after its NULL check.
+//! (emulated); glibc `free` starts with `test rdi,rdi` (single-stepped) and
+//! reaches `push rbp` at `+9`, after its NULL check; jemalloc's `malloc`
+//! starts with `cmp rdi,0x1000` and reaches an emulated `ja` at `+7`.
 //!
-//! The chooser is pure and conservative: it moves only past instructions
-//! that every relevant path executes and that write no register (only flags),
-//! and only onto an instruction it knows the kernel emulates. Anything else
-//! (an unknown instruction, a write to a register, a branch back into the
-//! skipped bytes) keeps the probe at offset 0, with a reason saying why.
+//! The chooser is pure and conservative. It walks the function's
+//! straight-line prefix and stops on the first instruction the kernel
+//! emulates, provided that:
+//! - every skipped instruction falls through (no branch, call or return
+//!   before the candidate) and writes no memory, so every call passes the
+//!   candidate exactly once;
+//! - no direct branch among the bytes given lands inside the skipped prefix
+//!   or on the candidate (a call back to the entry is a new invocation);
+//! - every argument the probe reads still sits in an argument register: a
+//!   plain `mov r64,r64` copy is followed (mimalloc's `malloc` moves its size
+//!   from `rdi` to `rsi`), and the placement says where each argument is read;
+//! - the stack pointer is unchanged when [`Needs::keep_stack`] (functions
+//!   with a return probe: the uretprobe, attached at the same spot, takes the
+//!   return address from `[rsp]`).
+//!
+//! A plain release ([`Needs::release_ptr`]) may also skip a NULL check of its
+//! pointer (`test reg,reg` or `cmp reg,0`, then `je` forward past the
+//! candidate): NULL frees then never fire at all. When nothing past the
+//! check qualifies, the `je` itself is used.
 //!
 //! What the kernel emulates mirrors `arch/x86/kernel/uprobes.c`:
 //! `push r64` (`50+r`, or `41 50+r` for r8..r15), NOPs (`90` without `f3`,
@@ -35,7 +50,7 @@ use iced_x86::{
 };
 
 /// How many bytes of the function's start [`choose`] wants to see.
-pub const WINDOW: usize = 64;
+pub const WINDOW: usize = 256;
 
 /// An integer argument register of the x86-64 System V calling convention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -48,19 +63,24 @@ pub enum ArgReg {
     R9,
 }
 
+const ARG_REGS: [ArgReg; 6] = [
+    ArgReg::Rdi,
+    ArgReg::Rsi,
+    ArgReg::Rdx,
+    ArgReg::Rcx,
+    ArgReg::R8,
+    ArgReg::R9,
+];
+
 impl ArgReg {
     /// The register carrying integer argument `index` (0-based), if any.
     pub fn nth(index: usize) -> Option<Self> {
-        [
-            Self::Rdi,
-            Self::Rsi,
-            Self::Rdx,
-            Self::Rcx,
-            Self::R8,
-            Self::R9,
-        ]
-        .get(index)
-        .copied()
+        ARG_REGS.get(index).copied()
+    }
+
+    /// The argument index this register carries at a call.
+    pub fn index(self) -> u8 {
+        ARG_REGS.iter().position(|&r| r == self).unwrap_or(0) as u8
     }
 
     /// The register's name, as in Intel syntax.
@@ -85,19 +105,47 @@ impl ArgReg {
             Self::R9 => Register::R9,
         }
     }
+
+    fn of(register: Register) -> Option<Self> {
+        ARG_REGS
+            .iter()
+            .copied()
+            .find(|r| r.register() == register.full_register())
+    }
 }
 
 /// What the probe needs from the function, which bounds how far it may move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProbeRole {
-    /// Every call must fire, with every argument and the stack untouched:
-    /// allocation entries and uretprobes. Moves past `endbr64` only.
-    Entry,
-    /// A release-like function whose probe reads only the pointer in
-    /// `ptr_reg`, and for which a NULL pointer is a no-op: a leading NULL
-    /// check on that register (`test reg,reg` or `cmp reg,0`, then `je`)
-    /// may be skipped, so NULL calls never fire.
-    ReleasePointer { ptr_reg: ArgReg },
+pub struct Needs {
+    /// Bit `i` set: the probe reads integer argument `i` at entry.
+    pub args: u8,
+    /// The stack pointer must be unchanged at the probe (a return probe sits
+    /// there too, or the probe reads stack arguments).
+    pub keep_stack: bool,
+    /// A plain release reading only this pointer argument, for which NULL is
+    /// a no-op: a NULL check of it may be skipped.
+    pub release_ptr: Option<u8>,
+}
+
+impl Needs {
+    /// Every argument and the stack untouched: moves only past instructions
+    /// that write no argument register nor the stack pointer.
+    #[cfg(test)]
+    pub const ENTRY: Needs = Needs {
+        args: 0x3f,
+        keep_stack: true,
+        release_ptr: None,
+    };
+
+    /// A plain release of the pointer in argument `index` (no return probe).
+    #[cfg(test)]
+    pub const fn release(index: u8) -> Needs {
+        Needs {
+            args: 1 << index,
+            keep_stack: false,
+            release_ptr: Some(index),
+        }
+    }
 }
 
 /// Where to attach, and why.
@@ -106,7 +154,12 @@ pub struct Placement {
     /// Byte offset from the function's entry.
     pub offset: u64,
     pub reason: PlacementReason,
+    /// `args[i]`: the argument register holding argument `i` at the probe
+    /// (the identity unless a skipped `mov` copied it elsewhere).
+    pub args: [u8; 6],
 }
+
+const IDENTITY: [u8; 6] = [0, 1, 2, 3, 4, 5];
 
 impl Placement {
     /// The function's entry, whatever the chooser said (placement disabled).
@@ -120,12 +173,20 @@ impl Placement {
                 entry: None,
                 why: "placement disabled".to_string(),
             },
+            args: IDENTITY,
         }
     }
 
     /// Whether the probed instruction is one the kernel emulates (fast path).
     pub fn is_emulated(&self) -> bool {
         !matches!(self.reason, PlacementReason::Stay { .. })
+    }
+
+    /// The register index holding argument `arg` at the probe (`arg` itself
+    /// for an unused slot).
+    #[cfg(test)]
+    pub fn arg(&self, arg: u8) -> u8 {
+        self.args.get(usize::from(arg)).copied().unwrap_or(arg)
     }
 }
 
@@ -140,15 +201,13 @@ impl fmt::Display for Placement {
 pub enum PlacementReason {
     /// The entry instruction is emulated: offset 0.
     EntryEmulated { insn: String },
-    /// Moved past `endbr64` onto the emulated `insn`.
-    SkippedEndbr64 { insn: String },
-    /// Moved past a NULL check of the pointer register (`check`, e.g.
-    /// `test rdi,rdi; je`), and `endbr64` before it if `endbr64`, onto the
-    /// emulated `insn`, which only non-NULL pointers reach.
-    SkippedNullCheck {
-        endbr64: bool,
-        check: String,
+    /// Moved past `skipped` (each an instruction, or a NULL check as
+    /// `NULL check `test rdi,rdi; je``) onto the emulated `insn`; `moved`
+    /// lists the arguments read from another register than their own.
+    Moved {
+        skipped: Vec<String>,
         insn: String,
+        moved: Vec<(u8, ArgReg)>,
     },
     /// Offset 0, single-stepped: `entry` is the entry instruction (`None`
     /// when its bytes do not decode), `why` says why no later spot is safe.
@@ -159,19 +218,26 @@ impl fmt::Display for PlacementReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::EntryEmulated { insn } => write!(f, "entry `{insn}` is emulated"),
-            Self::SkippedEndbr64 { insn } => {
-                write!(f, "skipped `endbr64`; `{insn}` is emulated")
-            }
-            Self::SkippedNullCheck {
-                endbr64,
-                check,
+            Self::Moved {
+                skipped,
                 insn,
+                moved,
             } => {
-                let endbr = if *endbr64 { "`endbr64` and " } else { "" };
-                write!(
-                    f,
-                    "skipped {endbr}NULL check `{check}`; `{insn}` is emulated"
-                )
+                const SHOWN: usize = 4;
+                let mut list = skipped
+                    .iter()
+                    .take(SHOWN)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                if skipped.len() > SHOWN {
+                    list.push_str(&format!(" and {} more", skipped.len() - SHOWN));
+                }
+                write!(f, "skipped {list}; `{insn}` is emulated")?;
+                for (arg, reg) in moved {
+                    write!(f, "; argument {arg} read from {}", reg.name())?;
+                }
+                Ok(())
             }
             Self::Stay {
                 entry: Some(entry),
@@ -182,10 +248,10 @@ impl fmt::Display for PlacementReason {
     }
 }
 
-/// Chooses where to attach a probe with `role` to the function whose first
+/// Chooses where to attach a probe with `needs` to the function whose first
 /// bytes (at its entry, up to [`WINDOW`], not past the symbol's end) are
 /// `code`.
-pub fn choose(code: &[u8], role: ProbeRole) -> Placement {
+pub fn choose(code: &[u8], needs: Needs) -> Placement {
     let insns = decode(code);
     let Some(first) = insns.first() else {
         return stay(None, "no safe emulated spot".to_string());
@@ -196,59 +262,226 @@ pub fn choose(code: &[u8], role: ProbeRole) -> Placement {
             reason: PlacementReason::EntryEmulated {
                 insn: first.text.clone(),
             },
+            args: IDENTITY,
         };
     }
     let entry = Some(first.text.clone());
-
-    let endbr64 = first.instr.code() == Code::Endbr64;
-    let start = usize::from(endbr64);
-    if endbr64 {
-        match insns.get(1) {
-            Some(next) if next.emulated => {
-                return finish(
-                    &insns,
-                    1,
-                    entry,
-                    PlacementReason::SkippedEndbr64 {
-                        insn: next.text.clone(),
-                    },
-                );
-            }
-            Some(_) => {}
-            None => {
-                return stay(entry, "bytes after `endbr64` do not decode".to_string());
-            }
-        }
-    }
-
-    let ProbeRole::ReleasePointer { ptr_reg } = role else {
-        let why = if endbr64 {
-            format!(
-                "`{}` after `endbr64` is single-stepped too; no safe emulated spot",
-                insns[1].text
-            )
-        } else {
-            "no safe emulated spot".to_string()
-        };
-        return stay(entry, why);
+    let mut walk = Walk {
+        insns: &insns,
+        needs,
+        holds: [Some(0), Some(1), Some(2), Some(3), Some(4), Some(5)],
+        skipped: Vec::new(),
+        info: InstructionInfoFactory::new(),
     };
-
-    match null_check(&insns, start, ptr_reg) {
-        Ok(candidate) => {
-            let check = format!("{}; {}", insns[start].text, insns[start + 1].mnemonic());
-            finish(
-                &insns,
-                candidate,
-                entry,
-                PlacementReason::SkippedNullCheck {
-                    endbr64,
-                    check,
-                    insn: insns[candidate].text.clone(),
-                },
-            )
+    let mut fallback: Option<Placement> = None;
+    let mut at = 0;
+    loop {
+        let Some(insn) = insns.get(at) else {
+            let why = "the bytes end before an emulated instruction".to_string();
+            return fallback.unwrap_or_else(|| stay(entry, why));
+        };
+        if insn.emulated {
+            return match walk.accept(at) {
+                Ok(placement) => placement,
+                Err(why) => {
+                    fallback.unwrap_or_else(|| stay(entry, format!("{why}; no safe emulated spot")))
+                }
+            };
         }
-        Err(why) => stay(entry, format!("{why}; no safe emulated spot")),
+        if let Some(ptr) = needs.release_ptr {
+            if let Some(check) = walk.null_check(at, ptr) {
+                // The `je` itself is emulated: a spot NULL frees reach too.
+                if fallback.is_none() {
+                    let mut at_je = walk.clone_state();
+                    at_je.skipped.push(format!("`{}`", insn.text));
+                    fallback = at_je.accept(at + 1).ok();
+                }
+                walk.skipped.push(check);
+                at += 2;
+                continue;
+            }
+        }
+        if let Err(why) = walk.skip(at) {
+            return fallback
+                .unwrap_or_else(|| stay(entry, format!("{why}; no safe emulated spot")));
+        }
+        at += 1;
     }
+}
+
+/// The state of [`choose`]'s walk down the prefix.
+struct Walk<'a> {
+    insns: &'a [Decoded],
+    needs: Needs,
+    /// `holds[r]`: which original argument register `r` still holds.
+    holds: [Option<u8>; 6],
+    skipped: Vec<String>,
+    info: InstructionInfoFactory,
+}
+
+impl<'a> Walk<'a> {
+    fn clone_state(&self) -> Walk<'a> {
+        Walk {
+            insns: self.insns,
+            needs: self.needs,
+            holds: self.holds,
+            skipped: self.skipped.clone(),
+            info: InstructionInfoFactory::new(),
+        }
+    }
+
+    /// The register now holding original argument `arg`, preferring its own.
+    fn locate(&self, arg: u8) -> Option<u8> {
+        if self.holds[usize::from(arg)] == Some(arg) {
+            return Some(arg);
+        }
+        self.holds
+            .iter()
+            .position(|h| *h == Some(arg))
+            .map(|r| r as u8)
+    }
+
+    /// Skips the non-emulated `insns[at]`, or says why it cannot be skipped.
+    fn skip(&mut self, at: usize) -> Result<(), String> {
+        let insn = &self.insns[at];
+        let instr = &insn.instr;
+        if instr.flow_control() != FlowControl::Next {
+            return Err(format!(
+                "`{}` at +{:#x} leaves the straight line before any emulated instruction",
+                insn.text, insn.offset
+            ));
+        }
+        let info = self.info.info(instr);
+        if info.used_memory().iter().any(|m| writes(m.access())) {
+            return Err(format!("skipped `{}` writes memory", insn.text));
+        }
+        let written: Vec<Register> = info
+            .used_registers()
+            .iter()
+            .filter(|used| writes(used.access()))
+            .map(|used| used.register().full_register())
+            .collect();
+        if written.contains(&Register::RSP) {
+            if self.needs.keep_stack {
+                return Err(format!(
+                    "skipped `{}` moves the stack pointer (a return probe needs it)",
+                    insn.text
+                ));
+            }
+            // Only growing the stack (`sub rsp,imm`): the nesting check
+            // compares stack pointers, which must not rise above the entry's.
+            let grows = matches!(instr.code(), Code::Sub_rm64_imm8 | Code::Sub_rm64_imm32)
+                && instr.op0_kind() == OpKind::Register
+                && instr.op0_register() == Register::RSP;
+            if !grows {
+                return Err(format!(
+                    "skipped `{}` moves the stack pointer other than down",
+                    insn.text
+                ));
+            }
+        }
+        // `mov r64,r64` between argument registers copies an argument.
+        let copy = match instr.code() {
+            Code::Mov_r64_rm64 | Code::Mov_rm64_r64
+                if instr.op0_kind() == OpKind::Register && instr.op1_kind() == OpKind::Register =>
+            {
+                ArgReg::of(instr.op1_register()).map(|src| self.holds[usize::from(src.index())])
+            }
+            _ => None,
+        };
+        for register in written {
+            if let Some(reg) = ArgReg::of(register) {
+                self.holds[usize::from(reg.index())] = match (copy, instr.op0_register()) {
+                    (Some(value), dst) if dst.full_register() == register => value,
+                    _ => None,
+                };
+            }
+        }
+        for arg in 0..6u8 {
+            if self.needs.args & (1 << arg) != 0 && self.locate(arg).is_none() {
+                let reg = ArgReg::nth(usize::from(arg)).map_or("?", ArgReg::name);
+                return Err(format!(
+                    "skipped `{}` overwrites argument {arg} ({reg})",
+                    insn.text
+                ));
+            }
+        }
+        self.skipped.push(format!("`{}`", insn.text));
+        Ok(())
+    }
+
+    /// Matches `test r,r` / `cmp r,0` on the register holding argument
+    /// `ptr` at `insns[at]`, then `je` forward past the fall-through.
+    fn null_check(&self, at: usize, ptr: u8) -> Option<String> {
+        let reg = ArgReg::nth(usize::from(self.locate(ptr)?))?.register();
+        let check = self.insns.get(at)?;
+        let i = &check.instr;
+        let tests_ptr = match i.code() {
+            Code::Test_rm64_r64 => {
+                i.op0_kind() == OpKind::Register
+                    && i.op0_register() == reg
+                    && i.op1_register() == reg
+            }
+            Code::Cmp_rm64_imm8 | Code::Cmp_rm64_imm32 => {
+                i.op0_kind() == OpKind::Register && i.op0_register() == reg && i.immediate(1) == 0
+            }
+            _ => false,
+        };
+        let jump = self.insns.get(at + 1)?;
+        let j = &jump.instr;
+        let is_je = matches!(j.code(), Code::Je_rel8_64 | Code::Je_rel32_64)
+            && j.condition_code() == ConditionCode::e;
+        (tests_ptr && is_je && j.near_branch_target() > jump.end())
+            .then(|| format!("NULL check `{}; {}`", check.text, jump.mnemonic()))
+    }
+
+    /// Accepts the emulated `insns[at]` unless a branch among the bytes
+    /// lands in `(0, its offset]`.
+    fn accept(&self, at: usize) -> Result<Placement, String> {
+        let target_offset = self.insns[at].offset;
+        for branch in self.insns {
+            if let Some(target) = near_target(&branch.instr) {
+                if target > 0 && target <= target_offset {
+                    return Err(format!(
+                        "`{}` at +{:#x} branches into the skipped bytes (0, {:#x}]",
+                        branch.text, branch.offset, target_offset
+                    ));
+                }
+            }
+        }
+        let mut args = IDENTITY;
+        let mut moved = Vec::new();
+        for arg in 0..6u8 {
+            if self.needs.args & (1 << arg) == 0 {
+                continue;
+            }
+            let reg = self
+                .locate(arg)
+                .ok_or_else(|| format!("argument {arg} is lost"))?;
+            args[usize::from(arg)] = reg;
+            if reg != arg {
+                if let Some(r) = ArgReg::nth(usize::from(reg)) {
+                    moved.push((arg, r));
+                }
+            }
+        }
+        Ok(Placement {
+            offset: target_offset,
+            reason: PlacementReason::Moved {
+                skipped: self.skipped.clone(),
+                insn: self.insns[at].text.clone(),
+                moved,
+            },
+            args,
+        })
+    }
+}
+
+fn writes(access: OpAccess) -> bool {
+    matches!(
+        access,
+        OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite
+    )
 }
 
 #[cfg(test)]
@@ -281,7 +514,6 @@ impl Decoded {
         self.text.split_whitespace().next().unwrap_or(&self.text)
     }
 }
-
 /// Decodes `code` from its start, stopping at the first byte that does not
 /// begin a whole, valid instruction.
 fn decode(code: &[u8]) -> Vec<Decoded> {
@@ -343,125 +575,6 @@ fn has_66_prefix(bytes: &[u8]) -> bool {
     false
 }
 
-/// Matches `test reg,reg` / `cmp reg,0` on `ptr_reg` at `insns[at]`, then
-/// `je` whose target lies past the fall-through, and returns the index of
-/// the fall-through instruction if it is emulated.
-fn null_check(insns: &[Decoded], at: usize, ptr_reg: ArgReg) -> Result<usize, String> {
-    let reg = ptr_reg.register();
-    let Some(check) = insns.get(at) else {
-        return Err("bytes do not decode".to_string());
-    };
-    let i = &check.instr;
-    let tests_ptr = match i.code() {
-        Code::Test_rm64_r64 => {
-            i.op0_kind() == OpKind::Register && i.op0_register() == reg && i.op1_register() == reg
-        }
-        Code::Cmp_rm64_imm8 | Code::Cmp_rm64_imm32 => {
-            i.op0_kind() == OpKind::Register && i.op0_register() == reg && i.immediate(1) == 0
-        }
-        _ => false,
-    };
-    if !tests_ptr {
-        return Err(format!(
-            "`{}` is not a NULL check of the pointer register {}",
-            check.text,
-            ptr_reg.name()
-        ));
-    }
-    let Some(jump) = insns.get(at + 1) else {
-        return Err(format!("bytes after `{}` do not decode", check.text));
-    };
-    let j = &jump.instr;
-    let is_je = matches!(j.code(), Code::Je_rel8_64 | Code::Je_rel32_64)
-        && j.condition_code() == ConditionCode::e;
-    if !is_je {
-        return Err(format!(
-            "`{}` after `{}` is not `je` to the NULL path",
-            jump.text, check.text
-        ));
-    }
-    let Some(candidate) = insns.get(at + 2) else {
-        return Err(format!("bytes after `{}` do not decode", jump.text));
-    };
-    if j.near_branch_target() <= candidate.offset {
-        return Err(format!(
-            "`{}` jumps back to +{:#x}, not past the candidate +{:#x}",
-            jump.text,
-            j.near_branch_target(),
-            candidate.offset
-        ));
-    }
-    if !candidate.emulated {
-        return Err(format!(
-            "`{}` after the NULL check is single-stepped too",
-            candidate.text
-        ));
-    }
-    Ok(at + 2)
-}
-
-/// Accepts moving onto `insns[candidate]` unless a skipped instruction
-/// writes a register or a branch in the window lands in `[0, candidate]`.
-fn finish(
-    insns: &[Decoded],
-    candidate: usize,
-    entry: Option<String>,
-    reason: PlacementReason,
-) -> Placement {
-    let target_offset = insns[candidate].offset;
-    let mut info = InstructionInfoFactory::new();
-    for skipped in &insns[..candidate] {
-        let writes = info
-            .info(&skipped.instr)
-            .used_registers()
-            .iter()
-            .find(|used| {
-                matches!(
-                    used.access(),
-                    OpAccess::Write
-                        | OpAccess::CondWrite
-                        | OpAccess::ReadWrite
-                        | OpAccess::ReadCondWrite
-                )
-            })
-            .map(|used| used.register());
-        if let Some(register) = writes {
-            return stay(
-                entry,
-                format!(
-                    "skipped `{}` writes {}; no safe emulated spot",
-                    skipped.text,
-                    format!("{register:?}").to_lowercase()
-                ),
-            );
-        }
-    }
-    for branch in insns {
-        if let Some(target) = near_target(&branch.instr) {
-            let is_call = branch.instr.flow_control() == FlowControl::Call;
-            // A call to the entry is a new invocation that passes the whole
-            // skipped prefix; any other branch into it could fire twice.
-            if target <= target_offset && !(is_call && target == 0) {
-                return stay(
-                    entry,
-                    format!(
-                        "`{}` at +{:#x} branches into the skipped bytes [0, {:#x}]; no safe \
-                         emulated spot",
-                        branch.text, branch.offset, target_offset
-                    ),
-                );
-            }
-        }
-    }
-    debug_assert!(insns[..candidate]
-        .last()
-        .is_some_and(|last| last.end() == target_offset));
-    Placement {
-        offset: target_offset,
-        reason,
-    }
-}
-
 /// The function-relative target of a direct near branch or call.
 fn near_target(instr: &Instruction) -> Option<u64> {
     let direct = matches!(
@@ -483,6 +596,7 @@ fn stay(entry: Option<String>, why: String) -> Placement {
     Placement {
         offset: 0,
         reason: PlacementReason::Stay { entry, why },
+        args: IDENTITY,
     }
 }
 
@@ -490,9 +604,21 @@ fn stay(entry: Option<String>, why: String) -> Placement {
 mod tests {
     use super::*;
 
-    const FREE: ProbeRole = ProbeRole::ReleasePointer {
-        ptr_reg: ArgReg::Rdi,
+    const FREE: Needs = Needs::release(0);
+    /// `void *f(size_t size)` with a return probe.
+    const ALLOC: Needs = Needs {
+        args: 0b1,
+        keep_stack: true,
+        release_ptr: None,
     };
+    /// `void *f(void *ptr, size_t size)` with a return probe.
+    const REALLOC: Needs = Needs {
+        args: 0b11,
+        keep_stack: true,
+        release_ptr: None,
+    };
+
+    include!("testdata/prologues.rs");
 
     // Bytes below are read from /lib/x86_64-linux-gnu/libc.so.6 of glibc
     // 2.36 (Debian 12), text file offset == vaddr, at the address `readelf
@@ -593,29 +719,33 @@ mod tests {
         assert!(!p.is_emulated(), "{p}");
     }
 
-    fn assert_stays_for(name: &str, p: &Placement) {
-        assert_eq!(p.offset, 0, "{name}: {p}");
-        assert!(!p.is_emulated(), "{name}: {p}");
+    fn at(code: &[u8], needs: Needs) -> (u64, String) {
+        let p = choose(code, needs);
+        assert!(p.is_emulated(), "{p}");
+        (p.offset, p.reason.to_string())
     }
 
     #[test]
     fn glibc_free_skips_null_check_to_push_rbp() {
         let p = choose(&GLIBC_FREE, FREE);
-        assert_eq!(p.offset, 9, "{p}");
         assert_eq!(
             p.to_string(),
             "+9 (skipped NULL check `test rdi,rdi; je`; `push rbp` is emulated)"
         );
         assert!(p.is_emulated());
+        assert_eq!(p.args, IDENTITY);
     }
 
     #[test]
-    fn glibc_free_as_entry_stays_at_test() {
-        let p = choose(&GLIBC_FREE, ProbeRole::Entry);
-        assert_stays(&p);
-        assert_eq!(
-            p.reason.to_string(),
-            "entry `test rdi,rdi` is single-stepped; no safe emulated spot"
+    fn glibc_free_as_entry_stops_on_the_je() {
+        // An entry probe must see NULL frees too: it stops on the `je`.
+        let p = choose(&GLIBC_FREE, Needs::ENTRY);
+        assert_eq!(p.offset, 3, "{p}");
+        assert!(
+            p.reason
+                .to_string()
+                .starts_with("skipped `test rdi,rdi`; `je"),
+            "{p}"
         );
     }
 
@@ -626,8 +756,8 @@ mod tests {
             ("calloc", &GLIBC_CALLOC[..], "push r13"),
             ("realloc", &GLIBC_REALLOC[..], "push r15"),
         ] {
-            for role in [ProbeRole::Entry, FREE] {
-                let p = choose(code, role);
+            for needs in [Needs::ENTRY, FREE] {
+                let p = choose(code, needs);
                 assert_eq!(p.offset, 0, "{name}: {p}");
                 assert_eq!(
                     p.reason,
@@ -641,36 +771,41 @@ mod tests {
     }
 
     #[test]
-    fn glibc_functions_starting_single_stepped_stay() {
-        for (name, code) in [
-            ("posix_memalign", &GLIBC_POSIX_MEMALIGN[..]),
-            ("memalign", &GLIBC_MEMALIGN[..]),
-            ("valloc", &GLIBC_VALLOC[..]),
-            ("munmap", &GLIBC_MUNMAP[..]),
-            ("mmap", &GLIBC_MMAP[..]),
-        ] {
-            for role in [ProbeRole::Entry, FREE] {
-                assert_stays_for(name, &choose(code, role));
-            }
-        }
+    fn glibc_functions_moved_past_flag_only_checks() {
+        // posix_memalign, valloc: `cmp byte [rip+..],0` (flags only), then a push.
+        assert_eq!(at(&GLIBC_POSIX_MEMALIGN, Needs::ENTRY).0, 7);
+        assert_eq!(at(&GLIBC_VALLOC, Needs::ENTRY).0, 7);
+        // memalign: the same check, then `je` (emulated).
+        assert_eq!(at(&GLIBC_MEMALIGN, Needs::ENTRY).0, 7);
+        // mmap: `mov r10d,ecx` writes no argument register, `test r9d,0xfff`
+        // only flags; `jne` at +10. mmap reads length (rsi) and flags (rcx).
+        let mmap = Needs {
+            args: 0b1010,
+            keep_stack: true,
+            release_ptr: None,
+        };
+        let (offset, why) = at(&GLIBC_MMAP, mmap);
+        assert_eq!(offset, 10, "{why}");
+        // munmap: `mov eax,0xb; syscall` leaves the straight line first.
         let p = choose(&GLIBC_MUNMAP, FREE);
-        assert_eq!(
-            p.reason.to_string(),
-            "entry `mov eax,0xb` is single-stepped; `mov eax,0xb` is not a NULL check of the \
-             pointer register rdi; no safe emulated spot"
+        assert_stays(&p);
+        assert!(
+            p.reason
+                .to_string()
+                .contains("`syscall` at +0x5 leaves the straight line"),
+            "{p}"
         );
     }
 
     #[test]
-    fn null_check_onto_single_stepped_instruction_stays() {
-        // malloc_usable_size: the fall-through after the NULL check is
-        // `mov rcx,[rdi-8]`, single-stepped as well.
-        let p = choose(&GLIBC_MALLOC_USABLE_SIZE, FREE);
-        assert_stays(&p);
-        assert_eq!(
-            p.reason.to_string(),
-            "entry `test rdi,rdi` is single-stepped; `mov rcx,[rdi-0x8]` after the NULL check is \
-             single-stepped too; no safe emulated spot"
+    fn null_check_then_more_work_moves_further() {
+        // malloc_usable_size: after the NULL check, `mov rcx,[rdi-8]` etc.
+        // write rcx/rdx/rax only, up to the `jne` at +0x17.
+        let (offset, why) = at(&GLIBC_MALLOC_USABLE_SIZE, FREE);
+        assert_eq!(offset, 0x17, "{why}");
+        assert!(
+            why.starts_with("skipped NULL check `test rdi,rdi; je`, `mov rcx,[rdi-0x8]`"),
+            "{why}"
         );
     }
 
@@ -678,9 +813,8 @@ mod tests {
     fn endbr64_then_push_moves_for_every_role() {
         // endbr64; push rbp; mov rbp,rsp; ret
         let code = [0xf3, 0x0f, 0x1e, 0xfa, 0x55, 0x48, 0x89, 0xe5, 0xc3];
-        for role in [ProbeRole::Entry, FREE] {
-            let p = choose(&code, role);
-            assert_eq!(p.offset, 4, "{p}");
+        for needs in [Needs::ENTRY, FREE] {
+            let p = choose(&code, needs);
             assert_eq!(
                 p.to_string(),
                 "+4 (skipped `endbr64`; `push rbp` is emulated)"
@@ -689,15 +823,15 @@ mod tests {
     }
 
     #[test]
-    fn endbr64_then_single_stepped_stays() {
+    fn return_before_any_emulated_instruction_stays() {
         // endbr64; mov rax,rdi; ret
         let code = [0xf3, 0x0f, 0x1e, 0xfa, 0x48, 0x89, 0xf8, 0xc3];
-        let p = choose(&code, ProbeRole::Entry);
+        let p = choose(&code, Needs::ENTRY);
         assert_stays(&p);
         assert_eq!(
             p.reason.to_string(),
-            "entry `endbr64` is single-stepped; `mov rax,rdi` after `endbr64` is single-stepped \
-             too; no safe emulated spot"
+            "entry `endbr64` is single-stepped; `ret` at +0x7 leaves the straight line before \
+             any emulated instruction; no safe emulated spot"
         );
     }
 
@@ -709,14 +843,12 @@ mod tests {
             0xc3, 0x90, 0xc3,
         ];
         let p = choose(&code, FREE);
-        assert_eq!(p.offset, 9, "{p}");
         assert_eq!(
             p.to_string(),
-            "+9 (skipped `endbr64` and NULL check `test rdi,rdi; je`; `push rbx` is emulated)"
+            "+9 (skipped `endbr64`, NULL check `test rdi,rdi; je`; `push rbx` is emulated)"
         );
-        // The same function as an entry probe only moves past endbr64 when
-        // the next instruction is emulated, which `test` is not.
-        assert_stays(&choose(&code, ProbeRole::Entry));
+        // As an entry probe it stops on the `je`, which NULL calls pass too.
+        assert_eq!(choose(&code, Needs::ENTRY).offset, 7);
     }
 
     #[test]
@@ -725,11 +857,7 @@ mod tests {
         let code = [
             0x48, 0x83, 0xfe, 0x00, 0x0f, 0x84, 0xf6, 0x00, 0x00, 0x00, 0x41, 0x56, 0xc3,
         ];
-        let role = ProbeRole::ReleasePointer {
-            ptr_reg: ArgReg::Rsi,
-        };
-        let p = choose(&code, role);
-        assert_eq!(p.offset, 10, "{p}");
+        let p = choose(&code, Needs::release(1));
         assert_eq!(
             p.to_string(),
             "+10 (skipped NULL check `cmp rsi,0x0; je`; `push r14` is emulated)"
@@ -737,67 +865,73 @@ mod tests {
     }
 
     #[test]
-    fn write_to_pointer_before_push_stays() {
+    fn overwriting_a_read_argument_stays() {
         // mov rdi,[rdi]; push rbp; ret
         let code = [0x48, 0x8b, 0x3f, 0x55, 0xc3];
         let p = choose(&code, FREE);
         assert_stays(&p);
         assert_eq!(
             p.reason.to_string(),
-            "entry `mov rdi,[rdi]` is single-stepped; `mov rdi,[rdi]` is not a NULL check of the \
-             pointer register rdi; no safe emulated spot"
+            "entry `mov rdi,[rdi]` is single-stepped; skipped `mov rdi,[rdi]` overwrites \
+             argument 0 (rdi); no safe emulated spot"
         );
+        // The same write is harmless when the probe does not read rdi.
+        let size_only = Needs {
+            args: 0b10,
+            keep_stack: true,
+            release_ptr: None,
+        };
+        assert_eq!(choose(&code, size_only).offset, 3);
     }
 
     #[test]
-    fn skipped_instruction_writing_a_register_is_refused() {
-        // Not reachable through `choose` (it only skips endbr64, test/cmp and
-        // je), but `finish` re-checks every skipped instruction on its own.
-        // mov rdi,[rdi]; push rbp
-        let insns = decode(&[0x48, 0x8b, 0x3f, 0x55]);
-        let p = finish(
-            &insns,
-            1,
-            Some(insns[0].text.clone()),
-            PlacementReason::SkippedEndbr64 {
-                insn: insns[1].text.clone(),
-            },
+    fn copied_argument_is_followed() {
+        // mov rsi,rdi; xor edi,edi; push rbx  -- the size now lives in rsi.
+        let code = [0x48, 0x89, 0xfe, 0x31, 0xff, 0x53, 0xc3];
+        let p = choose(&code, ALLOC);
+        assert_eq!(p.offset, 5, "{p}");
+        assert_eq!(p.arg(0), 1);
+        assert!(
+            p.reason.to_string().ends_with("; argument 0 read from rsi"),
+            "{p}"
         );
+        // A 32-bit copy is not the 64-bit value.
+        let code = [0x89, 0xfe, 0x31, 0xff, 0x53, 0xc3];
+        assert_stays(&choose(&code, ALLOC));
+    }
+
+    #[test]
+    fn moving_the_stack_pointer_is_refused_for_return_probes() {
+        // sub rsp,8; call +0  -- fine for a release, not under a uretprobe.
+        let code = [0x48, 0x83, 0xec, 0x08, 0xe8, 0x00, 0x00, 0x00, 0x00, 0xc3];
+        assert_eq!(choose(&code, FREE).offset, 4);
+        // pop rbx; push rbx -- the stack pointer rises: refused even for a release.
+        let p = choose(&[0x5b, 0x53, 0xc3], FREE);
         assert_stays(&p);
-        assert_eq!(
-            p.reason.to_string(),
-            "entry `mov rdi,[rdi]` is single-stepped; skipped `mov rdi,[rdi]` writes rdi; no safe \
-             emulated spot"
+        assert!(p.reason.to_string().contains("other than down"), "{p}");
+        let p = choose(&code, ALLOC);
+        assert_stays(&p);
+        assert!(
+            p.reason.to_string().contains("moves the stack pointer"),
+            "{p}"
         );
-        // endbr64, test and je write no register (flags are not registers here).
-        let insns = decode(&[
-            0xf3, 0x0f, 0x1e, 0xfa, 0x48, 0x85, 0xff, 0x74, 0x01, 0x55, 0xc3,
-        ]);
-        let p = finish(
-            &insns,
-            3,
-            None,
-            PlacementReason::SkippedEndbr64 {
-                insn: insns[3].text.clone(),
-            },
-        );
-        assert_eq!(p.offset, 9, "{p}");
     }
 
     #[test]
-    fn je_back_into_prefix_stays() {
-        // test rdi,rdi; je -> +0 (back to the entry); push rbp; ret
-        let code = [0x48, 0x85, 0xff, 0x74, 0xfb, 0x55, 0xc3];
+    fn memory_writes_are_refused() {
+        // mov [rsp-8],rdi; push rbp
+        let code = [0x48, 0x89, 0x7c, 0x24, 0xf8, 0x55, 0xc3];
         let p = choose(&code, FREE);
         assert_stays(&p);
-        assert!(p.reason.to_string().contains("jumps back to +0x0"), "{p}");
-        // test rdi,rdi; je -> +5 (the candidate itself); push rbp; ret
-        let code = [0x48, 0x85, 0xff, 0x74, 0x00, 0x55, 0xc3];
-        assert_stays(&choose(&code, FREE));
+        assert!(p.reason.to_string().contains("writes memory"), "{p}");
     }
 
     #[test]
-    fn later_branch_back_into_prefix_stays() {
+    fn branches_into_the_prefix_stay() {
+        // test rdi,rdi; je -> +0 (back to the entry); push rbp; ret
+        // A loop to the entry passes the probe again, as an entry probe would.
+        let code = [0x48, 0x85, 0xff, 0x74, 0xfb, 0x55, 0xc3];
+        assert_eq!(choose(&code, FREE).offset, 3);
         // test rdi,rdi; je +0x0c; push rbp; pop rbp; jmp +3 (the je); ret
         let code = [
             0x48, 0x85, 0xff, 0x74, 0x07, 0x55, 0x5d, 0xeb, 0xfa, 0xc3, 0xc3, 0xc3, 0xc3,
@@ -818,42 +952,25 @@ mod tests {
         let code = [
             0xf3, 0x0f, 0x1e, 0xfa, 0x53, 0xe8, 0xf6, 0xff, 0xff, 0xff, 0x5b, 0xc3,
         ];
-        assert_eq!(choose(&code, ProbeRole::Entry).offset, 4);
+        assert_eq!(choose(&code, Needs::ENTRY).offset, 4);
     }
 
     #[test]
-    fn null_check_of_other_register_stays() {
-        // test rsi,rsi; je +0x10; push rbp  -- but the pointer is in rdi
-        let code = [0x48, 0x85, 0xf6, 0x74, 0x0b, 0x55, 0xc3];
-        let p = choose(&code, FREE);
-        assert_stays(&p);
-        assert!(
-            p.reason
-                .to_string()
-                .contains("not a NULL check of the pointer register rdi"),
-            "{p}"
-        );
-        // test edi,edi only checks the low half of the pointer.
-        let code = [0x85, 0xff, 0x74, 0x0b, 0x55, 0xc3];
-        assert_stays(&choose(&code, FREE));
-        // test rdi,rsi is not a NULL check either.
-        let code = [0x48, 0x85, 0xf7, 0x74, 0x0b, 0x55, 0xc3];
-        assert_stays(&choose(&code, FREE));
-    }
-
-    #[test]
-    fn jne_after_test_stays() {
-        // test rdi,rdi; jne +0x10; push rbp
-        let code = [0x48, 0x85, 0xff, 0x75, 0x0b, 0x55, 0xc3];
-        assert_stays(&choose(&code, FREE));
-    }
-
-    #[test]
-    fn entry_role_never_skips_null_check() {
-        // test rdi,rdi; je; push rbp -- an allocation entry must see every call.
-        let code = [0x48, 0x85, 0xff, 0x74, 0x0b, 0x55, 0xc3];
-        let p = choose(&code, ProbeRole::Entry);
-        assert_stays(&p);
+    fn only_a_null_check_of_the_pointer_is_skipped() {
+        // test rsi,rsi; je; push rbp  -- the pointer is in rdi: stop on the je.
+        for code in [
+            &[0x48, 0x85, 0xf6, 0x74, 0x0b, 0x55, 0xc3][..],
+            // test edi,edi only checks the low half of the pointer.
+            &[0x85, 0xff, 0x74, 0x0b, 0x55, 0xc3][..],
+            // test rdi,rsi is not a NULL check either.
+            &[0x48, 0x85, 0xf7, 0x74, 0x0b, 0x55, 0xc3][..],
+            // jne after the test is not the NULL path.
+            &[0x48, 0x85, 0xff, 0x75, 0x0b, 0x55, 0xc3][..],
+        ] {
+            let (offset, why) = at(code, FREE);
+            assert!(!why.contains("NULL check"), "{why}");
+            assert_eq!(offset, code.len() as u64 - 4, "{why}");
+        }
     }
 
     #[test]
@@ -869,7 +986,131 @@ mod tests {
         // test rdi,rdi; je <truncated>
         assert_stays(&choose(&[0x48, 0x85, 0xff, 0x0f, 0x84, 0x10], FREE));
         // endbr64 and nothing after it.
-        assert_stays(&choose(&[0xf3, 0x0f, 0x1e, 0xfa], ProbeRole::Entry));
+        assert_stays(&choose(&[0xf3, 0x0f, 0x1e, 0xfa], Needs::ENTRY));
+    }
+
+    #[test]
+    fn jemalloc_prologues() {
+        // malloc / operator new: `cmp rdi,0x1000; ja` -- the `ja` at +7.
+        for code in [JEMALLOC_MALLOC, JEMALLOC__ZNWM] {
+            let (offset, why) = at(code, ALLOC);
+            assert_eq!(offset, 7, "{why}");
+            assert!(why.starts_with("skipped `cmp rdi,0x1000`; `ja "), "{why}");
+        }
+        // free: register arithmetic on rax/rcx/rdx, then a `jne`.
+        let (offset, why) = at(JEMALLOC_FREE, FREE);
+        assert_eq!(offset, 0x30, "{why}");
+        // sized delete: NULL check, `sub rsp,8` (fine without a return probe), `call`.
+        let (offset, why) = at(JEMALLOC__ZDLPVM, FREE);
+        assert_eq!(offset, 9, "{why}");
+        assert!(
+            why.starts_with("skipped NULL check `test rdi,rdi; je`, `sub rsp,0x8`"),
+            "{why}"
+        );
+        // sdallocx(ptr, size, flags): `mov r8,rdi; cmp rsi,0x1000; ja`.
+        assert_eq!(at(JEMALLOC_SDALLOCX, FREE).0, 10);
+        // rallocx(ptr, size, flags): `xor ecx,ecx; jmp` (rcx is not read).
+        assert_eq!(at(JEMALLOC_RALLOCX, REALLOC).0, 2);
+        // calloc, mallocx, dallocx, realloc start with a push.
+        for code in [
+            JEMALLOC_CALLOC,
+            JEMALLOC_MALLOCX,
+            JEMALLOC_DALLOCX,
+            JEMALLOC_REALLOC,
+        ] {
+            assert_eq!(at(code, REALLOC).0, 0);
+        }
+    }
+
+    #[test]
+    fn tcmalloc_prologues() {
+        // malloc (= tc_malloc): `mov rax,[rip+..]; mov r8,rdi; test rax,rax; jne`.
+        let (offset, why) = at(TCMALLOC_MALLOC, ALLOC);
+        assert_eq!(offset, 13, "{why}");
+        // operator new (= tc_new) alike.
+        assert_eq!(at(TCMALLOC__ZNWM, ALLOC).0, 13);
+        // free (= tc_free, operator delete): `mov rax,[rip+..]; test; jne`.
+        assert_eq!(at(TCMALLOC_FREE, FREE).0, 10);
+        assert_eq!(at(TCMALLOC__ZDLPVM, FREE).0, 10);
+        // realloc starts with a push; calloc's `cmp byte fs:[rcx+0x10],0; jne`.
+        assert_eq!(at(TCMALLOC_REALLOC, REALLOC).0, 0);
+        let calloc = Needs {
+            args: 0b11,
+            keep_stack: true,
+            release_ptr: None,
+        };
+        assert_eq!(at(TCMALLOC_CALLOC, calloc).0, 12);
+    }
+
+    #[test]
+    fn mimalloc_prologues() {
+        // malloc (= mi_malloc): `mov rax,[rip+..]; mov rsi,rdi; mov rdi,fs:[rax];
+        // cmp rsi,0x400; ja` -- the size is read from rsi at the `ja`.
+        for code in [MIMALLOC_MALLOC, MIMALLOC_MI_ZALLOC] {
+            let p = choose(code, ALLOC);
+            assert_eq!(p.offset, 0x15, "{p}");
+            assert_eq!(p.arg(0), 1, "{p}");
+        }
+        // realloc: ptr and size shuffled to rsi and rdx, then `jmp`.
+        let p = choose(MIMALLOC_REALLOC, REALLOC);
+        assert_eq!(p.offset, 0x14, "{p}");
+        assert_eq!((p.arg(0), p.arg(1)), (1, 2), "{p}");
+        // free (= mi_free, operator delete): `mov rcx,rdi`, then its NULL check.
+        let (offset, why) = at(MIMALLOC_FREE, FREE);
+        assert!(offset >= 6, "{why}");
+        // operator new (= mi_new) starts with a push.
+        assert_eq!(at(MIMALLOC__ZNWM, ALLOC).0, 0);
+    }
+
+    #[test]
+    fn every_real_prologue_gets_a_reasoned_placement() {
+        for (name, code, needs) in [
+            ("jemalloc xallocx", JEMALLOC_XALLOCX, REALLOC),
+            (
+                "jemalloc posix_memalign",
+                JEMALLOC_POSIX_MEMALIGN,
+                Needs::ENTRY,
+            ),
+            (
+                "jemalloc aligned_alloc",
+                JEMALLOC_ALIGNED_ALLOC,
+                Needs::ENTRY,
+            ),
+            ("jemalloc operator delete", JEMALLOC__ZDLPV, FREE),
+            ("tcmalloc aligned new", TCMALLOC__ZNWM_ALIGNED, REALLOC),
+            ("tcmalloc tc_memalign", TCMALLOC_TC_MEMALIGN, REALLOC),
+            ("mimalloc sized delete", MIMALLOC__ZDLPVM, FREE),
+            (
+                "mimalloc mi_malloc_aligned",
+                MIMALLOC_MI_MALLOC_ALIGNED,
+                REALLOC,
+            ),
+            ("mimalloc mi_free_size", MIMALLOC_MI_FREE_SIZE, FREE),
+            ("libstdc++ new[]", LIBSTDCXX__ZNAM, ALLOC),
+            ("libstdc++ delete", LIBSTDCXX__ZDLPV, FREE),
+        ] {
+            let p = choose(code, needs);
+            // A jump as the first instruction is emulated at the entry.
+            assert!(p.is_emulated(), "{name}: {p}");
+            assert!(!p.reason.to_string().is_empty(), "{name}");
+        }
+        // mimalloc's calloc copies its count to rax (not an argument
+        // register) before overwriting rdi: it stays, and says why.
+        let p = choose(MIMALLOC_CALLOC, REALLOC);
+        assert_stays(&p);
+        assert!(
+            p.reason.to_string().contains("overwrites argument 0 (rdi)"),
+            "{p}"
+        );
+    }
+
+    #[test]
+    fn libstdcxx_operator_new_moves_to_its_push() {
+        // endbr64; test rdi,rdi; mov eax,1; push rbx
+        let (offset, why) = at(LIBSTDCXX__ZNWM, ALLOC);
+        assert_eq!(offset, 12, "{why}");
+        // The nothrow form moves rsp before its call: it stays under a uretprobe.
+        assert_stays(&choose(LIBSTDCXX__ZNWM_NOTHROW, ALLOC));
     }
 
     #[test]

@@ -1,13 +1,18 @@
 //! Attach planning: which catalogue functions each mapped object defines,
-//! where exactly to place each probe, and in which order to attach.
+//! which allocator the object is, where exactly to place each probe (and
+//! which register each argument is read from there), which functions only
+//! forward to another probed function (and need no probe of their own), and
+//! in which order to attach.
 
 use std::path::{Path, PathBuf};
 
+use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, OpKind};
+use memtrace_common::{ProbeSpec, SpecQuirk, ARG_NONE};
 use serde::Serialize;
 
-use super::catalog::FuncDef;
-use super::elf::{self, ElfError};
-use super::placement::{self, ProbeRole};
+use super::catalog::{self, Allocator, FuncDef};
+use super::elf::{self, DefinedFunction, ElfError};
+use super::placement;
 
 /// One function to probe in one object file.
 #[derive(Clone, Debug, Serialize)]
@@ -21,12 +26,56 @@ pub struct PlannedProbe {
     /// File offset of the function's entry.
     #[serde(skip)]
     pub file_offset: u64,
-    /// Bytes past the entry where the entry probe sits.
+    /// Bytes past the entry where the entry probe (and the return probe) sits.
     pub probe_offset: u64,
     /// Why the probe sits there.
     pub placement: String,
     /// Whether the kernel emulates the probed instruction (no single-step).
     pub emulated: bool,
+    /// The allocator its blocks are reported under: the object's own for the
+    /// standard heap names (`malloc` in libjemalloc is jemalloc's).
+    #[serde(skip)]
+    pub allocator: Allocator,
+    /// Which argument register holds each argument at the probe.
+    #[serde(skip)]
+    pub args: [u8; 6],
+}
+
+impl PlannedProbe {
+    /// The eBPF-side description of this probe, stored at `index`: the
+    /// catalogue's, with arguments read where the placement found them.
+    pub fn spec(&self, index: u16) -> ProbeSpec {
+        let mut spec = self.def.spec(index);
+        let at = |arg: u8| {
+            if arg == ARG_NONE {
+                ARG_NONE
+            } else {
+                self.args.get(usize::from(arg)).copied().unwrap_or(arg)
+            }
+        };
+        spec.size_arg = at(spec.size_arg);
+        spec.count_arg = at(spec.count_arg);
+        spec.ptr_arg = at(spec.ptr_arg);
+        spec.out_arg = at(spec.out_arg);
+        spec
+    }
+
+    /// File offset of the return probe: the entry probe's spot, where the
+    /// stack pointer is still the entry's (see [`placement::Needs`]).
+    pub fn return_offset(&self) -> Option<u64> {
+        self.def
+            .needs_return_probe()
+            .then_some(self.file_offset + self.probe_offset)
+    }
+}
+
+/// A catalogue function that only jumps to another one (`operator delete`
+/// = `jmp free@plt`): the other's probe sees its calls, so it has none.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Forwarder {
+    pub function: &'static str,
+    /// The function it jumps to (probed wherever it is defined).
+    pub to: String,
 }
 
 /// One object file and the functions probed in it.
@@ -37,7 +86,12 @@ pub struct LibraryPlan {
     /// Path memtrace opens (through `/proc/PID/root`).
     #[serde(skip)]
     pub open_path: PathBuf,
+    /// The heap allocator this object is, when it defines heap functions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocator: Option<&'static str>,
     pub functions: Vec<PlannedProbe>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub forwarders: Vec<Forwarder>,
 }
 
 /// Plans the probes for one object file; `None` when it defines no known function.
@@ -48,10 +102,18 @@ pub fn plan_library(
     place: bool,
 ) -> Result<Option<LibraryPlan>, ElfError> {
     let names: Vec<&str> = catalog.iter().map(|def| def.name).collect();
-    let defined = elf::defined_functions(open_path, &names)?;
+    let defined = elf::scan(open_path, &names)?;
+    let find_def = |name: &str| catalog.iter().copied().find(|def| def.name == name);
+    let present: Vec<&FuncDef> = defined
+        .functions
+        .iter()
+        .filter_map(|f| find_def(&f.name))
+        .collect();
+    let heap = catalog::heap_allocator(path, present.iter().copied());
     let mut functions: Vec<PlannedProbe> = Vec::new();
+    let mut forwarders: Vec<Forwarder> = Vec::new();
     for &def in catalog {
-        let Some(found) = defined.iter().find(|f| f.name == def.name) else {
+        let Some(found) = defined.functions.iter().find(|f| f.name == def.name) else {
             continue;
         };
         if let Some(first) = functions
@@ -61,14 +123,17 @@ pub fn plan_library(
             first.aliases.push(def.name);
             continue;
         }
-        let role = match placement::ArgReg::nth(usize::from(def.ptr_arg)) {
-            Some(ptr_reg) if def.is_plain_release() => ProbeRole::ReleasePointer { ptr_reg },
-            _ => ProbeRole::Entry,
-        };
+        if let Some(to) = forward_target(found, &defined, &find_def, def) {
+            forwarders.push(Forwarder {
+                function: def.name,
+                to,
+            });
+            continue;
+        }
         let placed = if place {
-            placement::choose(&found.code, role)
+            placement::choose(&found.code, needs(def))
         } else {
-            placement::choose(&found.code, ProbeRole::Entry).at_entry()
+            placement::choose(&found.code, needs(def)).at_entry()
         };
         functions.push(PlannedProbe {
             def,
@@ -78,6 +143,12 @@ pub fn plan_library(
             probe_offset: placed.offset,
             placement: placed.reason.to_string(),
             emulated: placed.is_emulated(),
+            allocator: if def.allocator.is_heap() {
+                heap
+            } else {
+                def.allocator
+            },
+            args: placed.args,
         });
     }
     if functions.is_empty() {
@@ -88,16 +159,97 @@ pub fn plan_library(
     functions.sort_by_key(|p| {
         !p.def.is_plain_release() && p.def.kind != memtrace_common::SpecKind::Free
     });
+    let has_heap = functions.iter().any(|p| p.allocator.is_heap());
     Ok(Some(LibraryPlan {
         path: path.to_path_buf(),
         open_path: open_path.to_path_buf(),
+        allocator: has_heap.then(|| heap.name()),
         functions,
+        forwarders,
     }))
+}
+
+/// What the entry probe of `def` reads, which bounds where it may be placed.
+fn needs(def: &FuncDef) -> placement::Needs {
+    let mut args = 0u8;
+    for arg in [def.size_arg, def.count_arg, def.ptr_arg, def.out_arg] {
+        if arg < 6 {
+            args |= 1 << arg;
+        }
+    }
+    if def.quirk == SpecQuirk::AnonMmap {
+        args |= 1 << 3; // mmap's flags
+    }
+    placement::Needs {
+        args,
+        keep_stack: def.needs_return_probe() || def.quirk == SpecQuirk::Malloc3D,
+        release_ptr: (def.is_plain_release() && def.ptr_arg < 6).then_some(def.ptr_arg),
+    }
+}
+
+/// The catalogue function `function` only jumps to, if it does: its code
+/// falls straight through (no branch, no memory write) to an unconditional
+/// `jmp` whose target is the entry of a catalogue function defined in the same
+/// object, or a PLT stub of one, of the same kind.
+fn forward_target(
+    function: &DefinedFunction,
+    defined: &elf::Defined,
+    find_def: &dyn Fn(&str) -> Option<&'static FuncDef>,
+    def: &FuncDef,
+) -> Option<String> {
+    const MAX_PREFIX: usize = 8;
+    let mut decoder = Decoder::with_ip(64, &function.code, function.address, DecoderOptions::NONE);
+    let mut info = iced_x86::InstructionInfoFactory::new();
+    for _ in 0..=MAX_PREFIX {
+        if !decoder.can_decode() {
+            return None;
+        }
+        let instr = decoder.decode();
+        if instr.is_invalid() {
+            return None;
+        }
+        match instr.flow_control() {
+            FlowControl::Next => {
+                let writes_memory = info.info(&instr).used_memory().iter().any(|m| {
+                    !matches!(
+                        m.access(),
+                        iced_x86::OpAccess::Read | iced_x86::OpAccess::NoMemAccess
+                    )
+                });
+                if writes_memory || instr.code() == Code::Push_r64 {
+                    return None;
+                }
+            }
+            FlowControl::UnconditionalBranch
+                if matches!(
+                    instr.op0_kind(),
+                    OpKind::NearBranch32 | OpKind::NearBranch64
+                ) =>
+            {
+                let target = instr.near_branch_target();
+                let name = defined
+                    .functions
+                    .iter()
+                    .find(|f| f.address == target)
+                    .map(|f| f.name.clone())
+                    .or_else(|| defined.plt.get(&target).cloned())?;
+                let to = find_def(&name)?;
+                let same_kind = to.kind == def.kind && to.ret == def.ret;
+                return (same_kind && to.name != def.name).then_some(name);
+            }
+            _ => return None,
+        }
+    }
+    None
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn full_catalog() -> Vec<&'static FuncDef> {
+        crate::probe::catalog::CATALOG.iter().collect()
+    }
 
     #[test]
     fn plans_libc_with_releases_first_and_aliases_merged() {
@@ -106,10 +258,10 @@ mod tests {
             .into_iter()
             .find(|p| p.to_string_lossy().contains("libc.so"))
             .expect("libc mapped");
-        let catalog: Vec<&FuncDef> = crate::probe::catalog::CATALOG.iter().collect();
-        let plan = plan_library(&libc, &libc, &catalog, true)
+        let plan = plan_library(&libc, &libc, &full_catalog(), true)
             .expect("readable")
             .expect("libc has allocators");
+        assert_eq!(plan.allocator, Some("libc"));
         let names: Vec<&str> = plan.functions.iter().map(|p| p.function).collect();
         assert!(names.contains(&"malloc") && names.contains(&"free") && names.contains(&"mmap"));
         let first_alloc = names.iter().position(|n| *n == "malloc").expect("malloc");
@@ -126,5 +278,82 @@ mod tests {
         offsets.sort_unstable();
         offsets.dedup();
         assert_eq!(offsets.len(), plan.functions.len());
+        // Return probes sit with the entry probe.
+        let malloc = plan
+            .functions
+            .iter()
+            .find(|p| p.function == "malloc")
+            .expect("malloc");
+        assert_eq!(
+            malloc.return_offset(),
+            Some(malloc.file_offset + malloc.probe_offset)
+        );
+    }
+
+    #[test]
+    fn spec_reads_arguments_where_the_placement_found_them() {
+        let def = crate::probe::catalog::find("realloc").expect("realloc");
+        let probe = PlannedProbe {
+            def,
+            function: def.name,
+            aliases: Vec::new(),
+            file_offset: 0x100,
+            probe_offset: 0x14,
+            placement: String::new(),
+            emulated: true,
+            allocator: Allocator::Mimalloc,
+            args: [1, 2, 2, 3, 4, 5],
+        };
+        let spec = probe.spec(7);
+        assert_eq!(
+            (spec.ptr_arg, spec.size_arg, spec.count_arg),
+            (1, 2, ARG_NONE)
+        );
+        assert_eq!(probe.return_offset(), Some(0x114));
+    }
+
+    /// A library installed in the system's library directory.
+    fn system_lib(name: &str) -> Option<PathBuf> {
+        ["/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu"]
+            .iter()
+            .map(|dir| Path::new(dir).join(name))
+            .find(|p| p.exists())
+    }
+
+    #[test]
+    fn libstdcxx_deletes_forward_to_free_and_new_is_probed() {
+        // libstdc++6 comes with g++, which building the fixtures needs.
+        let Some(lib) = system_lib("libstdc++.so.6") else {
+            panic!("libstdc++.so.6 is not installed (the C++ fixtures need g++)");
+        };
+        let plan = plan_library(&lib, &lib, &full_catalog(), true)
+            .expect("readable")
+            .expect("libstdc++ defines operator new");
+        assert_eq!(plan.allocator, Some("libc"));
+        let forwards = |name: &str| {
+            plan.forwarders
+                .iter()
+                .find(|f| f.function == name)
+                .map(|f| f.to.as_str())
+        };
+        assert_eq!(forwards("_ZdlPv"), Some("free"), "{:?}", plan.forwarders);
+        assert_eq!(forwards("_ZdlPvm"), Some("_ZdlPv"));
+        assert_eq!(forwards("_Znam"), Some("_Znwm"));
+        let new = plan
+            .functions
+            .iter()
+            .find(|p| p.function == "_Znwm")
+            .expect("operator new probed");
+        assert!(new.emulated, "{}", new.placement);
+        assert!(
+            plan.functions
+                .iter()
+                .all(|p| !p.function.starts_with("_Zd")),
+            "{:?}",
+            plan.functions
+                .iter()
+                .map(|p| p.function)
+                .collect::<Vec<_>>()
+        );
     }
 }

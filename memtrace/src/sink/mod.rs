@@ -212,6 +212,7 @@ pub(crate) mod fixture {
                 frees: 5,
                 lost: 0,
                 unmatched_frees: 1,
+                releases_seen_twice: 0,
                 stack_failures: 2,
                 failed_calls: 3,
                 table_full: 0,

@@ -25,6 +25,10 @@ pub struct Discovery {
     pub problems: Vec<String>,
     /// The first missing kernel feature an attach ran into.
     pub unsupported: Option<Unsupported>,
+    /// Heap allocators to trace (`--allocators`); empty: every one found.
+    pub heap_allowed: Vec<Allocator>,
+    /// Whether the stripped-executable warning was given.
+    warned_stripped: bool,
 }
 
 impl Discovery {
@@ -40,6 +44,47 @@ impl Discovery {
             libraries: Vec::new(),
             problems: Vec::new(),
             unsupported: None,
+            heap_allowed: Vec::new(),
+            warned_stripped: false,
+        }
+    }
+
+    /// Plans one object, keeping only the heap allocators wanted.
+    fn plan(
+        &self,
+        path: &std::path::Path,
+        open_path: &std::path::Path,
+    ) -> Result<Option<LibraryPlan>, crate::probe::elf::ElfError> {
+        let plan = plan::plan_library(path, open_path, &self.catalog, self.place)?;
+        Ok(plan.and_then(|mut plan| {
+            if !self.heap_allowed.is_empty() {
+                plan.functions
+                    .retain(|p| !p.allocator.is_heap() || self.heap_allowed.contains(&p.allocator));
+            }
+            (!plan.functions.is_empty()).then_some(plan)
+        }))
+    }
+
+    /// The target's executable, stripped and importing no `malloc`, defines
+    /// no function memtrace knows: its own allocator is invisible. Said once.
+    fn check_stripped(&mut self, pid: u32, path: &std::path::Path, open_path: &std::path::Path) {
+        if self.warned_stripped {
+            return;
+        }
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+        if exe.as_deref() != Some(path) {
+            return;
+        }
+        if crate::probe::elf::stripped_with_own_allocator(open_path).unwrap_or(false) {
+            self.warned_stripped = true;
+            let line = format!(
+                "{} is stripped and imports no malloc: an allocator linked into it cannot be \
+                 found without its symbol table (try --lib on an unstripped copy, or \
+                 --symbol-prefix for a prefixed build)",
+                path.display()
+            );
+            eprintln!("memtrace: warning: {line}");
+            self.problems.push(line);
         }
     }
 
@@ -68,7 +113,7 @@ impl Discovery {
                 ));
                 continue;
             };
-            match plan::plan_library(&path, &open_path, &self.catalog, self.place) {
+            match self.plan(&path, &open_path) {
                 Ok(Some(mut library)) => match probes.attach_library(&mut library) {
                     Ok(count) => {
                         attached += count;
@@ -81,7 +126,7 @@ impl Discovery {
                         self.problems.push(format!("{err:#}"));
                     }
                 },
-                Ok(None) => {}
+                Ok(None) => self.check_stripped(pid, &path, &open_path),
                 Err(err) => log::debug!("skipping {}: {err}", path.display()),
             }
         }
@@ -98,7 +143,7 @@ impl Discovery {
         let mut warnings = Vec::new();
         for path in paths {
             self.considered.insert(path.clone());
-            match plan::plan_library(path, path, &self.catalog, self.place) {
+            match self.plan(path, path) {
                 Ok(Some(mut library)) => {
                     probes.attach_library(&mut library).map_err(|err| {
                         match unsupported_in(&err) {
@@ -123,23 +168,29 @@ impl Discovery {
         Ok(warnings)
     }
 
-    /// Catalogue functions of the allocators found that no object defines.
+    /// Catalogue functions of the allocators found that no object defines
+    /// (within each group of names one of which was found: the C interface,
+    /// the C++ operators, an allocator's own API, per symbol prefix).
     pub fn missing_functions(&self) -> Vec<String> {
         let found: HashSet<&str> = self
             .libraries
             .iter()
-            .flat_map(|lib| lib.functions.iter())
-            .flat_map(|p| std::iter::once(p.function).chain(p.aliases.iter().copied()))
+            .flat_map(|lib| {
+                lib.functions
+                    .iter()
+                    .flat_map(|p| std::iter::once(p.function).chain(p.aliases.iter().copied()))
+                    .chain(lib.forwarders.iter().map(|f| f.function))
+            })
             .collect();
-        let allocators: HashSet<Allocator> = self
+        let groups: HashSet<_> = self
             .catalog
             .iter()
             .filter(|def| found.contains(def.name))
-            .map(|def| def.allocator)
+            .map(|def| def.group())
             .collect();
         self.catalog
             .iter()
-            .filter(|def| allocators.contains(&def.allocator) && !found.contains(def.name))
+            .filter(|def| groups.contains(&def.group()) && !found.contains(def.name))
             .map(|def| def.name.to_string())
             .collect()
     }

@@ -304,12 +304,11 @@ impl Probes {
             .ok()
             .filter(|&i| u32::from(i) < MAX_SPECS)
             .ok_or_else(|| Failure::runtime("too many probed functions"))?;
-        self.spec_map
-            .set(u32::from(index), probe.def.spec(index), 0)?;
+        self.spec_map.set(u32::from(index), probe.spec(index), 0)?;
         let function = AttachedFunction {
             path: path.to_path_buf(),
             entry_offset: probe.file_offset + probe.probe_offset,
-            return_offset: probe.def.needs_return_probe().then_some(probe.file_offset),
+            return_offset: probe.return_offset(),
             index,
             stage: DetachStage::of(probe.def.kind),
         };
@@ -332,6 +331,7 @@ impl Probes {
         self.specs.push(SpecEntry {
             // Bounded: at most MAX_SPECS specs a session.
             module: Some(Box::leak(module.display().to_string().into_boxed_str())),
+            allocator: probe.allocator,
             ..SpecEntry::from(probe.def)
         });
         self.functions.push(function);

@@ -157,6 +157,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         None => (None, Vec::new()),
     };
     let mut discovery = Discovery::new(exclude, !args.entry_probes, catalog);
+    discovery.heap_allowed = heap_allowed(&args.allocators);
     for warning in discovery.add_libraries(&mut probes, &args.libs)? {
         eprintln!("memtrace: warning: {warning}");
         discovery.problems.push(warning);
@@ -452,6 +453,15 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The heap allocators `--allocators` names (empty: all).
+fn heap_allowed(names: &[String]) -> Vec<Allocator> {
+    names
+        .iter()
+        .filter_map(|n| Allocator::parse_builtin(n.trim()))
+        .filter(|a| a.is_heap())
+        .collect()
+}
+
 /// The functions to probe: the built-in catalogue (restricted by
 /// `--allocators`) plus the pairs of `--pairs` files and `--preset`s.
 fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::FuncDef>, Failure> {
@@ -460,15 +470,46 @@ fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::F
     for name in &args.allocators {
         let allocator = Allocator::parse_builtin(name.trim()).ok_or_else(|| {
             Failure::usage(format!(
-                "--allocators: unknown allocator '{name}' (libc, mmap, cuda, cuda-driver, acl)"
+                "--allocators: unknown allocator '{name}' (libc, jemalloc, tcmalloc, mimalloc, mmap, cuda, cuda-driver, acl)"
             ))
         })?;
         wanted.push(allocator);
     }
+    // The standard heap names are looked for whenever any heap allocator is
+    // wanted: which allocator they are depends on the object defining them
+    // (see `Discovery::heap_allowed`).
+    let any_heap = wanted.iter().any(|a| a.is_heap());
     let mut defs: Vec<&'static catalog::FuncDef> = catalog::CATALOG
         .iter()
-        .filter(|def| wanted.is_empty() || wanted.contains(&def.allocator))
+        .filter(|def| {
+            wanted.is_empty()
+                || wanted.contains(&def.allocator)
+                || (def.allocator == Allocator::Libc && any_heap)
+        })
         .collect();
+    // Prefixed allocator builds (je_malloc, _rjem_mallocx, --symbol-prefix).
+    let mut prefixes: Vec<String> = catalog::JEMALLOC_PREFIXES
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+    for prefix in &args.symbol_prefix {
+        if prefix.is_empty()
+            || !prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            return Err(Failure::usage(format!(
+                "--symbol-prefix: '{prefix}' is not a symbol prefix (letters, digits, '_')"
+            )));
+        }
+        if !prefixes.contains(prefix) {
+            prefixes.push(prefix.clone());
+        }
+    }
+    let base = defs.clone();
+    for prefix in &prefixes {
+        defs.extend(catalog::prefixed(prefix, &base));
+    }
     let mut sources: Vec<(String, String)> = Vec::new();
     for name in &args.preset {
         let text = pairs::preset(name).ok_or_else(|| {
@@ -487,7 +528,11 @@ fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::F
     }
     // All sources at once: pairs from different files that name the same
     // release function share it.
-    defs.extend(pairs::parse_sources(&sources).map_err(|err| Failure::usage(err.to_string()))?);
+    let declared = pairs::parse_sources(&sources).map_err(|err| Failure::usage(err.to_string()))?;
+    // A function the user declared in a pair is theirs, even when the
+    // catalogue knows its name (a pool's `je_malloc`).
+    defs.retain(|def| !declared.iter().any(|pair| pair.name == def.name));
+    defs.extend(declared);
     Ok(defs)
 }
 
@@ -721,6 +766,17 @@ impl Session<'_> {
                 if exited.len() > SHOWN { ", ..." } else { "" }
             ));
         }
+        // The figures as of now, not of the last rescan (up to 500 ms old).
+        if let Some(memory) = read_memory(self.target.pid) {
+            self.memory_last = Some(memory);
+        }
+        let reconciliation = self.reconciliation(probes);
+        if let Some(note) = reconciliation
+            .as_ref()
+            .and_then(|r| unexplained_growth(r, discovery))
+        {
+            notes.insert(0, note);
+        }
         let args = self.args;
         let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let input = report::ReportInput {
@@ -753,7 +809,7 @@ impl Session<'_> {
                 suppress_file: args.suppress.as_ref().map(|p| p.display().to_string()),
             },
             notes,
-            reconciliation: self.reconciliation(probes),
+            reconciliation,
             processes: self.family.processes(),
             attach_failures: probes.attach_failures.clone(),
         };
@@ -765,7 +821,7 @@ impl Session<'_> {
     fn reconciliation(&self, probes: &Probes) -> Option<Reconciliation> {
         let (start, now) = (self.memory_at_attach?, self.memory_last?);
         // The target's own blocks: the memory figures are its.
-        let tracked = |allocator: Allocator| -> u64 {
+        let tracked = |allocator: &dyn Fn(Allocator) -> bool| -> u64 {
             self.pipeline
                 .table()
                 .blocks()
@@ -774,12 +830,12 @@ impl Session<'_> {
                         && probes
                             .specs()
                             .get(usize::from(block.spec))
-                            .is_some_and(|s| s.allocator == allocator)
+                            .is_some_and(|s| allocator(s.allocator))
                 })
                 .map(|(_, _, _, block)| block.size)
                 .sum()
         };
-        let tracked_host_bytes = tracked(Allocator::Libc);
+        let tracked_host_bytes = tracked(&|a: Allocator| a.is_heap());
         let growth = now.rss_anon as i64 - start.rss_anon as i64;
         let explained_ratio = (growth > 0).then(|| tracked_host_bytes as f64 / growth as f64);
         Some(Reconciliation {
@@ -789,11 +845,46 @@ impl Session<'_> {
             vm_rss_at_attach: start.vm_rss,
             vm_rss_now: now.vm_rss,
             tracked_host_bytes,
-            tracked_mmap_bytes: tracked(Allocator::Mmap),
+            tracked_mmap_bytes: tracked(&|a: Allocator| a == Allocator::Mmap),
             explained_ratio,
             note: "tracked heap bytes are what was allocated since attach and is still live; memory allocated before attach, allocator overhead, freed-but-cached heap and untraced allocators are not in it; mappings count virtual size".to_string(),
         })
     }
+}
+
+/// RssAnon growth below this is never called unexplained (allocator caches,
+/// stacks, page-table noise).
+const UNEXPLAINED_MIN_GROWTH: i64 = 8 << 20;
+
+/// "No silent nothing": the target's RssAnon grew by more than a few MiB
+/// while the traced allocators hold (almost) none of it, so it likely
+/// allocates through something memtrace does not know. Names what was probed.
+fn unexplained_growth(r: &Reconciliation, discovery: &Discovery) -> Option<String> {
+    let tracked = r.tracked_host_bytes.saturating_add(r.tracked_mmap_bytes);
+    let growth = r.rss_anon_growth;
+    if growth < UNEXPLAINED_MIN_GROWTH || tracked.saturating_mul(10) >= growth.unsigned_abs() {
+        return None;
+    }
+    let probed: Vec<String> = discovery
+        .libraries
+        .iter()
+        .map(|l| match l.allocator {
+            Some(allocator) => format!("{} ({allocator})", l.path.display()),
+            None => l.path.display().to_string(),
+        })
+        .collect();
+    Some(format!(
+        "unexplained memory: RssAnon grew by {} MiB during the trace but the traced allocators \
+         hold only {} KiB of it; the target may allocate through an allocator memtrace does not \
+         know (probed: {}); --lib PATH or --symbol-prefix PREFIX adds one",
+        growth >> 20,
+        tracked >> 10,
+        if probed.is_empty() {
+            "nothing".to_string()
+        } else {
+            probed.join(", ")
+        }
+    ))
 }
 
 /// One stderr line per child memtrace saw.
