@@ -66,6 +66,30 @@ impl Sink for TextSink {
         if !report.missing_functions.is_empty() {
             writeln!(out, "not found: {}", report.missing_functions.join(" "))?;
         }
+        if let Some(unwind) = &report.unwind {
+            let truncated: u64 = report.stack_truncations_by_cause.values().sum();
+            writeln!(
+                out,
+                "stacks: dwarf, {} objects with unwind tables ({} of kernel memory, {} reserved){}{}",
+                unwind.objects,
+                human_bytes(unwind.kernel_bytes_used),
+                human_bytes(unwind.kernel_bytes_reserved),
+                if truncated > 0 {
+                    format!(", {truncated} cut short")
+                } else {
+                    String::new()
+                },
+                if unwind.capped.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        ", {} over --unwind-table-mib: {}",
+                        unwind.capped.len(),
+                        unwind.capped.join(" ")
+                    )
+                }
+            )?;
+        }
         if let Some(reconciliation) = &report.reconciliation {
             let pid = (report.processes.len() > 1).then_some(target.pid);
             let rate = super::sample_rate(report);

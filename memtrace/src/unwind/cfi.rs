@@ -102,7 +102,7 @@ pub fn rows_from_elf(data: &[u8]) -> Result<Rows, CfiError> {
         segments
             .iter()
             .find(|&&(addr, size, _)| vaddr >= addr && vaddr - addr < size.max(1))
-            .map(|&(addr, _, offset)| vaddr - addr + offset)
+            .and_then(|&(addr, _, offset)| (vaddr - addr).checked_add(offset))
     };
     let mut bases = BaseAddresses::default();
     if let Some(text) = file.section_by_name(".text") {
@@ -195,7 +195,8 @@ fn collect<'a, S>(
                 Ok(Some(row)) => {
                     let (Some(start), Some(end)) = (
                         to_offset(row.start_address()),
-                        to_offset(row.end_address().saturating_sub(1)).map(|e| e + 1),
+                        to_offset(row.end_address().saturating_sub(1))
+                            .and_then(|e| e.checked_add(1)),
                     ) else {
                         continue;
                     };
