@@ -135,7 +135,7 @@ pub enum EventKind {
     Fork = 4,
 }
 
-/// One event in the ring buffer: 48 bytes.
+/// One event in the ring buffer: 56 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WireEvent {
@@ -159,6 +159,10 @@ pub struct WireEvent {
     pub kind: u8,
     /// Reserved.
     pub flags: u8,
+    /// Key of the allocating thread's Python stack in `PY_STACKS`, or 0 when
+    /// the process is no CPython interpreter or its frames could not be read.
+    pub py_stack: u32,
+    pub _pad: u32,
 }
 
 /// Key of the per-thread in-flight call table.
@@ -220,13 +224,24 @@ pub enum Counter {
     Nested = 9,
     /// Events skipped by sampling or size filters in the kernel.
     Filtered = 10,
+    /// A CPython process's allocating thread had no thread state in the
+    /// interpreter's list (not a Python thread, or a list longer than the walk).
+    PyNoThreadState = 11,
+    /// Reading the interpreter's memory faulted: the Python stack was lost.
+    PyReadFault = 12,
+    /// The Python stack was deeper than [`PY_MAX_DEPTH`]: its outer frames were cut.
+    PyTruncated = 13,
+    /// The Python stack map was full: an allocation got no Python stack.
+    PyStackMapFull = 14,
+    /// Two different Python stacks had the same hash: the later one got none.
+    PyHashCollision = 15,
 }
 
 /// Number of [`Counter`] slots.
 pub const COUNTER_SLOTS: u32 = 16;
 
 impl Counter {
-    pub const ALL: [Counter; 11] = [
+    pub const ALL: [Counter; 16] = [
         Counter::RingbufFull,
         Counter::StackFault,
         Counter::StackCollision,
@@ -238,7 +253,71 @@ impl Counter {
         Counter::MmapTableFull,
         Counter::Nested,
         Counter::Filtered,
+        Counter::PyNoThreadState,
+        Counter::PyReadFault,
+        Counter::PyTruncated,
+        Counter::PyStackMapFull,
+        Counter::PyHashCollision,
     ];
+}
+
+/// Most Python frames read per stack (outer frames beyond are cut and counted).
+pub const PY_MAX_DEPTH: usize = 48;
+/// Most thread states walked in an interpreter's thread list.
+pub const PY_MAX_THREADS: u32 = 256;
+/// An offset field of [`PyProc`] that does not apply to a version.
+pub const PY_OFF_NONE: u16 = u16::MAX;
+
+/// How to read one CPython process's frames (filled by the loader, keyed by
+/// tgid, from the version's layout): where its thread states are and the
+/// offsets of the fields the frame walk reads.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyProc {
+    /// Address of `_PyRuntime.interpreters.head` (a `PyInterpreterState*`).
+    pub interp_head_addr: u64,
+    /// `PyInterpreterState.threads.head`.
+    pub interp_threads_head: u16,
+    /// `PyThreadState.next`.
+    pub tstate_next: u16,
+    /// `PyThreadState.native_thread_id` (the kernel's thread id, 3.11+).
+    pub tstate_native_tid: u16,
+    /// `PyThreadState.cframe` (3.11, 3.12) or the frame pointer itself
+    /// (`current_frame` 3.13+).
+    pub tstate_frame: u16,
+    /// `_PyCFrame.current_frame` when `tstate_frame` points to a `_PyCFrame`,
+    /// else [`PY_OFF_NONE`].
+    pub cframe_frame: u16,
+    /// The frame's code object (`f_code`, 3.13 `f_executable`).
+    pub frame_code: u16,
+    /// The calling frame (`previous`).
+    pub frame_previous: u16,
+    /// The instruction pointer (`prev_instr`, 3.13 `instr_ptr`).
+    pub frame_instr: u16,
+    /// `owner`, or [`PY_OFF_NONE`].
+    pub frame_owner: u16,
+    /// Frames with this owner are C-stack shims without code (3.12+), or 0xff.
+    pub owner_cstack: u8,
+    pub _pad: [u8; 5],
+}
+
+/// One Python frame as read in the kernel: the code object and the raw
+/// instruction pointer of the frame (resolved to a line on the user side).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyFrameRaw {
+    pub code: u64,
+    pub instr: u64,
+}
+
+/// A Python stack in the `PY_STACKS` map, innermost frame first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyStack {
+    pub frames: [PyFrameRaw; PY_MAX_DEPTH],
+    pub len: u32,
+    /// 1: the stack was deeper than [`PY_MAX_DEPTH`].
+    pub truncated: u32,
 }
 
 /// Error for an integer that names no variant.
@@ -285,7 +364,9 @@ try_from_u8!(SpecQuirk {
     Handle32
 });
 
-const _: () = assert!(core::mem::size_of::<WireEvent>() == 48);
+const _: () = assert!(core::mem::size_of::<WireEvent>() == 56);
+const _: () = assert!(core::mem::size_of::<PyProc>() == 32);
+const _: () = assert!(core::mem::size_of::<PyStack>() == PY_MAX_DEPTH * 16 + 8);
 const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 24);
 const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
@@ -302,6 +383,10 @@ mod user {
     unsafe impl aya::Pod for super::PendingKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::PendingCall {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::PyProc {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::PyStack {}
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ mod analysis;
 mod cli;
 mod error;
 mod event;
+mod interp;
 mod monitor;
 mod output;
 mod probe;

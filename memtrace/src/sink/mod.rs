@@ -116,6 +116,7 @@ pub(crate) mod fixture {
 
     fn frame(addr: &str, symbol: Option<&str>, offset: &str, line: Option<u32>) -> Frame {
         Frame {
+            kind: crate::report::FrameKind::Native,
             addr: addr.into(),
             symbol: symbol.map(str::to_string),
             module: Some("/opt/app/bin/app".into()),
@@ -176,6 +177,7 @@ pub(crate) mod fixture {
             sample(2000, Allocator::Cuda, Memory::Device, 4096, 1),
         ];
         Report {
+            python: Vec::new(),
             processes: Vec::new(),
             attach_failures: Vec::new(),
             target: TargetInfo {

@@ -13,7 +13,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, StackTraceMap};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{RawTracePoint, UProbe};
 use aya::{Ebpf, EbpfLoader};
-use memtrace_common::{Counter, ProbeSpec, MAX_SPECS};
+use memtrace_common::{Counter, ProbeSpec, PyProc, PyStack, MAX_SPECS};
 
 use crate::error::Failure;
 use crate::probe::plan::LibraryPlan;
@@ -75,6 +75,9 @@ pub struct Probes {
     pub events: Option<RingBuf<MapData>>,
     stacks: StackTraceMap<MapData>,
     counters: PerCpuArray<MapData, u64>,
+    /// CPython processes' reading recipes, by tgid (`interp::python`).
+    py_procs: HashMap<MapData, u32, PyProc>,
+    py_stacks: HashMap<MapData, u32, PyStack>,
 }
 
 /// Kernel counter names, as shown in reports.
@@ -91,6 +94,11 @@ pub fn counter_name(counter: Counter) -> &'static str {
         Counter::MmapTableFull => "mmap_table_full",
         Counter::Nested => "nested_calls",
         Counter::Filtered => "filtered",
+        Counter::PyNoThreadState => "py_no_thread_state",
+        Counter::PyReadFault => "py_read_fault",
+        Counter::PyTruncated => "py_truncated",
+        Counter::PyStackMapFull => "py_stack_map_full",
+        Counter::PyHashCollision => "py_hash_collision",
     }
 }
 
@@ -133,6 +141,12 @@ impl Probes {
             StackTraceMap::try_from(ebpf.take_map("STACKS").context("map STACKS missing")?)?;
         let counters =
             PerCpuArray::try_from(ebpf.take_map("COUNTERS").context("map COUNTERS missing")?)?;
+        let py_procs =
+            HashMap::try_from(ebpf.take_map("PY_PROCS").context("map PY_PROCS missing")?)?;
+        let py_stacks = HashMap::try_from(
+            ebpf.take_map("PY_STACKS")
+                .context("map PY_STACKS missing")?,
+        )?;
         Ok(Probes {
             ebpf,
             specs: Vec::new(),
@@ -144,6 +158,8 @@ impl Probes {
             events: Some(events),
             stacks,
             counters,
+            py_procs,
+            py_stacks,
         })
     }
 
@@ -413,6 +429,23 @@ impl Probes {
                 (counter_name(counter).to_string(), value)
             })
             .collect()
+    }
+
+    /// Lets the kernel read the Python frames of process `pid`.
+    pub fn set_python(&mut self, pid: u32, config: &PyProc) -> anyhow::Result<()> {
+        self.py_procs
+            .insert(pid, config, 0)
+            .with_context(|| format!("cannot configure the Python frame reader for pid {pid}"))
+    }
+
+    /// Stops reading the Python frames of `pid` (it exited or exec'd).
+    pub fn clear_python(&mut self, pid: u32) {
+        let _ = self.py_procs.remove(&pid);
+    }
+
+    /// The Python stack stored under `id`.
+    pub fn python_stack(&self, id: u32) -> Option<PyStack> {
+        self.py_stacks.get(&id, 0).ok()
     }
 
     /// The return addresses of a stack id, innermost first.

@@ -9,6 +9,7 @@ mod family;
 mod kernel_support;
 pub mod loader;
 mod pipeline;
+mod python;
 mod status;
 
 use std::io::IsTerminal;
@@ -207,7 +208,9 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         memory_at_attach: read_memory(pid),
         memory_last: read_memory(pid),
         notes: Vec::new(),
+        python: python::PythonWatch::default(),
     };
+    session.watch_python(&mut probes);
     // Children the target already has.
     session.look_at_children(pid, None, &mut probes, &mut discovery);
     session.family.reset_seen();
@@ -251,6 +254,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 session.adopt_forks(&mut probes, &mut discovery);
             }
             _ = drain_tick.tick() => {
+                session.watch_python(&mut probes);
                 session.pipeline.drain(ring.get_mut(), &probes);
                 session.adopt_forks(&mut probes, &mut discovery);
             }
@@ -264,6 +268,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 session.follow_execs();
                 rescans += 1;
                 for gone in session.family.reap(&mut probes, &mut session.pipeline) {
+                    session.python.forget(gone, &mut probes);
                     eprintln!("memtrace: child pid {gone} exited; its probes are detached");
                 }
                 if rescans.is_multiple_of(CHILDREN_EVERY_RESCANS) {
@@ -442,9 +447,17 @@ struct Session<'a> {
     /// The target and the children it is followed into.
     family: Family,
     notes: Vec<String>,
+    python: python::PythonWatch,
 }
 
 impl Session<'_> {
+    /// Looks for CPython in the running traced processes that are due.
+    fn watch_python(&mut self, probes: &mut Probes) {
+        for pid in self.family.running().collect::<Vec<_>>() {
+            self.python.poll(pid, probes, self.pipeline.stacks_mut());
+        }
+    }
+
     /// Notices a traced process running another image (`exec`, same pid):
     /// the probes stay (they follow the process), the address map is re-read
     /// so new stacks are symbolized against the new image, and the report
