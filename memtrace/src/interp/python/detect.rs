@@ -211,7 +211,7 @@ mod tests {
                     for entry in dir.flatten() {
                         let name = entry.file_name().to_string_lossy().into_owned();
                         // libpython3.so is the stable-ABI forwarder.
-                        if name.starts_with("libpython3.") && name.contains(".so") {
+                        if version_from_name(Path::new(&name)).is_some() && name.contains(".so") {
                             candidates.push(entry.path());
                         }
                     }
