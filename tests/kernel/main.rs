@@ -11,4 +11,5 @@ mod forks;
 mod gpu;
 mod outputs;
 mod pairs;
+mod python;
 mod reliability;

@@ -175,11 +175,6 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let probed: usize = discovery.libraries.iter().map(|l| l.functions.len()).sum();
-    eprintln!(
-        "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
-        target_info.comm,
-        discovery.libraries.len()
-    );
 
     let mut ring = register(probes.events.take().context("ring buffer already taken")?)?;
     let mut session = Session {
@@ -210,7 +205,14 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         notes: Vec::new(),
         python: python::PythonWatch::default(),
     };
+    // Before the announcement: by pid, Python frames are read from the
+    // first allocation traced.
     session.watch_python(&mut probes);
+    eprintln!(
+        "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
+        target_info.comm,
+        discovery.libraries.len()
+    );
     // Children the target already has.
     session.look_at_children(pid, None, &mut probes, &mut discovery);
     session.family.reset_seen();
