@@ -121,8 +121,9 @@ pub struct TraceArgs {
     pub max_size: Option<u64>,
 
     /// Trace only these allocators (comma-separated: libc, mmap, cuda,
-    /// cuda-driver, acl); default: all found. Pairs from --pairs/--preset are
-    /// always traced.
+    /// cuda-driver, acl, python); default: all found but python (CPython's
+    /// PyObject_Malloc family, traced only when named). Pairs from
+    /// --pairs/--preset are always traced.
     #[arg(long, value_delimiter = ',', value_name = "LIST")]
     pub allocators: Vec<String>,
 

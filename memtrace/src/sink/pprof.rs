@@ -166,7 +166,9 @@ struct Builder {
     profile: proto::Profile,
     strings: HashMap<String, i64>,
     functions: HashMap<(String, String), u64>,
-    locations: HashMap<(u64, u64, u64), u64>,
+    /// By (mapping, address, function, line): Python frames have no
+    /// address, so their line tells them apart.
+    locations: HashMap<(u64, u64, u64, i64), u64>,
     mappings: HashMap<String, u64>,
 }
 
@@ -237,7 +239,7 @@ impl Builder {
     }
 
     fn location(&mut self, mapping_id: u64, address: u64, function_id: u64, line: i64) -> u64 {
-        let key = (mapping_id, address, function_id);
+        let key = (mapping_id, address, function_id, line);
         if let Some(&id) = self.locations.get(&key) {
             return id;
         }

@@ -169,7 +169,11 @@ fn judgment(site: &crate::report::Site) -> String {
 }
 
 fn frame_line(frame: &Frame) -> String {
-    let mut line = format!("{} {}", frame.addr, frame.symbol.as_deref().unwrap_or("??"));
+    let place = match frame.kind {
+        crate::report::FrameKind::Python => "[python]",
+        crate::report::FrameKind::Native => frame.addr.as_str(),
+    };
+    let mut line = format!("{place} {}", frame.symbol.as_deref().unwrap_or("??"));
     if let (Some(file), Some(number)) = (&frame.file, frame.line) {
         line.push_str(&format!(" at {file}:{number}"));
     }
@@ -220,5 +224,17 @@ mod tests {
         assert!(render(&report).contains("(expected: size filter)"));
         report.events.unmatched_frees = 0;
         assert!(!render(&report).contains("expected"));
+    }
+
+    #[test]
+    fn python_frames_show_name_file_and_line() {
+        let frame = crate::interp::python::merge::python_frame(
+            &crate::interp::python::resolve::PyFrame {
+                name: "Handler.handle".into(),
+                file: Some("app.py".into()),
+                line: Some(8),
+            },
+        );
+        assert_eq!(frame_line(&frame), "[python] Handler.handle at app.py:8");
     }
 }

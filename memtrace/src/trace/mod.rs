@@ -381,14 +381,31 @@ fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::F
     for name in &args.allocators {
         let allocator = Allocator::parse_builtin(name.trim()).ok_or_else(|| {
             Failure::usage(format!(
-                "--allocators: unknown allocator '{name}' (libc, mmap, cuda, cuda-driver, acl)"
+                "--allocators: unknown allocator '{name}' (libc, mmap, cuda, cuda-driver, acl, python)"
             ))
         })?;
         wanted.push(allocator);
     }
+    let python = wanted.contains(&Allocator::Python);
     let mut defs: Vec<&'static catalog::FuncDef> = catalog::CATALOG
         .iter()
-        .filter(|def| wanted.is_empty() || wanted.contains(&def.allocator))
+        .filter(|def| {
+            if wanted.is_empty() {
+                def.allocator.by_default()
+            } else {
+                wanted.contains(&def.allocator)
+            }
+        })
+        .map(|def| {
+            if python && def.allocator == Allocator::Libc {
+                // malloc inside PyObject_Malloc is the same block: counted once.
+                let nested: &'static catalog::FuncDef =
+                    Box::leak(Box::new(def.nested_under(Allocator::Python.family())));
+                nested
+            } else {
+                def
+            }
+        })
         .collect();
     let mut sources: Vec<(String, String)> = Vec::new();
     for name in &args.preset {
