@@ -228,13 +228,12 @@ mod tests {
 
     #[test]
     fn python_frames_show_name_file_and_line() {
-        let frame = crate::interp::python::merge::python_frame(
-            &crate::interp::python::resolve::PyFrame {
+        let frame =
+            crate::interp::python::merge::python_frame(&crate::interp::python::resolve::PyFrame {
                 name: "Handler.handle".into(),
                 file: Some("app.py".into()),
                 line: Some(8),
-            },
-        );
+            });
         assert_eq!(frame_line(&frame), "[python] Handler.handle at app.py:8");
     }
 }
