@@ -87,8 +87,20 @@ pub fn human_bytes(bytes: u64) -> String {
 }
 
 /// A frame's display name: its symbol, else `module+offset` (module file
-/// name only), else its address.
+/// name only), else its address; a Python frame is `name (file:line)`
+/// (file name only), as py-spy shows it.
 pub fn frame_name(frame: &Frame) -> String {
+    if frame.kind == crate::report::FrameKind::Python {
+        let file = frame.file.as_deref().unwrap_or("?");
+        return format!(
+            "{} ({}:{})",
+            frame.symbol.as_deref().unwrap_or("?"),
+            module_name(file),
+            frame
+                .line
+                .map_or_else(|| "?".to_string(), |l| l.to_string())
+        );
+    }
     if let Some(symbol) = frame.symbol.as_deref().filter(|s| !s.is_empty()) {
         return symbol.to_string();
     }

@@ -262,7 +262,12 @@ impl Builder {
             Some(module) => self.mapping(module, address, offset),
             None => 0,
         };
-        let function_id = self.function(&frame_name(frame), frame.file.as_deref().unwrap_or(""));
+        // A Python function is its qualified name; its line is the location's.
+        let name = match frame.kind {
+            crate::report::FrameKind::Python => frame.symbol.clone().unwrap_or_default(),
+            crate::report::FrameKind::Native => frame_name(frame),
+        };
+        let function_id = self.function(&name, frame.file.as_deref().unwrap_or(""));
         self.location(
             mapping_id,
             address,
