@@ -276,11 +276,18 @@ pub const PY_OFF_NONE: u16 = u16::MAX;
 pub struct PyProc {
     /// Address of `_PyRuntime.interpreters.head` (a `PyInterpreterState*`).
     pub interp_head_addr: u64,
+    /// Offset of `task_struct.thread.fsbase` in the kernel (the thread's
+    /// `pthread_t`): thread states are matched by `thread_id`; 0: by
+    /// `native_thread_id` instead.
+    pub fsbase_off: u32,
+    /// `PyThreadState.thread_id` (the creating thread's `pthread_self()`).
+    pub tstate_pthread: u16,
     /// `PyInterpreterState.threads.head`.
     pub interp_threads_head: u16,
     /// `PyThreadState.next`.
     pub tstate_next: u16,
-    /// `PyThreadState.native_thread_id` (the kernel's thread id, 3.11+).
+    /// `PyThreadState.native_thread_id` (the kernel's thread id, 3.11+), or
+    /// [`PY_OFF_NONE`].
     pub tstate_native_tid: u16,
     /// `PyThreadState.cframe` (3.11, 3.12) or the frame pointer itself
     /// (`current_frame` 3.13+).
@@ -298,7 +305,7 @@ pub struct PyProc {
     pub frame_owner: u16,
     /// Frames with this owner are C-stack shims without code (3.12+), or 0xff.
     pub owner_cstack: u8,
-    pub _pad: [u8; 5],
+    pub _pad: [u8; 7],
 }
 
 /// One Python frame as read in the kernel: the code object and the raw
@@ -365,7 +372,7 @@ try_from_u8!(SpecQuirk {
 });
 
 const _: () = assert!(core::mem::size_of::<WireEvent>() == 56);
-const _: () = assert!(core::mem::size_of::<PyProc>() == 32);
+const _: () = assert!(core::mem::size_of::<PyProc>() == 40);
 const _: () = assert!(core::mem::size_of::<PyStack>() == PY_MAX_DEPTH * 16 + 8);
 const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 24);
 const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);

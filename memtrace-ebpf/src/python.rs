@@ -24,7 +24,7 @@
 
 use aya_ebpf::{
     cty::c_void,
-    helpers::{bpf_probe_read_user, generated::bpf_loop},
+    helpers::{bpf_get_current_task, bpf_probe_read_kernel, bpf_probe_read_user, generated::bpf_loop},
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
@@ -99,8 +99,21 @@ extern "C" fn thread_step(_index: u64, ctx: *mut c_void) -> i64 {
 /// The current thread's `PyThreadState*`, or why there is none.
 #[inline(always)]
 fn thread_state(pid_tgid: u64, proc: &PyProc) -> Result<u64, Counter> {
-    let tid = pid_tgid & 0xffff_ffff;
-    let native = u64::from(proc.tstate_native_tid);
+    // The thread's pthread_t (its fs base) where the kernel's offset of it
+    // is known, else its kernel thread id.
+    let (tid, native) = if proc.fsbase_off != 0 {
+        // SAFETY: the helper has no preconditions; the task pointer is only
+        // read through bpf_probe_read_kernel, which checks it.
+        let task = unsafe { bpf_get_current_task() };
+        // SAFETY: as above.
+        let fsbase = unsafe {
+            bpf_probe_read_kernel((task + u64::from(proc.fsbase_off)) as *const u64)
+        }
+        .map_err(|_| Counter::PyReadFault)?;
+        (fsbase, u64::from(proc.tstate_pthread))
+    } else {
+        (pid_tgid & 0xffff_ffff, u64::from(proc.tstate_native_tid))
+    };
     // SAFETY: the value is copied out at once.
     if let Some(&cached) = unsafe { PY_TSTATES.get(&pid_tgid) } {
         if read_u64(cached + native) == Ok(tid) {

@@ -9,14 +9,25 @@
 #if PY_VERSION_HEX >= 0x030B0000
 #include "internal/pycore_frame.h"
 #endif
+#if PY_VERSION_HEX >= 0x03090000
 #include "internal/pycore_interp.h"
 #include "internal/pycore_runtime.h"
+#else
+#include "internal/pycore_pystate.h"
+#endif
+#if PY_VERSION_HEX < 0x030B0000
+#include "frameobject.h"
+#endif
 
 #define P(name, value) printf("%s=%zu\n", name, (size_t)(value))
 
 int main(void) {
     P("runtime_interpreters_head", offsetof(_PyRuntimeState, interpreters.head));
+#if PY_VERSION_HEX >= 0x030B0000
     P("interp_threads_head", offsetof(PyInterpreterState, threads.head));
+#else
+    P("interp_threads_head", offsetof(PyInterpreterState, tstate_head));
+#endif
     P("tstate_next", offsetof(PyThreadState, next));
     P("tstate_thread_id", offsetof(PyThreadState, thread_id));
 #if PY_VERSION_HEX >= 0x030B0000
@@ -43,7 +54,7 @@ int main(void) {
     P("code_adaptive", offsetof(PyCodeObject, co_code_adaptive));
     P("code_qualname", offsetof(PyCodeObject, co_qualname));
     P("code_linetable", offsetof(PyCodeObject, co_linetable));
-#else
+#elif PY_VERSION_HEX < 0x030A0000
     P("code_lnotab", offsetof(PyCodeObject, co_lnotab));
 #endif
 #if PY_VERSION_HEX >= 0x030A0000 && PY_VERSION_HEX < 0x030B0000

@@ -27,9 +27,23 @@ struct Watched {
 }
 
 /// Per-process detection state.
-#[derive(Default)]
 pub struct PythonWatch {
     procs: HashMap<u32, Watched>,
+    /// The kernel's `task_struct.thread.fsbase` offset, when its BTF says.
+    fsbase: Option<u64>,
+}
+
+impl Default for PythonWatch {
+    fn default() -> Self {
+        let fsbase = python::fsbase::running_kernel();
+        if fsbase.is_none() {
+            log::info!("no task_struct.thread.fsbase in the kernel's BTF: Python threads are matched by native_thread_id (3.11+ only)");
+        }
+        PythonWatch {
+            procs: HashMap::new(),
+            fsbase,
+        }
+    }
 }
 
 impl PythonWatch {
@@ -79,7 +93,7 @@ impl PythonWatch {
         };
         let planned = ProcMem::open(pid)
             .map_err(|err| format!("cannot read /proc/{pid}/mem: {err}"))
-            .and_then(|mem| python::plan(&found, &mem));
+            .and_then(|mem| python::plan(&found, &mem, self.fsbase));
         match planned {
             Ok(attached) => {
                 stacks

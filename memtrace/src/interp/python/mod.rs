@@ -6,11 +6,12 @@
 //! id, which is part of the site key, so different Python call paths are
 //! different sites. [`merge`] puts the Python frames into the native stack.
 //!
-//! Per version: 3.11, 3.12 and 3.13 (3.13 through its `_Py_DebugOffsets`)
-//! are read; 3.8-3.10 are detected and named in the report, but their
-//! thread states carry no kernel thread id, so their frames are not read.
+//! Per version: 3.8 to 3.13 are read (3.13 through its `_Py_DebugOffsets`);
+//! before 3.11 only where the kernel's BTF gives `task_struct.thread.fsbase`
+//! ([`fsbase`]), which lets the kernel match thread states by `pthread_t`.
 
 pub mod detect;
+pub mod fsbase;
 pub mod layout;
 pub mod lines;
 pub mod merge;
@@ -50,14 +51,16 @@ pub struct Attached {
 }
 
 /// Chooses the layout for what [`detect::find`] found: the header facts of
-/// its version, corrected on 3.13 by its own `_Py_DebugOffsets`.
-pub fn plan(found: &detect::Found, mem: &dyn resolve::Memory) -> Result<Attached, String> {
-    if found.major != 3 {
-        return Err(format!("Python {} is not supported", found.version()));
-    }
-    let Some(base) = layout::for_minor(found.minor) else {
+/// its version, corrected on 3.13 by its own `_Py_DebugOffsets`; `fsbase`
+/// is the kernel's `task_struct.thread.fsbase` offset when known.
+pub fn plan(
+    found: &detect::Found,
+    mem: &dyn resolve::Memory,
+    fsbase: Option<u64>,
+) -> Result<Attached, String> {
+    let Some(base) = layout::for_minor(found.minor).filter(|_| found.major == 3) else {
         return Err(format!(
-            "frames of Python {} are not read (its thread states carry no kernel thread id; 3.11+ are read)",
+            "frames of Python {} are not read (3.8 to 3.13 are)",
             found.version()
         ));
     };
@@ -70,10 +73,9 @@ pub fn plan(found: &detect::Found, mem: &dyn resolve::Memory) -> Result<Attached
     } else {
         base
     };
-    Ok(Attached {
-        config: layout::kernel_config(&layout, found.runtime),
-        layout,
-    })
+    let config = layout::kernel_config(&layout, found.runtime, fsbase)
+        .map_err(|why| format!("frames of Python {} are not read: {why}", found.version()))?;
+    Ok(Attached { config, layout })
 }
 
 /// Python stacks by kernel id, resolved, with their canonical ids, and the
@@ -198,11 +200,11 @@ mod tests {
     }
 
     #[test]
-    fn old_versions_are_named_not_read() {
+    fn versions_and_thread_matching_decide_what_is_read() {
         let found = detect::Found {
-            object: "/usr/lib/libpython3.9.so".into(),
+            object: "/usr/lib/libpython3.7.so".into(),
             major: 3,
-            minor: 9,
+            minor: 7,
             version_hex: None,
             runtime: 0x1000,
         };
@@ -212,11 +214,20 @@ mod tests {
                 false
             }
         }
-        let err = plan(&found, &NoMem).err().expect("3.9 is not read");
-        assert!(err.contains("Python 3.9"), "{err}");
+        let err = plan(&found, &NoMem, Some(9000))
+            .err()
+            .expect("3.7 is not read");
+        assert!(err.contains("Python 3.7"), "{err}");
+        let found9 = detect::Found {
+            minor: 9,
+            ..found.clone()
+        };
+        let err = plan(&found9, &NoMem, None).err().expect("no fs base");
+        assert!(err.contains("fsbase"), "{err}");
+        assert!(plan(&found9, &NoMem, Some(9000)).is_ok());
         let found13 = detect::Found { minor: 13, ..found };
         assert_eq!(
-            plan(&found13, &NoMem).err().as_deref(),
+            plan(&found13, &NoMem, None).err().as_deref(),
             Some("cannot read _PyRuntime")
         );
     }

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
-use super::layout::Layout;
+use super::layout::{Instr, Layout};
 use super::lines::{self, TableFormat};
 
 /// Longest string or line table read from a code object.
@@ -108,7 +108,9 @@ fn read_bytes(mem: &dyn Memory, layout: &Layout, obj: u64) -> Option<Vec<u8>> {
 
 /// Reads a code object.
 pub fn read_code(mem: &dyn Memory, layout: &Layout, code: u64) -> Option<CodeInfo> {
-    let name_ptr = read_u64(mem, code + layout.code_qualname)
+    let name_ptr = layout
+        .code_qualname
+        .and_then(|q| read_u64(mem, code + q))
         .filter(|&p| p != 0)
         .or_else(|| read_u64(mem, code + layout.code_name))?;
     let name = read_unicode(mem, layout, name_ptr)?;
@@ -136,17 +138,24 @@ pub struct PyFrame {
     pub line: Option<u32>,
 }
 
-/// The byte offset of the instruction `instr` points at in `code` (3.11+:
-/// `instr` is a pointer into the code object's `co_code_adaptive`).
+/// The byte offset in `code` of the instruction a frame's raw instruction
+/// field `instr` names (3.11+: a pointer into `co_code_adaptive`; before: the
+/// `int f_lasti`, read with the next 4 bytes, -1 before the first).
 pub fn instruction_offset(layout: &Layout, code: u64, instr: u64) -> u32 {
-    let start = code + layout.code_adaptive;
-    u32::try_from(instr.saturating_sub(start)).unwrap_or(u32::MAX)
+    match layout.instr {
+        Instr::Pointer => {
+            let start = code + layout.code_adaptive;
+            u32::try_from(instr.saturating_sub(start)).unwrap_or(u32::MAX)
+        }
+        Instr::LastiBytes => (instr as u32 as i32).max(0) as u32,
+        Instr::LastiUnits => ((instr as u32 as i32).max(0) as u32).saturating_mul(2),
+    }
 }
 
 /// The pointers that identify a code object's contents.
 fn fingerprint(mem: &dyn Memory, layout: &Layout, code: u64) -> Option<[u64; 3]> {
     Some([
-        read_u64(mem, code + layout.code_qualname)?,
+        read_u64(mem, code + layout.code_qualname.unwrap_or(layout.code_name))?,
         read_u64(mem, code + layout.code_filename)?,
         read_u64(mem, code + layout.code_linetable)?,
     ])
@@ -248,7 +257,7 @@ mod tests {
         let (code, name, file, table) = (0u64, 1024u64, 2048u64, 3072u64);
         put(
             &mut bytes,
-            code + layout.code_qualname,
+            code + layout.code_qualname.expect("3.12 has co_qualname"),
             &(base + name).to_le_bytes(),
         );
         put(
@@ -300,5 +309,20 @@ mod tests {
         assert_eq!(resolver.frame(1, &mem, &layout, 0xdead_0000, 0), None);
         resolver.forget(1);
         assert!(resolver.codes.is_empty());
+    }
+
+    #[test]
+    fn lasti_before_3_11_is_an_int_offset() {
+        let l38 = super::super::layout::for_minor(8).expect("3.8");
+        let l310 = super::super::layout::for_minor(10).expect("3.10");
+        // f_lasti is read with the next 4 bytes (f_lineno) above it.
+        let raw = |lasti: i32| u64::from(lasti as u32) | (77u64 << 32);
+        assert_eq!(instruction_offset(&l38, 0x1000, raw(14)), 14);
+        assert_eq!(instruction_offset(&l310, 0x1000, raw(7)), 14);
+        assert_eq!(instruction_offset(&l38, 0x1000, raw(-1)), 0);
+        let l312 = super::super::layout::for_minor(12).expect("3.12");
+        assert_eq!(instruction_offset(&l312, 0x1000, 0x1000 + 192 + 6), 6);
+        // A new 3.11/3.12 frame points just before its first instruction.
+        assert_eq!(instruction_offset(&l312, 0x1000, 0x1000 + 190), 0);
     }
 }
