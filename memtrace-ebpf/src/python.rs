@@ -2,21 +2,24 @@
 //! in the kernel at the allocation, kept apart from the native stack.
 //!
 //! The loader puts a [`PyProc`] in `PY_PROCS` for every traced process it
-//! found to be a CPython 3.11+ interpreter. Here the thread's
-//! `PyThreadState` is found by walking the main interpreter's thread list
-//! (`_PyRuntime.interpreters.head->threads.head`, then `next`) for the state
-//! whose `native_thread_id` is the current thread id. That field is written
-//! once by the thread itself and the list holds every thread state whether
-//! or not it holds the GIL, so this is right for a thread that released the
-//! GIL inside a C extension too (the GIL-holder pointer is not; the TSS key
-//! would need the thread's `fs` base, which a uprobe does not see). The state
-//! found is cached per thread in `PY_TSTATES` and re-checked against its
-//! `native_thread_id` at each use, so a freed and reused state is never
-//! trusted. From the state, the frame chain (`cframe->current_frame` on
-//! 3.11/3.12, `current_frame` on 3.13) is walked through `previous` for at
-//! most [`PY_MAX_DEPTH`] frames, skipping the C-stack shim frames of 3.12+.
-//! Each frame is (code object, instruction pointer), resolved to names and
-//! lines on the user side when the stack is first seen.
+//! found to be a CPython 3.8+ interpreter. Here the thread's `PyThreadState`
+//! is found by walking the main interpreter's thread list
+//! (`_PyRuntime.interpreters.head`, its thread-list head, then `next`) for
+//! the state whose `thread_id` is the current thread's `pthread_t` - its
+//! `fs` base, read from `task_struct.thread.fsbase` at the offset the loader
+//! took from the kernel's BTF (every version, any pid namespace) - or, when
+//! that offset is unknown, whose `native_thread_id` is the kernel thread id
+//! (3.11+). Both fields are written once by the thread itself and the list
+//! holds every thread state whether or not it holds the GIL, so this is right
+//! for a thread that released the GIL inside a C extension too (the
+//! GIL-holder pointer is not). The state found is cached per thread in
+//! `PY_TSTATES` and re-checked at each use, so a freed and reused state is
+//! never trusted. From the state, the frame chain (`frame` before 3.11,
+//! `cframe->current_frame` on 3.11/3.12, `current_frame` on 3.13) is walked
+//! through `f_back`/`previous` with `bpf_loop` for at most [`PY_MAX_DEPTH`]
+//! frames, skipping the C-stack shim frames of 3.12+. Each frame is (code
+//! object, raw instruction field: `f_lasti` or an instruction pointer),
+//! resolved to names and lines on the user side when the stack is first seen.
 //!
 //! Stacks are deduplicated by a hash of their frames: `PY_STACKS` keeps the
 //! first stack with each hash and the event carries the hash. Every failure
