@@ -284,7 +284,7 @@ pub fn kernel_config(
         return Err(NO_THREAD_MATCH);
     }
     Ok(PyProc {
-        interp_head_addr: runtime + layout.runtime_interpreters_head,
+        interp_head_addr: runtime.wrapping_add(layout.runtime_interpreters_head),
         fsbase_off,
         tstate_pthread: off(layout.tstate_thread_id),
         interp_threads_head: off(layout.interp_threads_head),

@@ -59,27 +59,26 @@ fn read_u32(mem: &dyn Memory, addr: u64) -> Option<u32> {
 
 /// A `str` object's text (compact objects: every code object's names are).
 pub fn read_unicode(mem: &dyn Memory, layout: &Layout, obj: u64) -> Option<String> {
-    let length = read_u64(mem, obj + layout.unicode_length)?;
-    let state = read_u32(mem, obj + layout.unicode_state)?;
+    let length = read_u64(mem, obj.wrapping_add(layout.unicode_length))?;
+    let state = read_u32(mem, obj.wrapping_add(layout.unicode_state))?;
     let kind = (state >> 2) & 7;
     let compact = (state >> 5) & 1 == 1;
     let ascii = (state >> 6) & 1 == 1;
     if !compact || length > MAX_READ {
         return None;
     }
-    let data = obj
-        + if ascii {
-            layout.unicode_ascii_data
-        } else {
-            layout.unicode_compact_data
-        };
+    let data = obj.wrapping_add(if ascii {
+        layout.unicode_ascii_data
+    } else {
+        layout.unicode_compact_data
+    });
     let width = match kind {
         1 => 1,
         2 => 2,
         4 => 4,
         _ => return None,
     };
-    let mut buf = vec![0u8; usize::try_from(length * width).ok()?];
+    let mut buf = vec![0u8; usize::try_from(length.checked_mul(width)?).ok()?];
     if !mem.read(data, &mut buf) {
         return None;
     }
@@ -98,27 +97,28 @@ pub fn read_unicode(mem: &dyn Memory, layout: &Layout, obj: u64) -> Option<Strin
 
 /// A `bytes` object's contents.
 fn read_bytes(mem: &dyn Memory, layout: &Layout, obj: u64) -> Option<Vec<u8>> {
-    let size = read_u64(mem, obj + layout.bytes_size)?;
+    let size = read_u64(mem, obj.wrapping_add(layout.bytes_size))?;
     if size > MAX_READ {
         return None;
     }
     let mut buf = vec![0u8; usize::try_from(size).ok()?];
-    mem.read(obj + layout.bytes_sval, &mut buf).then_some(buf)
+    mem.read(obj.wrapping_add(layout.bytes_sval), &mut buf)
+        .then_some(buf)
 }
 
 /// Reads a code object.
 pub fn read_code(mem: &dyn Memory, layout: &Layout, code: u64) -> Option<CodeInfo> {
     let name_ptr = layout
         .code_qualname
-        .and_then(|q| read_u64(mem, code + q))
+        .and_then(|q| read_u64(mem, code.wrapping_add(q)))
         .filter(|&p| p != 0)
-        .or_else(|| read_u64(mem, code + layout.code_name))?;
+        .or_else(|| read_u64(mem, code.wrapping_add(layout.code_name)))?;
     let name = read_unicode(mem, layout, name_ptr)?;
-    let file = read_u64(mem, code + layout.code_filename)
+    let file = read_u64(mem, code.wrapping_add(layout.code_filename))
         .and_then(|p| read_unicode(mem, layout, p))
         .unwrap_or_default();
-    let firstlineno = read_u32(mem, code + layout.code_firstlineno).unwrap_or(0) as i32;
-    let table = read_u64(mem, code + layout.code_linetable)
+    let firstlineno = read_u32(mem, code.wrapping_add(layout.code_firstlineno)).unwrap_or(0) as i32;
+    let table = read_u64(mem, code.wrapping_add(layout.code_linetable))
         .and_then(|p| read_bytes(mem, layout, p))
         .unwrap_or_default();
     Some(CodeInfo {
@@ -144,7 +144,7 @@ pub struct PyFrame {
 pub fn instruction_offset(layout: &Layout, code: u64, instr: u64) -> u32 {
     match layout.instr {
         Instr::Pointer => {
-            let start = code + layout.code_adaptive;
+            let start = code.wrapping_add(layout.code_adaptive);
             u32::try_from(instr.saturating_sub(start)).unwrap_or(u32::MAX)
         }
         Instr::LastiBytes => (instr as u32 as i32).max(0) as u32,
@@ -155,9 +155,12 @@ pub fn instruction_offset(layout: &Layout, code: u64, instr: u64) -> u32 {
 /// The pointers that identify a code object's contents.
 fn fingerprint(mem: &dyn Memory, layout: &Layout, code: u64) -> Option<[u64; 3]> {
     Some([
-        read_u64(mem, code + layout.code_qualname.unwrap_or(layout.code_name))?,
-        read_u64(mem, code + layout.code_filename)?,
-        read_u64(mem, code + layout.code_linetable)?,
+        read_u64(
+            mem,
+            code.wrapping_add(layout.code_qualname.unwrap_or(layout.code_name)),
+        )?,
+        read_u64(mem, code.wrapping_add(layout.code_filename))?,
+        read_u64(mem, code.wrapping_add(layout.code_linetable))?,
     ])
 }
 
