@@ -188,6 +188,7 @@ impl Pipeline {
     /// from the process now, while it runs.
     fn learn_python_stack(&mut self, pid: u32, id: u32, probes: &Probes) {
         let Some(raw) = probes.python_stack(id) else {
+            log::debug!("pid {pid}: Python stack {id:#x} not in the kernel's map");
             return;
         };
         match crate::interp::python::resolve::ProcMem::open(pid) {

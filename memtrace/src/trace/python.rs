@@ -67,6 +67,7 @@ impl PythonWatch {
         watched.checked_at = now;
         let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
         if exe != watched.exe {
+            log::debug!("pid {pid}: image {:?} (was {:?})", exe, watched.exe);
             if watched.found {
                 probes.clear_python(pid);
                 stacks.python.forget(pid);

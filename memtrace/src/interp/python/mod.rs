@@ -118,6 +118,7 @@ impl PyStacks {
     /// Resolves the kernel's stack `id`, read for process `pid`.
     pub fn learn(&mut self, pid: u32, id: u32, raw: &PyStack, mem: &dyn resolve::Memory) {
         let Some(layout) = self.layouts.get(&pid).copied() else {
+            log::debug!("pid {pid}: Python stack {id:#x} of a process without a layout");
             return;
         };
         let len = (raw.len as usize).min(raw.frames.len());
