@@ -31,6 +31,9 @@ pub struct PythonWatch {
     procs: HashMap<u32, Watched>,
     /// The kernel's `task_struct.thread.fsbase` offset, when its BTF says.
     fsbase: Option<u64>,
+    /// Objects already read (most processes are no Python: their files
+    /// are read once, not at every check).
+    exports: detect::ExportCache,
 }
 
 impl Default for PythonWatch {
@@ -42,6 +45,7 @@ impl Default for PythonWatch {
         PythonWatch {
             procs: HashMap::new(),
             fsbase,
+            exports: detect::ExportCache::new(),
         }
     }
 }
@@ -79,7 +83,7 @@ impl PythonWatch {
         if watched.found {
             return;
         }
-        let Ok(Some(found)) = detect::find(pid) else {
+        let Ok(Some(found)) = detect::find(pid, &mut self.exports) else {
             return;
         };
         watched.found = true;

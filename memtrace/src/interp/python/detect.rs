@@ -114,26 +114,39 @@ fn load_bias(mappings: &[Mapping], path: &Path, first_load_vaddr: u64) -> Option
     Some(lowest.wrapping_sub(first_load_vaddr & !0xfff))
 }
 
+/// What each object file exports, read once per (path, inode).
+pub type ExportCache = std::collections::HashMap<(PathBuf, u64), Option<Exports>>;
+
 /// Looks for a CPython interpreter in process `pid`.
-pub fn find(pid: u32) -> std::io::Result<Option<Found>> {
+pub fn find(pid: u32, cache: &mut ExportCache) -> std::io::Result<Option<Found>> {
     let mappings = maps::read(pid)?;
     let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
-    Ok(find_in(pid, &mappings, exe.as_deref()))
+    Ok(find_in(pid, &mappings, exe.as_deref(), cache))
 }
 
 /// [`find`] over mappings already read.
-pub fn find_in(pid: u32, mappings: &[Mapping], exe: Option<&Path>) -> Option<Found> {
+pub fn find_in(
+    pid: u32,
+    mappings: &[Mapping],
+    exe: Option<&Path>,
+    cache: &mut ExportCache,
+) -> Option<Found> {
     for path in maps::executable_files(mappings) {
         if !candidate(&path, exe) {
             continue;
         }
-        let Some(open) = maps::path_in_target_root(pid, &path) else {
-            continue;
-        };
-        let Ok(data) = std::fs::read(&open) else {
-            continue;
-        };
-        let Some(exports) = exports(&data) else {
+        let inode = mappings
+            .iter()
+            .find(|m| m.path.as_deref() == Some(path.as_path()))
+            .map_or(0, |m| m.inode);
+        let exports = cache
+            .entry((path.clone(), inode))
+            .or_insert_with(|| {
+                let open = maps::path_in_target_root(pid, &path)?;
+                exports(&std::fs::read(open).ok()?)
+            })
+            .clone();
+        let Some(exports) = exports else {
             continue;
         };
         let Some(runtime_vaddr) = exports.runtime_vaddr else {
