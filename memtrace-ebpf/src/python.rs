@@ -27,7 +27,9 @@
 
 use aya_ebpf::{
     cty::c_void,
-    helpers::{bpf_get_current_task, bpf_probe_read_kernel, bpf_probe_read_user, generated::bpf_loop},
+    helpers::{
+        bpf_get_current_task, bpf_probe_read_kernel, bpf_probe_read_user, generated::bpf_loop,
+    },
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
@@ -109,10 +111,9 @@ fn thread_state(pid_tgid: u64, proc: &PyProc) -> Result<u64, Counter> {
         // read through bpf_probe_read_kernel, which checks it.
         let task = unsafe { bpf_get_current_task() };
         // SAFETY: as above.
-        let fsbase = unsafe {
-            bpf_probe_read_kernel((task + u64::from(proc.fsbase_off)) as *const u64)
-        }
-        .map_err(|_| Counter::PyReadFault)?;
+        let fsbase =
+            unsafe { bpf_probe_read_kernel((task + u64::from(proc.fsbase_off)) as *const u64) }
+                .map_err(|_| Counter::PyReadFault)?;
         (fsbase, u64::from(proc.tstate_pthread))
     } else {
         (pid_tgid & 0xffff_ffff, u64::from(proc.tstate_native_tid))
