@@ -145,7 +145,7 @@ pub enum EventKind {
     MapsStale = 5,
 }
 
-/// One event in the ring buffer: 48 bytes.
+/// One event in the ring buffer: 56 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WireEvent {
@@ -169,6 +169,10 @@ pub struct WireEvent {
     pub kind: u8,
     /// Reserved.
     pub flags: u8,
+    /// Key of the allocating thread's Python stack in `PY_STACKS`, or 0 when
+    /// the process is no CPython interpreter or its frames could not be read.
+    pub py_stack: u32,
+    pub _pad: u32,
 }
 
 /// Key of the per-thread in-flight call table.
@@ -244,13 +248,24 @@ pub enum Counter {
     UnwindNoMappings = 16,
     /// DWARF stacks written to the stack map for the first time.
     UnwindNewStack = 17,
+    /// A CPython process's allocating thread had no thread state in the
+    /// interpreter's list (not a Python thread, or a list longer than the walk).
+    PyNoThreadState = 18,
+    /// Reading the interpreter's memory faulted: the Python stack was lost.
+    PyReadFault = 19,
+    /// The Python stack was deeper than [`PY_MAX_DEPTH`]: its outer frames were cut.
+    PyTruncated = 20,
+    /// The Python stack map was full: an allocation got no Python stack.
+    PyStackMapFull = 21,
+    /// Two different Python stacks had the same hash: the later one got none.
+    PyHashCollision = 22,
 }
 
 /// Number of [`Counter`] slots.
 pub const COUNTER_SLOTS: u32 = 32;
 
 impl Counter {
-    pub const ALL: [Counter; 18] = [
+    pub const ALL: [Counter; 23] = [
         Counter::RingbufFull,
         Counter::StackFault,
         Counter::StackCollision,
@@ -269,7 +284,78 @@ impl Counter {
         Counter::UnwindTableCap,
         Counter::UnwindNoMappings,
         Counter::UnwindNewStack,
+        Counter::PyNoThreadState,
+        Counter::PyReadFault,
+        Counter::PyTruncated,
+        Counter::PyStackMapFull,
+        Counter::PyHashCollision,
     ];
+}
+
+/// Most Python frames read per stack (outer frames beyond are cut and counted).
+pub const PY_MAX_DEPTH: usize = 48;
+/// Most thread states walked in an interpreter's thread list.
+pub const PY_MAX_THREADS: u32 = 256;
+/// An offset field of [`PyProc`] that does not apply to a version.
+pub const PY_OFF_NONE: u16 = u16::MAX;
+
+/// How to read one CPython process's frames (filled by the loader, keyed by
+/// tgid, from the version's layout): where its thread states are and the
+/// offsets of the fields the frame walk reads.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyProc {
+    /// Address of `_PyRuntime.interpreters.head` (a `PyInterpreterState*`).
+    pub interp_head_addr: u64,
+    /// Offset of `task_struct.thread.fsbase` in the kernel (the thread's
+    /// `pthread_t`): thread states are matched by `thread_id`; 0: by
+    /// `native_thread_id` instead.
+    pub fsbase_off: u32,
+    /// `PyThreadState.thread_id` (the creating thread's `pthread_self()`).
+    pub tstate_pthread: u16,
+    /// `PyInterpreterState.threads.head`.
+    pub interp_threads_head: u16,
+    /// `PyThreadState.next`.
+    pub tstate_next: u16,
+    /// `PyThreadState.native_thread_id` (the kernel's thread id, 3.11+), or
+    /// [`PY_OFF_NONE`].
+    pub tstate_native_tid: u16,
+    /// `PyThreadState.cframe` (3.11, 3.12) or the frame pointer itself
+    /// (`current_frame` 3.13+).
+    pub tstate_frame: u16,
+    /// `_PyCFrame.current_frame` when `tstate_frame` points to a `_PyCFrame`,
+    /// else [`PY_OFF_NONE`].
+    pub cframe_frame: u16,
+    /// The frame's code object (`f_code`, 3.13 `f_executable`).
+    pub frame_code: u16,
+    /// The calling frame (`previous`).
+    pub frame_previous: u16,
+    /// The instruction pointer (`prev_instr`, 3.13 `instr_ptr`).
+    pub frame_instr: u16,
+    /// `owner`, or [`PY_OFF_NONE`].
+    pub frame_owner: u16,
+    /// Frames with this owner are C-stack shims without code (3.12+), or 0xff.
+    pub owner_cstack: u8,
+    pub _pad: [u8; 7],
+}
+
+/// One Python frame as read in the kernel: the code object and the raw
+/// instruction pointer of the frame (resolved to a line on the user side).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyFrameRaw {
+    pub code: u64,
+    pub instr: u64,
+}
+
+/// A Python stack in the `PY_STACKS` map, innermost frame first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyStack {
+    pub frames: [PyFrameRaw; PY_MAX_DEPTH],
+    pub len: u32,
+    /// 1: the stack was deeper than [`PY_MAX_DEPTH`].
+    pub truncated: u32,
 }
 
 /// Error for an integer that names no variant.
@@ -318,7 +404,9 @@ try_from_u8!(SpecQuirk {
     ResizeInPlace
 });
 
-const _: () = assert!(core::mem::size_of::<WireEvent>() == 48);
+const _: () = assert!(core::mem::size_of::<WireEvent>() == 56);
+const _: () = assert!(core::mem::size_of::<PyProc>() == 40);
+const _: () = assert!(core::mem::size_of::<PyStack>() == PY_MAX_DEPTH * 16 + 8);
 const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 24);
 const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
@@ -335,6 +423,10 @@ mod user {
     unsafe impl aya::Pod for super::PendingKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::PendingCall {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::PyProc {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::PyStack {}
 }
 
 #[cfg(test)]

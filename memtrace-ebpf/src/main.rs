@@ -23,6 +23,8 @@
 #![no_std]
 #![no_main]
 
+mod python;
+
 use aya_ebpf::{
     bindings::{pt_regs, BPF_F_USER_STACK},
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
@@ -262,6 +264,8 @@ fn base_event(pid_tgid: u64, spec: u16, kind: EventKind) -> WireEvent {
         spec,
         kind: kind as u8,
         flags: 0,
+        py_stack: 0,
+        _pad: 0,
     }
 }
 
@@ -435,7 +439,11 @@ fn finish_call(
     };
 
     let handle32 = spec.quirk == SpecQuirk::Handle32 as u8;
-    let released = if handle32 { call.ptr & 0xffff_ffff } else { call.ptr };
+    let released = if handle32 {
+        call.ptr & 0xffff_ffff
+    } else {
+        call.ptr
+    };
     if spec.kind == SpecKind::Free as u8 {
         // A release whose result is checked (cudaFree, aclrtFree ...).
         if released == 0 {
@@ -542,6 +550,7 @@ fn finish_call(
     if !new_sampled {
         event.flags |= memtrace_common::FLAG_NEW_UNSAMPLED;
     }
+    event.py_stack = python::python_stack_id(pid_tgid);
     let stack_mode = STACK_MODE.load();
     if stack_mode == STACK_MODE_DWARF {
         event.stack_id = unwind::capture(ctx);

@@ -166,9 +166,10 @@ pub struct TraceArgs {
     pub max_size: Option<u64>,
 
     /// Trace only these allocators (comma-separated: libc, jemalloc,
-    /// tcmalloc, mimalloc, mmap, cuda, cuda-driver, acl); default: all found.
-    /// A heap allocator is the object defining `malloc`/`operator new`.
-    /// Pairs from --pairs/--preset are always traced.
+    /// tcmalloc, mimalloc, mmap, cuda, cuda-driver, acl, python); default:
+    /// all found but python (CPython's PyObject_Malloc family, traced only
+    /// when named). A heap allocator is the object defining
+    /// `malloc`/`operator new`. Pairs from --pairs/--preset are always traced.
     #[arg(long, value_delimiter = ',', value_name = "LIST")]
     pub allocators: Vec<String>,
 

@@ -33,6 +33,8 @@ pub struct Event {
     pub tid: u32,
     /// Index of the probe spec that produced it.
     pub spec: u16,
+    /// The allocating thread's Python stack (kernel id in `PY_STACKS`), 0: none.
+    pub py_stack: u32,
     pub action: Action,
 }
 
@@ -126,6 +128,7 @@ pub fn from_wire(wire: &WireEvent) -> Result<Event, DecodeError> {
         pid: wire.pid,
         tid: wire.tid,
         spec: wire.spec,
+        py_stack: wire.py_stack,
         action,
     })
 }
@@ -146,6 +149,8 @@ mod tests {
             spec: 3,
             kind: kind as u8,
             flags: 0,
+            py_stack: 9,
+            _pad: 0,
         }
     }
 
@@ -172,6 +177,7 @@ mod tests {
             }
         );
         assert_eq!((alloc.pid, alloc.tid, alloc.spec), (10, 11, 3));
+        assert_eq!(alloc.py_stack, 9);
         let free = decode(&bytes(&wire(EventKind::Free))).expect("free");
         assert_eq!(free.action, Action::Free { addr: 0x1000 });
         let mut re = wire(EventKind::Realloc);

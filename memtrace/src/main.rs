@@ -4,9 +4,11 @@
 //! one line on stderr with a documented exit code (see `error`).
 
 mod analysis;
+mod btf;
 mod cli;
 mod error;
 mod event;
+mod interp;
 mod live;
 mod monitor;
 mod output;

@@ -77,12 +77,22 @@ pub fn render(report: &Report) -> String {
             .first()
             .map_or_else(|| "[no stack]".to_string(), frame_name);
         let rank = (index + 1).to_string();
-        let labels = [
+        // The innermost Python frame, where the site has one: sites of one
+        // interpreter function differ by it.
+        let python = site
+            .frames
+            .iter()
+            .find(|f| f.kind == crate::report::FrameKind::Python)
+            .map(frame_name);
+        let mut labels = vec![
             ("allocator", site.allocator.name()),
             ("memory", site.memory.name()),
             ("site", name.as_str()),
             ("rank", rank.as_str()),
         ];
+        if let Some(python) = &python {
+            labels.push(("python", python.as_str()));
+        }
         out.sample("memtrace_site_live_bytes", &labels, site.live_bytes);
     }
 
@@ -580,6 +590,22 @@ mod tests {
             ],
         );
         assert!(site.is_some());
+    }
+
+    #[test]
+    fn python_sites_carry_their_python_line() {
+        let mut report = fixture::report();
+        report.sites[0]
+            .frames
+            .push(crate::interp::python::merge::python_frame(
+                &crate::interp::python::resolve::PyFrame {
+                    name: "handle".into(),
+                    file: Some("/srv/app.py".into()),
+                    line: Some(8),
+                },
+            ));
+        let text = render(&report);
+        assert!(text.contains(r#"python="handle (app.py:8)""#), "{text}");
     }
 
     #[test]

@@ -421,6 +421,8 @@ mod tests {
             spec: 0,
             kind,
             flags: 0,
+            py_stack: 0,
+            _pad: 0,
         };
         let lines = [
             Line::Header {

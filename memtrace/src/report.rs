@@ -59,6 +59,9 @@ pub struct Report {
     /// The DWARF unwinder's tables (objects, rows, kernel memory); `None` with
     /// `--stacks fp`, `--stack-depth 0` or offline.
     pub unwind: Option<crate::unwind::kernel::UnwindSummary>,
+    /// The CPython interpreters found in traced processes, and whether (or
+    /// why not) their Python frames are read.
+    pub python: Vec<crate::interp::python::Interpreter>,
 }
 
 /// Kernel counters of stacks cut short, and their names in
@@ -220,8 +223,19 @@ pub struct Site {
     pub history: Vec<(u64, u64)>,
 }
 
+/// Whether a frame is machine code or a Python function.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FrameKind {
+    #[default]
+    Native,
+    Python,
+}
+
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct Frame {
+    /// `native` or `python` (then `symbol` is the qualified name, `addr` empty).
+    pub kind: FrameKind,
     pub addr: String,
     pub symbol: Option<String>,
     pub module: Option<String>,
@@ -368,6 +382,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
                 entry.allocator,
                 entry.memory,
                 input.stacks.canonical(block.stack),
+                input.stacks.python.canonical(block.py_stack),
             ))
             .or_insert_with(|| SiteAcc {
                 oldest_ts: u64::MAX,
@@ -404,7 +419,9 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
                 .map(|held| held.0)
                 .sum();
             let pattern = classify(&acc.blocks, verdict.trend, trace_s, process_bytes);
-            let internal = allocated_inside_allocator(key.2, input.stacks, &acc.modules, &programs);
+            // Python frames name who asked, whatever native code allocated.
+            let internal = key.3 == 0
+                && allocated_inside_allocator(key.2, input.stacks, &acc.modules, &programs);
             (key, acc, verdict, pattern, internal)
         })
         .collect();
@@ -423,7 +440,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
 
     let wanted: Vec<FileAddr> = judged
         .iter()
-        .filter_map(|((_, _, stack), ..)| match stack {
+        .filter_map(|((_, _, stack, _), ..)| match stack {
             StackRef::Id(id) => input.stacks.get(*id),
             _ => None,
         })
@@ -436,8 +453,20 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let sites = judged
         .into_iter()
         .map(
-            |((allocator, memory, stack), acc, verdict, pattern, internal)| {
+            |((allocator, memory, stack, py), acc, verdict, pattern, internal)| {
                 let (frames, stack_note) = site_frames(stack, input.stacks, depth, &symbols);
+                let frames = crate::interp::python::merge::merge(
+                    frames,
+                    input.stacks.python.frames(py).unwrap_or(&[]),
+                );
+                let stack_note = stack_note.or_else(|| {
+                    input.stacks.python.is_truncated(py).then(|| {
+                        format!(
+                            "Python stack cut at {} frames (outer frames missing)",
+                            memtrace_common::PY_MAX_DEPTH
+                        )
+                    })
+                });
                 Site {
                     allocator,
                     memory,
@@ -464,7 +493,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
                     stack_note,
                     frames,
                     history: input.history.map_or_else(Vec::new, |h| {
-                        h.series(&(allocator, memory, stack))
+                        h.series(&(allocator, memory, stack, py))
                             .iter()
                             .map(|&(t_s, bytes)| ((t_s * 1000.0) as u64, bytes as u64))
                             .collect()
@@ -604,6 +633,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         reconciliation: input.reconciliation,
         processes,
         attach_failures: input.attach_failures,
+        python: input.stacks.python.interpreters().cloned().collect(),
     }
 }
 
@@ -766,6 +796,7 @@ fn site_frames(
                     .map(|frame| {
                         let info = frame.file.as_ref().and_then(|f| symbols.get(f));
                         Frame {
+                            kind: FrameKind::Native,
                             addr: format!("{:#x}", frame.addr),
                             symbol: info.and_then(|i| i.symbol.clone()),
                             module: frame.file.as_ref().map(|f| f.module.display().to_string()),
@@ -866,6 +897,7 @@ mod tests {
             pid: 1,
             tid: 7,
             spec,
+            py_stack: 0,
             action: Action::Alloc {
                 addr,
                 size,
@@ -1053,6 +1085,7 @@ mod tests {
                 pid: 1,
                 tid: 7,
                 spec: 0,
+                py_stack: 0,
                 action: Action::Free { addr },
             };
             table.apply(&free, Domain::Heap);

@@ -25,9 +25,11 @@ enum FrameKey {
     Raw(u64),
 }
 
-/// Frames per stack id.
+/// Frames per stack id, and the Python stacks beside them.
 #[derive(Default)]
 pub struct StackStore {
+    /// Python stacks and the interpreters found (`interp::python`).
+    pub python: crate::interp::python::PyStacks,
     stacks: HashMap<u32, Vec<RawFrame>>,
     /// The first id seen with each normalized call path.
     by_path: HashMap<Vec<FrameKey>, u32>,

@@ -27,6 +27,8 @@ pub struct LiveBlock {
     pub ts_ns: u64,
     pub tid: u32,
     pub stack: StackRef,
+    /// The Python stack (kernel id), 0: none.
+    pub py_stack: u32,
 }
 
 /// What the table has seen.
@@ -139,6 +141,7 @@ impl LiveTable {
             ts_ns: event.ts_ns,
             tid: event.tid,
             stack,
+            py_stack: event.py_stack,
         };
         if self.blocks.len() >= self.max_blocks && !self.blocks.contains_key(&key) {
             self.counts.table_full += 1;
@@ -209,6 +212,7 @@ mod repeat_tests {
             tid,
             spec,
             action,
+            py_stack: 0,
         }
     }
 
@@ -257,6 +261,7 @@ mod tests {
             pid: 1,
             tid: 2,
             spec: 0,
+            py_stack: 0,
             action,
         }
     }

@@ -13,6 +13,7 @@ mod forks;
 mod gpu;
 mod outputs;
 mod pairs;
+mod python;
 mod reliability;
 mod unwind;
 mod visual;

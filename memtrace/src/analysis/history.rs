@@ -11,8 +11,9 @@ use crate::report::TimelineSample;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
 
-/// A site: one stack, allocator and kind of memory.
-pub type SiteKey = (Allocator, Memory, StackRef);
+/// A site: one stack (native, and Python by canonical id, 0 for none),
+/// allocator and kind of memory.
+pub type SiteKey = (Allocator, Memory, StackRef, u32);
 
 /// A site empty for this many intervals in a row is forgotten.
 const FORGET_IDLE_AFTER: u64 = 60;
@@ -47,7 +48,12 @@ impl History {
                 continue;
             };
             let site = sites
-                .entry((spec.allocator, spec.memory, stacks.canonical(block.stack)))
+                .entry((
+                    spec.allocator,
+                    spec.memory,
+                    stacks.canonical(block.stack),
+                    stacks.python.canonical(block.py_stack),
+                ))
                 .or_default();
             site.0 += block.size;
             site.1 += 1;
@@ -118,6 +124,7 @@ mod tests {
                 pid: 1,
                 tid: 1,
                 spec: 0,
+                py_stack: 0,
                 action: Action::Alloc {
                     addr: 0x10,
                     size: 8,

@@ -25,6 +25,9 @@ pub enum Allocator {
     CudaDriver,
     /// Ascend ACL (`aclrtMalloc` ...).
     Acl,
+    /// CPython's object allocator (`PyObject_Malloc` ...: pymalloc's small
+    /// blocks, larger ones through `malloc`); only with `--allocators python`.
+    Python,
     /// A user-declared resource pair (`--pairs`, `--preset`), with its nesting family.
     Custom { name: &'static str, family: u8 },
 }
@@ -46,6 +49,7 @@ impl Allocator {
             Allocator::Cuda => "cuda",
             Allocator::CudaDriver => "cuda-driver",
             Allocator::Acl => "acl",
+            Allocator::Python => "python",
             Allocator::Custom { name, .. } => name,
         }
     }
@@ -61,6 +65,7 @@ impl Allocator {
             Allocator::Cuda,
             Allocator::CudaDriver,
             Allocator::Acl,
+            Allocator::Python,
         ]
         .into_iter()
         .find(|a| a.name() == name)
@@ -77,6 +82,11 @@ impl Allocator {
         )
     }
 
+    /// Whether it is traced when `--allocators` is not given.
+    pub fn by_default(self) -> bool {
+        self != Allocator::Python
+    }
+
     /// Nesting family used by the eBPF programs (see [`ProbeSpec::family`]).
     pub fn family(self) -> u8 {
         match self {
@@ -85,6 +95,7 @@ impl Allocator {
             Allocator::Cuda => 2,
             Allocator::CudaDriver => 3,
             Allocator::Acl => 4,
+            Allocator::Python => 5,
             Allocator::Custom { family, .. } => family,
         }
     }
@@ -159,6 +170,9 @@ pub struct FuncDef {
     /// The symbol prefix this definition was made with (`je_`, `_rjem_`,
     /// `--symbol-prefix`), empty for the catalogue's own names.
     pub prefix: &'static str,
+    /// A parent family other than the allocator's own (libc under
+    /// `--allocators python`: its calls inside `PyObject_Malloc` are nested).
+    pub parent_family: u8,
 }
 
 const N: u8 = ARG_NONE;
@@ -184,7 +198,14 @@ impl FuncDef {
             quirk: SpecQuirk::None,
             success_code: 0,
             prefix: "",
+            parent_family: N,
         }
+    }
+
+    /// The same function, nested under `family` when called inside it.
+    pub fn nested_under(mut self, family: u8) -> Self {
+        self.parent_family = family;
+        self
     }
 
     /// `void *f(..., size_t size @ size_arg, ...)`
@@ -263,14 +284,18 @@ impl FuncDef {
         spec.ptr_arg = self.ptr_arg;
         spec.out_arg = self.out_arg;
         spec.family = self.allocator.family();
-        spec.parent_family = self.allocator.parent_family();
+        spec.parent_family = if self.parent_family == N {
+            self.allocator.parent_family()
+        } else {
+            self.parent_family
+        };
         spec.quirk = self.quirk as u8;
         spec.success_code = self.success_code;
         spec
     }
 }
 
-use Allocator::{Acl, Cuda, CudaDriver, Jemalloc, Libc, Mimalloc, Mmap, Tcmalloc};
+use Allocator::{Acl, Cuda, CudaDriver, Jemalloc, Libc, Mimalloc, Mmap, Python, Tcmalloc};
 use Domain::{AclMemory, CudaMemory, CudaVmmHandle, Heap, Mapping};
 use Memory::{Device, Host, Managed, Pinned};
 
@@ -507,6 +532,30 @@ pub static CATALOG: &[FuncDef] = &[
     FuncDef::new("aclrtFree", Acl, Device, AclMemory).release_checked(0),
     // `aclError aclrtFreeHost(void *hostPtr)`
     FuncDef::new("aclrtFreeHost", Acl, Pinned, AclMemory).release_checked(0),
+    // ---- CPython's object allocator (exported by libpython, or a static python) ----
+    // `void *PyObject_Malloc(size_t size)`
+    FuncDef::new("PyObject_Malloc", Python, Host, Heap).returns_ptr(0),
+    // `void *PyObject_Calloc(size_t nelem, size_t elsize)`
+    FuncDef::new("PyObject_Calloc", Python, Host, Heap)
+        .returns_ptr(1)
+        .count(0),
+    // `void *PyObject_Realloc(void *ptr, size_t new_size)`
+    FuncDef::new("PyObject_Realloc", Python, Host, Heap).realloc(0, 1),
+    // `void PyObject_Free(void *ptr)`
+    FuncDef::new("PyObject_Free", Python, Host, Heap).release(0),
+    // pymalloc itself, where the symbol table names it: builds that inline
+    // the exported functions into their callers (LTO) call these directly;
+    // under an exported one they are nested and counted once.
+    // `static void *_PyObject_Malloc(void *ctx, size_t nbytes)`
+    FuncDef::new("_PyObject_Malloc", Python, Host, Heap).returns_ptr(1),
+    // `static void *_PyObject_Calloc(void *ctx, size_t nelem, size_t elsize)`
+    FuncDef::new("_PyObject_Calloc", Python, Host, Heap)
+        .returns_ptr(2)
+        .count(1),
+    // `static void *_PyObject_Realloc(void *ctx, void *ptr, size_t nbytes)`
+    FuncDef::new("_PyObject_Realloc", Python, Host, Heap).realloc(1, 2),
+    // `static void _PyObject_Free(void *ctx, void *p)`
+    FuncDef::new("_PyObject_Free", Python, Host, Heap).release(1),
 ];
 
 impl FuncDef {

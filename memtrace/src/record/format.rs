@@ -193,6 +193,9 @@ pub fn wire_of(e: &[i64; 10]) -> WireEvent {
         spec: e[7] as u16,
         kind: e[8] as u8,
         flags: e[9] as u8,
+        // Recordings do not carry Python stacks.
+        py_stack: 0,
+        _pad: 0,
     }
 }
 
@@ -297,6 +300,8 @@ mod tests {
             spec: u16::MAX,
             kind: 2,
             flags: 0xff,
+            py_stack: 0,
+            _pad: 0,
         };
         let back = wire_of(&event_fields(&wire));
         assert_eq!(

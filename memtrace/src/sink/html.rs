@@ -762,6 +762,7 @@ mod tests {
                             file: Some(format!("src/module_{depth}.cc")),
                             line: Some(u32::try_from(id % 900 + 1).unwrap_or(1)),
                             offset: Some(format!("0x{:x}", depth * 0x1000 + id)),
+                            kind: crate::report::FrameKind::Native,
                         }
                     })
                     .collect();

@@ -89,8 +89,20 @@ pub fn human_bytes(bytes: u64) -> String {
 }
 
 /// A frame's display name: its symbol, else `module+offset` (module file
-/// name only), else its address.
+/// name only), else its address; a Python frame is `name (file:line)`
+/// (file name only), as py-spy shows it.
 pub fn frame_name(frame: &Frame) -> String {
+    if frame.kind == crate::report::FrameKind::Python {
+        let file = frame.file.as_deref().unwrap_or("?");
+        return format!(
+            "{} ({}:{})",
+            frame.symbol.as_deref().unwrap_or("?"),
+            module_name(file),
+            frame
+                .line
+                .map_or_else(|| "?".to_string(), |l| l.to_string())
+        );
+    }
     if let Some(symbol) = frame.symbol.as_deref().filter(|s| !s.is_empty()) {
         return symbol.to_string();
     }
@@ -134,6 +146,7 @@ pub(crate) mod fixture {
 
     fn frame(addr: &str, symbol: Option<&str>, offset: &str, line: Option<u32>) -> Frame {
         Frame {
+            kind: crate::report::FrameKind::Native,
             addr: addr.into(),
             symbol: symbol.map(str::to_string),
             module: Some("/opt/app/bin/app".into()),
@@ -197,6 +210,7 @@ pub(crate) mod fixture {
         Report {
             stack_truncations_by_cause: BTreeMap::new(),
             unwind: None,
+            python: Vec::new(),
             processes: Vec::new(),
             attach_failures: Vec::new(),
             target: TargetInfo {

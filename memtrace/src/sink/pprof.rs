@@ -166,7 +166,9 @@ struct Builder {
     profile: proto::Profile,
     strings: HashMap<String, i64>,
     functions: HashMap<(String, String), u64>,
-    locations: HashMap<(u64, u64, u64), u64>,
+    /// By (mapping, address, function, line): Python frames have no
+    /// address, so their line tells them apart.
+    locations: HashMap<(u64, u64, u64, i64), u64>,
     mappings: HashMap<String, u64>,
 }
 
@@ -237,7 +239,7 @@ impl Builder {
     }
 
     fn location(&mut self, mapping_id: u64, address: u64, function_id: u64, line: i64) -> u64 {
-        let key = (mapping_id, address, function_id);
+        let key = (mapping_id, address, function_id, line);
         if let Some(&id) = self.locations.get(&key) {
             return id;
         }
@@ -260,7 +262,12 @@ impl Builder {
             Some(module) => self.mapping(module, address, offset),
             None => 0,
         };
-        let function_id = self.function(&frame_name(frame), frame.file.as_deref().unwrap_or(""));
+        // A Python function is its qualified name; its line is the location's.
+        let name = match frame.kind {
+            crate::report::FrameKind::Python => frame.symbol.clone().unwrap_or_default(),
+            crate::report::FrameKind::Native => frame_name(frame),
+        };
+        let function_id = self.function(&name, frame.file.as_deref().unwrap_or(""));
         self.location(
             mapping_id,
             address,

@@ -47,6 +47,9 @@ impl Sink for TextSink {
                 total.live_count
             )?;
         }
+        for python in &report.python {
+            writeln!(out, "{}", python_line(python))?;
+        }
         for library in &report.libraries {
             let path = library["path"].as_str().unwrap_or("?");
             let functions: Vec<String> = library["functions"]
@@ -292,8 +295,34 @@ fn reconciliation_words(r: &Reconciliation, pid: Option<u32>, rate: u64) -> Stri
     format!("{who}{tracked_text}; {rss}: {meaning}")
 }
 
+/// What was found of one CPython interpreter.
+fn python_line(found: &crate::interp::python::Interpreter) -> String {
+    let object = found.object.rsplit('/').next().unwrap_or(&found.object);
+    let how = if found.frames_read {
+        let mut how = format!("Python frames read ({} stacks", found.stacks);
+        if found.unresolved_frames > 0 {
+            how.push_str(&format!(", {} frames unresolved", found.unresolved_frames));
+        }
+        how.push(')');
+        how
+    } else {
+        format!(
+            "Python frames not read: {}",
+            found.reason.as_deref().unwrap_or("?")
+        )
+    };
+    format!(
+        "python: pid {} CPython {} ({object}): {how}",
+        found.pid, found.version
+    )
+}
+
 fn frame_line(frame: &Frame) -> String {
-    let mut line = format!("{} {}", frame.addr, frame.symbol.as_deref().unwrap_or("??"));
+    let place = match frame.kind {
+        crate::report::FrameKind::Python => "[python]",
+        crate::report::FrameKind::Native => frame.addr.as_str(),
+    };
+    let mut line = format!("{place} {}", frame.symbol.as_deref().unwrap_or("??"));
     if let (Some(file), Some(number)) = (&frame.file, frame.line) {
         line.push_str(&format!(" at {file}:{number}"));
     }
@@ -450,5 +479,40 @@ mod tests {
         assert!(render(&report).contains("(expected: size filter)"));
         report.events.unmatched_frees = 0;
         assert!(!render(&report).contains("expected"));
+    }
+
+    #[test]
+    fn python_frames_show_name_file_and_line() {
+        let frame =
+            crate::interp::python::merge::python_frame(&crate::interp::python::resolve::PyFrame {
+                name: "Handler.handle".into(),
+                file: Some("app.py".into()),
+                line: Some(8),
+            });
+        assert_eq!(frame_line(&frame), "[python] Handler.handle at app.py:8");
+    }
+
+    #[test]
+    fn python_interpreters_are_named_with_what_was_read() {
+        let found = crate::interp::python::Interpreter {
+            pid: 7,
+            version: "3.12.1".into(),
+            object: "/opt/py/lib/libpython3.12.so.1.0".into(),
+            frames_read: true,
+            reason: None,
+            stacks: 4,
+            unresolved_frames: 1,
+        };
+        assert_eq!(
+            python_line(&found),
+            "python: pid 7 CPython 3.12.1 (libpython3.12.so.1.0): Python frames read (4 stacks, 1 frames unresolved)"
+        );
+        let old = crate::interp::python::Interpreter {
+            frames_read: false,
+            reason: Some("frames of Python 3.7 are not read (3.8 to 3.13 are)".into()),
+            ..found
+        };
+        assert!(python_line(&old)
+            .ends_with("not read: frames of Python 3.7 are not read (3.8 to 3.13 are)"));
     }
 }

@@ -18,7 +18,7 @@ use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkI
 use aya::programs::{RawTracePoint, UProbe};
 use aya::{Ebpf, EbpfLoader};
 use memtrace_common::unwind::{DwarfStack, MAX_FRAMES, STACK_MODE_DWARF};
-use memtrace_common::{Counter, ProbeSpec, MAX_SPECS};
+use memtrace_common::{Counter, ProbeSpec, PyProc, PyStack, MAX_SPECS};
 
 use crate::error::Failure;
 use crate::probe::plan::LibraryPlan;
@@ -122,6 +122,9 @@ pub struct Probes {
     /// The DWARF unwinder's tables (`None` in frame-pointer or no-stack mode).
     pub unwind: Option<UnwindTables>,
     counters: PerCpuArray<MapData, u64>,
+    /// CPython processes' reading recipes, by tgid (`interp::python`).
+    py_procs: HashMap<MapData, u32, PyProc>,
+    py_stacks: HashMap<MapData, u32, PyStack>,
 }
 
 /// Kernel counter names, as shown in reports.
@@ -145,6 +148,11 @@ pub fn counter_name(counter: Counter) -> &'static str {
         Counter::UnwindTableCap => "stack_truncated_table_cap",
         Counter::UnwindNoMappings => "stack_no_mappings",
         Counter::UnwindNewStack => "dwarf_stacks",
+        Counter::PyNoThreadState => "py_no_thread_state",
+        Counter::PyReadFault => "py_read_fault",
+        Counter::PyTruncated => "py_truncated",
+        Counter::PyStackMapFull => "py_stack_map_full",
+        Counter::PyHashCollision => "py_hash_collision",
     }
 }
 
@@ -169,9 +177,9 @@ impl Probes {
         } else {
             crate::unwind::kernel::Capacity::minimal()
         };
-        let offsets = crate::unwind::btf::uprobe_offsets().unwrap_or_else(|| {
+        let offsets = crate::btf::uprobe_offsets().unwrap_or_else(|| {
             log::warn!("no uprobe structures in the kernel's BTF: stacks through functions with return probes end there");
-            crate::unwind::btf::UprobeOffsets::default()
+            crate::btf::UprobeOffsets::default()
         });
         let mut ebpf = EbpfLoader::new()
             .override_global("OFF_UTASK", &offsets.task_utask, true)
@@ -222,6 +230,12 @@ impl Probes {
         } else {
             None
         };
+        let py_procs =
+            HashMap::try_from(ebpf.take_map("PY_PROCS").context("map PY_PROCS missing")?)?;
+        let py_stacks = HashMap::try_from(
+            ebpf.take_map("PY_STACKS")
+                .context("map PY_STACKS missing")?,
+        )?;
         Ok(Probes {
             dwarf_stacks,
             unwind,
@@ -235,6 +249,8 @@ impl Probes {
             events: Some(events),
             stacks,
             counters,
+            py_procs,
+            py_stacks,
         })
     }
 
@@ -550,6 +566,23 @@ impl Probes {
                 (counter_name(counter).to_string(), value)
             })
             .collect()
+    }
+
+    /// Lets the kernel read the Python frames of process `pid`.
+    pub fn set_python(&mut self, pid: u32, config: &PyProc) -> anyhow::Result<()> {
+        self.py_procs
+            .insert(pid, config, 0)
+            .with_context(|| format!("cannot configure the Python frame reader for pid {pid}"))
+    }
+
+    /// Stops reading the Python frames of `pid` (it exited or exec'd).
+    pub fn clear_python(&mut self, pid: u32) {
+        let _ = self.py_procs.remove(&pid);
+    }
+
+    /// The Python stack stored under `id`.
+    pub fn python_stack(&self, id: u32) -> Option<PyStack> {
+        self.py_stacks.get(&id, 0).ok()
     }
 
     /// The return addresses of a stack id, innermost first.

@@ -11,6 +11,7 @@ mod family;
 mod kernel_support;
 pub mod loader;
 mod pipeline;
+mod python;
 mod status;
 
 use std::collections::BTreeSet;
@@ -210,11 +211,6 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let probed: usize = discovery.libraries.iter().map(|l| l.functions.len()).sum();
-    eprintln!(
-        "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
-        target_info.comm,
-        discovery.libraries.len()
-    );
 
     let mut live = if args.live {
         crate::live::LiveView::start(&format!("{} (pid {pid})", target_info.comm))?
@@ -249,7 +245,16 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         memory_at_attach: read_memory(pid),
         memory_last: read_memory(pid),
         notes: Vec::new(),
+        python: python::PythonWatch::default(),
     };
+    // Before the announcement: by pid, Python frames are read from the
+    // first allocation traced.
+    session.watch_python(&mut probes);
+    eprintln!(
+        "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
+        target_info.comm,
+        discovery.libraries.len()
+    );
     // Children the target already has.
     session.look_at_children(pid, None, &mut probes, &mut discovery);
     session.family.reset_seen();
@@ -298,6 +303,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 session.adopt_forks(&mut probes, &mut discovery);
             }
             _ = drain_tick.tick() => {
+                session.watch_python(&mut probes);
                 session.pipeline.drain(ring.get_mut(), &probes);
                 session.adopt_forks(&mut probes, &mut discovery);
             }
@@ -311,6 +317,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 session.follow_execs();
                 rescans += 1;
                 for gone in session.family.reap(&mut probes, &mut session.pipeline) {
+                    session.python.forget(gone, &mut probes);
                     let who = if args.name.is_some() { "pid" } else { "child pid" };
                     eprintln!("memtrace: {who} {gone} exited; its probes are detached");
                 }
@@ -470,7 +477,7 @@ fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::F
     for name in &args.allocators {
         let allocator = Allocator::parse_builtin(name.trim()).ok_or_else(|| {
             Failure::usage(format!(
-                "--allocators: unknown allocator '{name}' (libc, jemalloc, tcmalloc, mimalloc, mmap, cuda, cuda-driver, acl)"
+                "--allocators: unknown allocator '{name}' (libc, jemalloc, tcmalloc, mimalloc, mmap, cuda, cuda-driver, acl, python)"
             ))
         })?;
         wanted.push(allocator);
@@ -479,12 +486,25 @@ fn catalog_for(args: &TraceArgs) -> Result<Vec<&'static crate::probe::catalog::F
     // wanted: which allocator they are depends on the object defining them
     // (see `Discovery::heap_allowed`).
     let any_heap = wanted.iter().any(|a| a.is_heap());
+    let python = wanted.contains(&Allocator::Python);
     let mut defs: Vec<&'static catalog::FuncDef> = catalog::CATALOG
         .iter()
         .filter(|def| {
-            wanted.is_empty()
-                || wanted.contains(&def.allocator)
-                || (def.allocator == Allocator::Libc && any_heap)
+            if wanted.is_empty() {
+                def.allocator.by_default()
+            } else {
+                wanted.contains(&def.allocator) || (def.allocator == Allocator::Libc && any_heap)
+            }
+        })
+        .map(|def| {
+            if python && def.allocator == Allocator::Libc {
+                // malloc inside PyObject_Malloc is the same block: counted once.
+                let nested: &'static catalog::FuncDef =
+                    Box::leak(Box::new(def.nested_under(Allocator::Python.family())));
+                nested
+            } else {
+                def
+            }
         })
         .collect();
     // Prefixed allocator builds (je_malloc, _rjem_mallocx, --symbol-prefix).
@@ -573,9 +593,17 @@ struct Session<'a> {
     /// The target and the children it is followed into.
     family: Family,
     notes: Vec<String>,
+    python: python::PythonWatch,
 }
 
 impl Session<'_> {
+    /// Looks for CPython in the running traced processes that are due.
+    fn watch_python(&mut self, probes: &mut Probes) {
+        for pid in self.family.running().collect::<Vec<_>>() {
+            self.python.poll(pid, probes, self.pipeline.stacks_mut());
+        }
+    }
+
     /// Notices a traced process running another image (`exec`, same pid):
     /// the probes stay (they follow the process), the address map is re-read
     /// so new stacks are symbolized against the new image, and the report

@@ -87,6 +87,10 @@ impl Pipeline {
         &self.stacks
     }
 
+    pub fn stacks_mut(&mut self) -> &mut StackStore {
+        &mut self.stacks
+    }
+
     /// Names of the threads seen allocating.
     pub fn thread_names(&self) -> &HashMap<u32, String> {
         &self.thread_names
@@ -158,6 +162,9 @@ impl Pipeline {
         {
             self.learn_stack(event.pid, id, probes);
         }
+        if event.py_stack != 0 && !self.stacks.python.contains(event.py_stack) {
+            self.learn_python_stack(event.pid, event.py_stack, probes);
+        }
         self.table.apply(event, spec.domain);
         self.thread_process.entry(event.tid).or_insert(event.pid);
         self.thread_names.entry(event.tid).or_insert_with(|| {
@@ -191,6 +198,19 @@ impl Pipeline {
         }
         if let (Some(recorder), Some(frames)) = (self.recorder.as_mut(), self.stacks.get(id)) {
             recorder.stack(id, frames);
+        }
+    }
+
+    /// Resolves a Python stack the kernel stored, reading its code objects
+    /// from the process now, while it runs.
+    fn learn_python_stack(&mut self, pid: u32, id: u32, probes: &Probes) {
+        let Some(raw) = probes.python_stack(id) else {
+            log::debug!("pid {pid}: Python stack {id:#x} not in the kernel's map");
+            return;
+        };
+        match crate::interp::python::resolve::ProcMem::open(pid) {
+            Ok(mem) => self.stacks.python.learn(pid, id, &raw, &mem),
+            Err(err) => log::debug!("pid {pid}: cannot read its memory: {err}"),
         }
     }
 

@@ -3,7 +3,6 @@
 //! ([`table`]) and loading them, with each traced process's executable
 //! mappings, into the maps the in-kernel unwinder reads ([`kernel`]).
 
-pub mod btf;
 pub mod cfi;
 pub mod kernel;
 pub mod table;

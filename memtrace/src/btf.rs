@@ -1,5 +1,8 @@
-//! The few kernel structure offsets the unwinder needs, read from the
-//! running kernel's BTF (`/sys/kernel/btf/vmlinux`).
+//! The few kernel structure offsets memtrace's eBPF programs need, read from
+//! the running kernel's BTF (`/sys/kernel/btf/vmlinux`): the uprobe return
+//! instances the unwinder follows, and `task_struct.thread.fsbase` (a
+//! thread's `pthread_t`, which the Python frame reader matches thread states
+//! against).
 //!
 //! A function with a return probe has its return address replaced by the
 //! kernel's uretprobe trampoline while it runs; a stack walked through such a
@@ -34,6 +37,19 @@ pub struct UprobeOffsets {
 pub fn uprobe_offsets() -> Option<UprobeOffsets> {
     let data = std::fs::read("/sys/kernel/btf/vmlinux").ok()?;
     uprobe_offsets_in(&data)
+}
+
+/// `offsetof(struct task_struct, thread.fsbase)` in the running kernel.
+pub fn fsbase_offset() -> Option<u64> {
+    fsbase_offset_in(&std::fs::read("/sys/kernel/btf/vmlinux").ok()?)
+}
+
+/// `offsetof(struct task_struct, thread.fsbase)` in a BTF blob.
+pub fn fsbase_offset_in(data: &[u8]) -> Option<u64> {
+    let btf = Btf::parse(data)?;
+    let thread = btf.member_offset("task_struct", "thread")?;
+    let fsbase = btf.member_offset("thread_struct", "fsbase")?;
+    Some(u64::from(thread) + u64::from(fsbase))
 }
 
 /// Reads the offsets from a BTF blob.
@@ -157,7 +173,19 @@ mod tests {
     }
 
     #[test]
+    fn finds_fsbase_in_this_kernel() {
+        let Ok(data) = std::fs::read("/sys/kernel/btf/vmlinux") else {
+            eprintln!("skipping: this kernel has no BTF");
+            return;
+        };
+        let offset = fsbase_offset_in(&data).expect("task_struct.thread.fsbase");
+        // thread_struct sits at the end of a task_struct of several KiB.
+        assert!(offset > 1024 && offset < 65536, "{offset}");
+    }
+
+    #[test]
     fn malformed_btf_is_none() {
+        assert_eq!(fsbase_offset_in(b""), None);
         assert!(uprobe_offsets_in(b"").is_none());
         assert!(
             uprobe_offsets_in(&[0x9f, 0xeb, 1, 0, 24, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]).is_none()

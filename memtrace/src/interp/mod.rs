@@ -1,0 +1,3 @@
+//! Interpreters whose own call stacks memtrace reads (CPython).
+
+pub mod python;

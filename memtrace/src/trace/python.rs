@@ -1,0 +1,137 @@
+//! Watching traced processes for a CPython interpreter: each running
+//! process is checked soon after it is traced (every 20 ms for its first
+//! 3 s, so a launched `python3` is found before its script runs, then every
+//! 500 ms, so an interpreter loaded later with `dlopen` is found too), and
+//! again after an `exec`. A process found to be CPython 3.11+ gets its
+//! reading recipe in the kernel's `PY_PROCS` map; any other version is
+//! named in the report with why its frames are not read.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::interp::python::{self, detect, resolve::ProcMem, Interpreter};
+use crate::stacks::StackStore;
+use crate::trace::loader::Probes;
+
+const EARLY: Duration = Duration::from_secs(3);
+const EARLY_EVERY: Duration = Duration::from_millis(20);
+const LATER_EVERY: Duration = Duration::from_millis(500);
+
+struct Watched {
+    first_seen: Instant,
+    checked_at: Instant,
+    exe: Option<PathBuf>,
+    /// An interpreter was found (read or not): only an exec changes that.
+    found: bool,
+}
+
+/// Per-process detection state.
+pub struct PythonWatch {
+    procs: HashMap<u32, Watched>,
+    /// The kernel's `task_struct.thread.fsbase` offset, when its BTF says.
+    fsbase: Option<u64>,
+    /// Objects already read (most processes are no Python: their files
+    /// are read once, not at every check).
+    exports: detect::ExportCache,
+}
+
+impl Default for PythonWatch {
+    fn default() -> Self {
+        let fsbase = crate::btf::fsbase_offset();
+        if fsbase.is_none() {
+            log::info!("no task_struct.thread.fsbase in the kernel's BTF: Python threads are matched by native_thread_id (3.11+ only)");
+        }
+        PythonWatch {
+            procs: HashMap::new(),
+            fsbase,
+            exports: detect::ExportCache::new(),
+        }
+    }
+}
+
+impl PythonWatch {
+    /// Checks `pid` if it is due.
+    pub fn poll(&mut self, pid: u32, probes: &mut Probes, stacks: &mut StackStore) {
+        let now = Instant::now();
+        let watched = self.procs.entry(pid).or_insert_with(|| Watched {
+            first_seen: now,
+            checked_at: now - LATER_EVERY,
+            exe: None,
+            found: false,
+        });
+        let every = if now.duration_since(watched.first_seen) < EARLY {
+            EARLY_EVERY
+        } else {
+            LATER_EVERY
+        };
+        if now.duration_since(watched.checked_at) < every {
+            return;
+        }
+        watched.checked_at = now;
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+        if exe != watched.exe {
+            log::debug!("pid {pid}: image {:?} (was {:?})", exe, watched.exe);
+            if watched.found {
+                probes.clear_python(pid);
+                stacks.python.forget(pid);
+            }
+            watched.exe = exe;
+            watched.found = false;
+            watched.first_seen = now;
+        }
+        if watched.found {
+            return;
+        }
+        let Ok(Some(found)) = detect::find(pid, &mut self.exports) else {
+            return;
+        };
+        watched.found = true;
+        let mut info = Interpreter {
+            pid,
+            version: found.version(),
+            object: found.object.display().to_string(),
+            frames_read: false,
+            reason: None,
+            stacks: 0,
+            unresolved_frames: 0,
+        };
+        let planned = ProcMem::open(pid)
+            .map_err(|err| format!("cannot read /proc/{pid}/mem: {err}"))
+            .and_then(|mem| python::plan(&found, &mem, self.fsbase));
+        match planned {
+            Ok(attached) => {
+                stacks
+                    .python
+                    .set_interpreter(info.clone(), Some(attached.layout));
+                match probes.set_python(pid, &attached.config) {
+                    Ok(()) => {
+                        info.frames_read = true;
+                        log::info!(
+                            "pid {pid}: Python {} in {}, frames read",
+                            info.version,
+                            info.object
+                        );
+                        stacks.python.set_interpreter(info, Some(attached.layout));
+                    }
+                    Err(err) => {
+                        info.reason = Some(format!("{err:#}"));
+                        stacks.python.set_interpreter(info, None);
+                    }
+                }
+            }
+            Err(reason) => {
+                log::info!("pid {pid}: Python {}: {reason}", info.version);
+                info.reason = Some(reason);
+                stacks.python.set_interpreter(info, None);
+            }
+        }
+    }
+
+    /// Forgets a process that is gone.
+    pub fn forget(&mut self, pid: u32, probes: &mut Probes) {
+        if self.procs.remove(&pid).is_some_and(|w| w.found) {
+            probes.clear_python(pid);
+        }
+    }
+}
