@@ -197,18 +197,24 @@ fn python_frames_name_the_leaking_lines() {
         );
 
         // malloc through ctypes, with the GIL released, names its caller.
+        // (The native part below the Python frames may differ between the
+        // calls — ctypes resolves the symbol on the first — so the blocks can
+        // be on more than one site, each with these Python frames.)
         let gil = sites_in(&report, "c_alloc");
-        assert_eq!(gil.len(), 1, "{label}: {report}");
-        assert_eq!(
-            py_frames(gil[0]),
-            vec![
-                expect("c_alloc", "c_alloc"),
-                expect("gil_released", "gil_released"),
-                expect("<module>", "module_gil"),
-            ],
-            "{label}"
-        );
-        assert_eq!(gil[0]["live_bytes"], 3 * 300_000, "{label}");
+        assert!(!gil.is_empty(), "{label}: {report}");
+        for site in &gil {
+            assert_eq!(
+                py_frames(site),
+                vec![
+                    expect("c_alloc", "c_alloc"),
+                    expect("gil_released", "gil_released"),
+                    expect("<module>", "module_gil"),
+                ],
+                "{label}"
+            );
+        }
+        let gil_bytes: u64 = gil.iter().filter_map(|s| s["live_bytes"].as_u64()).sum();
+        assert_eq!(gil_bytes, 3 * 300_000, "{label}");
     }
 }
 

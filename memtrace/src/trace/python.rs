@@ -26,6 +26,10 @@ struct Watched {
     found: bool,
 }
 
+/// How long after a process (or its new image) is first seen a failed
+/// interpreter read is retried rather than reported.
+const RETRY_FOR: Duration = Duration::from_secs(3);
+
 /// Per-process detection state.
 pub struct PythonWatch {
     procs: HashMap<u32, Watched>,
@@ -83,6 +87,7 @@ impl PythonWatch {
         if watched.found {
             return;
         }
+        let first_seen = watched.first_seen;
         let Ok(Some(found)) = detect::find(pid, &mut self.exports) else {
             return;
         };
@@ -118,6 +123,15 @@ impl PythonWatch {
                         info.reason = Some(format!("{err:#}"));
                         stacks.python.set_interpreter(info, None);
                     }
+                }
+            }
+            Err(reason) if now.duration_since(first_seen) < RETRY_FOR => {
+                // Likely caught mid-load (ld.so maps and relocates libpython
+                // in steps, and launch mode stops the command at each
+                // mapping): try again at the next poll.
+                log::debug!("pid {pid}: Python {}: {reason} (will retry)", info.version);
+                if let Some(watched) = self.procs.get_mut(&pid) {
+                    watched.found = false;
                 }
             }
             Err(reason) => {

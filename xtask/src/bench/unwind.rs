@@ -176,7 +176,7 @@ pub fn render_tables(rows: &[TableRow], s: &mut String) {
         s,
         "`memtrace unwind-table FILE`: the rows the DWARF unwinder loads for an object, built \
          once per file (release build, one run each). Kernel bytes are whole 4 KiB chunks of \
-         8-byte rows plus the page index.\n"
+         4-byte rows (offset in page, rule index), the rule dictionary and the page index.\n"
     );
     let _ = writeln!(
         s,
