@@ -184,6 +184,29 @@ fn ensure_bpf_linker() -> Result<()> {
         return Ok(());
     }
     eprintln!("xtask: installing bpf-linker (linked against rustc's own LLVM)");
+    let (sysroot, llvm) = nightly_llvm()?;
+    let lib = sysroot.join("lib");
+    let link = lib.join("libLLVM.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&llvm, &link)
+        .with_context(|| format!("linking {}", link.display()))?;
+    run(clean_cargo("stable")
+        .args([
+            "install",
+            "bpf-linker",
+            "--version",
+            "0.13.0",
+            "--locked",
+            "--no-default-features",
+            "--features",
+            "llvm-22",
+        ])
+        .env("LLVM_PREFIX", &sysroot))
+}
+
+/// The nightly toolchain's sysroot and the `libLLVM.so.*-rust-*` it ships
+/// (what bpf-linker links against; the bench's stand-in for a huge library).
+pub fn nightly_llvm() -> Result<(PathBuf, PathBuf)> {
     let sysroot = Command::new("rustc")
         .args(["+nightly", "--print", "sysroot"])
         .output()
@@ -201,22 +224,7 @@ fn ensure_bpf_linker() -> Result<()> {
             })
         })
         .context("the nightly toolchain ships no libLLVM.so.*-rust-*")?;
-    let link = lib.join("libLLVM.so");
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(&llvm, &link)
-        .with_context(|| format!("linking {}", link.display()))?;
-    run(clean_cargo("stable")
-        .args([
-            "install",
-            "bpf-linker",
-            "--version",
-            "0.13.0",
-            "--locked",
-            "--no-default-features",
-            "--features",
-            "llvm-22",
-        ])
-        .env("LLVM_PREFIX", &sysroot))
+    Ok((sysroot, llvm))
 }
 
 fn build_ebpf() -> Result<()> {

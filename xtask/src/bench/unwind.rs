@@ -111,23 +111,7 @@ fn objects() -> Vec<(String, Option<PathBuf>)> {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .map(|prefix| PathBuf::from(prefix).join("lib/libpython3.11.so.1.0"))
         .filter(|p| p.is_file());
-    let llvm = Command::new("rustc")
-        .args(["+nightly", "--print", "sysroot"])
-        .output()
-        .ok()
-        .and_then(|o| {
-            let lib = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()).join("lib");
-            std::fs::read_dir(lib)
-                .ok()?
-                .filter_map(|e| e.ok())
-                .map(|e| e.path())
-                .find(|p| {
-                    p.file_name().is_some_and(|n| {
-                        n.to_string_lossy().starts_with("libLLVM.so.")
-                            && n.to_string_lossy().contains("-rust-")
-                    })
-                })
-        });
+    let llvm = crate::nightly_llvm().ok().map(|(_, llvm)| llvm);
     vec![
         (
             "libc.so.6".into(),
