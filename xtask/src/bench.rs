@@ -120,6 +120,12 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     eprintln!("xtask bench: collateral cost on another process ({rounds} rounds)");
     let collateral = bench_collateral(&env);
 
+    eprintln!("xtask bench: Python workloads");
+    let python = super::bench_python::section(&super::bench_python::PythonBench {
+        memtrace: &env.memtrace,
+        work: &env.work,
+        rounds: rounds.min(3),
+    });
     eprintln!("xtask bench: redis-server under redis-benchmark ({rounds} rounds)");
     let redis = super::bench_redis::section(&super::bench_redis::RedisBench {
         memtrace: &env.memtrace,
@@ -155,6 +161,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     doc.push('\n');
     doc.push_str(&redis);
     doc.push_str(&allocators);
+    doc.push_str(&python);
     let out = if args.out.is_absolute() {
         args.out.clone()
     } else {

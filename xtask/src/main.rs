@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod bench_allocators;
+mod bench_python;
 mod bench_redis;
 mod soak;
 
@@ -39,6 +40,12 @@ enum Task {
     Demo,
     /// Measure memtrace against the probe floor and its peers (writes BENCHMARKS.md).
     Bench(bench::BenchArgs),
+    /// Only the bench section on Python workloads (prints Markdown).
+    BenchPython {
+        /// Interleaved rounds per configuration.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// Only the bench section on redis-server under redis-benchmark (prints Markdown).
     BenchRedis {
         /// Interleaved rounds per configuration.
@@ -67,9 +74,32 @@ fn main() -> Result<()> {
         Task::Demo => demo(),
         Task::Bench(args) => bench::bench(args),
         Task::BenchRedis { rounds, requests } => bench_redis_only(rounds, requests),
+        Task::BenchPython { rounds } => bench_python_only(rounds),
         Task::BenchAllocators { rounds } => bench_allocators_only(rounds),
         Task::Soak(args) => soak::soak(args),
     }
+}
+
+/// `cargo xtask bench-python`: the Python section alone, on the release build.
+fn bench_python_only(rounds: usize) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("cargo xtask bench-python attaches uprobes: run it as root");
+    }
+    build_release()?;
+    let root = root();
+    let work = root.join("target/bench");
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    let memtrace = root.join("target/release/memtrace");
+    print!(
+        "{}",
+        bench_python::section(&bench_python::PythonBench {
+            memtrace: &memtrace,
+            work: &work,
+            rounds: rounds.max(1),
+        })
+    );
+    Ok(())
 }
 
 /// `cargo xtask bench-redis`: the redis section alone, on the release build.
