@@ -187,16 +187,7 @@ fn lib_without_known_functions_is_a_listed_warning() {
     .to_string();
     let mut fixture = Fixture::start("leak_sites", &["30", "30"]);
     let pid = fixture.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        &pid,
-        "--format",
-        "json",
-        "--duration",
-        "2s",
-        "--lib",
-        &pool,
-    ]);
+    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--lib", &pool]);
     assert!(
         tracer
             .stderr_text
@@ -205,6 +196,8 @@ fn lib_without_known_functions_is_a_listed_warning() {
         tracer.stderr_text
     );
     fixture.go();
+    // Stopped once the fixture is done (a fixed --duration raced it under load).
+    tracer.signal(libc::SIGINT);
     let (report, _) = tracer.report();
     assert!(report["notes"].as_array().is_some_and(|n| n
         .iter()

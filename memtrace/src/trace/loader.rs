@@ -541,16 +541,30 @@ impl Probes {
     /// probes.
     fn detach_links(&mut self, mut links: ProcessLinks) {
         links.enter.sort_by_key(|(stage, _)| *stage);
+        let mut entries = Vec::new();
         if let Some(Ok(program)) = self.ebpf.program_mut(ENTER).map(<&mut UProbe>::try_from) {
-            for (_, link) in links.enter {
-                let _ = program.detach(link);
+            for (stage, id) in links.enter {
+                if let Ok(link) = program.take_link(id) {
+                    entries.push((stage, link));
+                }
             }
         }
+        for stage in DetachStage::ORDER {
+            let (now, later): (Vec<_>, Vec<_>) =
+                entries.into_iter().partition(|(s, _)| *s == stage);
+            entries = later;
+            drop_concurrently(now);
+        }
+        drop_concurrently(entries);
+        let mut exits = Vec::new();
         if let Some(Ok(program)) = self.ebpf.program_mut(EXIT).map(<&mut UProbe>::try_from) {
-            for link in links.exit {
-                let _ = program.detach(link);
+            for id in links.exit {
+                if let Ok(link) = program.take_link(id) {
+                    exits.push(link);
+                }
             }
         }
+        drop_concurrently(exits);
     }
 
     /// Sums the per-CPU kernel counters.
@@ -595,6 +609,27 @@ impl Probes {
         let trace = self.stacks.get(&id, 0).ok()?;
         Some(trace.frames().iter().map(|frame| frame.ip).collect())
     }
+}
+
+/// Drops (detaches) `links` from a few threads at once: closing a uprobe's
+/// perf event waits for an RCU grace period in the kernel (a few hundred ms
+/// in a VM), and waits in parallel overlap, so ending a trace of dozens of
+/// probes takes one or two grace periods, not one per probe.
+fn drop_concurrently<T: Send>(links: Vec<T>) {
+    const THREADS: usize = 16;
+    if links.len() <= 1 {
+        return;
+    }
+    let mut groups: Vec<Vec<T>> = (0..THREADS.min(links.len())).map(|_| Vec::new()).collect();
+    let count = groups.len();
+    for (i, link) in links.into_iter().enumerate() {
+        groups[i % count].push(link);
+    }
+    std::thread::scope(|scope| {
+        for group in groups {
+            scope.spawn(move || drop(group));
+        }
+    });
 }
 
 /// Turns a load error into a clear failure (privilege problems and missing
