@@ -80,17 +80,23 @@ fn main() -> Result<()> {
     }
 }
 
-/// `cargo xtask bench-python`: the Python section alone, on the release build.
-fn bench_python_only(rounds: usize) -> Result<()> {
+/// What a bench section run alone needs: root, the release build, and
+/// (memtrace binary, work folder).
+fn single_section(task: &str) -> Result<(PathBuf, PathBuf)> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("cargo xtask bench-python attaches uprobes: run it as root");
+        bail!("cargo xtask {task} attaches uprobes: run it as root");
     }
     build_release()?;
     let root = root();
     let work = root.join("target/bench");
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-    let memtrace = root.join("target/release/memtrace");
+    Ok((root.join("target/release/memtrace"), work))
+}
+
+/// `cargo xtask bench-python`: the Python section alone, on the release build.
+fn bench_python_only(rounds: usize) -> Result<()> {
+    let (memtrace, work) = single_section("bench-python")?;
     print!(
         "{}",
         bench_python::section(&bench_python::PythonBench {
@@ -104,15 +110,7 @@ fn bench_python_only(rounds: usize) -> Result<()> {
 
 /// `cargo xtask bench-redis`: the redis section alone, on the release build.
 fn bench_redis_only(rounds: usize, requests: u64) -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("cargo xtask bench-redis attaches uprobes: run it as root");
-    }
-    build_release()?;
-    let root = root();
-    let work = root.join("target/bench");
-    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-    let memtrace = root.join("target/release/memtrace");
+    let (memtrace, work) = single_section("bench-redis")?;
     print!(
         "{}",
         bench_redis::section(&bench_redis::RedisBench {
