@@ -190,13 +190,41 @@ pub struct PendingKey {
 pub struct PendingCall {
     /// Stack pointer at entry: the return is recognised by `sp == entry_sp + 8`.
     pub entry_sp: u64,
-    pub ts_ns: u64,
+    /// When the call was entered, in jiffies (only to tell stale records).
+    pub entered: u64,
     pub size: u64,
     pub count: u64,
     pub ptr: u64,
     pub out: u64,
     pub spec: u16,
     pub _pad: [u8; 6],
+}
+
+/// Slots of the in-flight call table (a power of two).
+pub const IN_FLIGHT_SLOTS: u32 = 16384;
+
+/// One slot of the in-flight call table: an array indexed by a hash of
+/// (thread, family), claimed by compare-and-swap of `tag`; a call whose slot
+/// another thread holds is kept in the hash map instead.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InFlightSlot {
+    /// [`in_flight_tag`] of the call held, 0 while free.
+    pub tag: u64,
+    pub call: PendingCall,
+}
+
+/// The tag of a call of `family` on thread `tid` (never 0).
+#[inline(always)]
+pub fn in_flight_tag(tid: u32, family: u8) -> u64 {
+    ((u64::from(tid) + 1) << 8) | u64::from(family)
+}
+
+/// The slot of a call of `family` on thread `tid`.
+#[inline(always)]
+pub fn in_flight_slot(tid: u32, family: u8) -> u32 {
+    let mixed = (u64::from(tid) | (u64::from(family) << 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (mixed >> (64 - IN_FLIGHT_SLOTS.trailing_zeros())) as u32
 }
 
 /// Key of the live anonymous-mapping set (so `munmap` only reports what `mmap` traced).
@@ -259,13 +287,16 @@ pub enum Counter {
     PyStackMapFull = 21,
     /// Two different Python stacks had the same hash: the later one got none.
     PyHashCollision = 22,
+    /// An allocator call was kept in the in-flight hash map because another
+    /// thread held its slot (slower, nothing lost).
+    InFlightSpilled = 23,
 }
 
 /// Number of [`Counter`] slots.
 pub const COUNTER_SLOTS: u32 = 32;
 
 impl Counter {
-    pub const ALL: [Counter; 23] = [
+    pub const ALL: [Counter; 24] = [
         Counter::RingbufFull,
         Counter::StackFault,
         Counter::StackCollision,
@@ -289,6 +320,7 @@ impl Counter {
         Counter::PyTruncated,
         Counter::PyStackMapFull,
         Counter::PyHashCollision,
+        Counter::InFlightSpilled,
     ];
 }
 

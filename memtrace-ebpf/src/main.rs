@@ -22,7 +22,10 @@
 //! reader at once so it can attach the child's probes quickly.
 #![no_std]
 #![no_main]
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
+mod in_flight;
 mod python;
 
 use aya_ebpf::{
@@ -38,8 +41,8 @@ mod unwind;
 
 use memtrace_common::{
     unwind::{STACK_MODE_DWARF, STACK_MODE_FP},
-    Counter, EventKind, MmapKey, PendingCall, PendingKey, ProbeSpec, RetKind, SpecKind, SpecQuirk,
-    WireEvent, ARG_NONE, COUNTER_SLOTS, MAX_SPECS, STACK_NONE,
+    Counter, EventKind, MmapKey, PendingCall, ProbeSpec, RetKind, SpecKind, SpecQuirk, WireEvent,
+    ARG_NONE, COUNTER_SLOTS, MAX_SPECS, STACK_NONE,
 };
 
 /// How stacks are captured: `STACK_MODE_NONE` (`--stack-depth 0`),
@@ -62,8 +65,6 @@ static NULL_MODE: Global<u32> = Global::new(0);
 #[no_mangle]
 static WAKEUP_BYTES: Global<u64> = Global::new(0);
 
-/// An in-flight record older than this is stale (its thread left the call abnormally).
-const STALE_NS: u64 = 10_000_000_000;
 const MAP_ANONYMOUS: u64 = 0x20;
 const EFAULT: i32 = 14;
 const EEXIST: i32 = 17;
@@ -79,8 +80,6 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
 static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
 #[map]
 static SPECS: Array<ProbeSpec> = Array::with_max_entries(MAX_SPECS, 0);
-#[map]
-static PENDING: HashMap<PendingKey, PendingCall> = HashMap::with_max_entries(65536, 0);
 #[map]
 static MMAPS: HashMap<MmapKey, u64> = HashMap::with_max_entries(65536, 0);
 /// Processes whose forks are reported (`--follow-forks`), by tgid; filled by
@@ -269,37 +268,18 @@ fn base_event(pid_tgid: u64, spec: u16, kind: EventKind) -> WireEvent {
     }
 }
 
-/// Whether a call of `family` is in flight on this thread at a shallower stack
-/// level than `sp` (so the current call runs inside it).
-#[inline(always)]
-fn in_flight(pid_tgid: u64, family: u8, sp: u64, now: u64) -> bool {
-    let key = PendingKey {
-        pid_tgid,
-        family: family as u32,
-        _pad: 0,
-    };
-    // SAFETY: the value is copied out at once; a concurrent delete by this same
-    // thread is impossible while it runs this program.
-    match unsafe { PENDING.get(&key) } {
-        Some(outer) => sp <= outer.entry_sp && now.wrapping_sub(outer.ts_ns) < STALE_NS,
-        None => false,
-    }
-}
-
 fn on_enter(ctx: &ProbeContext) {
     let Some(spec) = cookie_spec(ctx) else {
         return;
     };
     let pid_tgid = bpf_get_current_pid_tgid();
     let sp = stack_pointer(ctx);
-    // SAFETY: reading the monotonic clock has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
 
-    if spec.parent_family != ARG_NONE && in_flight(pid_tgid, spec.parent_family, sp, now) {
+    if spec.parent_family != ARG_NONE && in_flight::outer(pid_tgid, spec.parent_family, sp) {
         bump(Counter::Nested);
         return;
     }
-    if in_flight(pid_tgid, spec.family, sp, now) {
+    if in_flight::outer(pid_tgid, spec.family, sp) {
         bump(Counter::Nested);
         return;
     }
@@ -315,7 +295,7 @@ fn on_enter(ctx: &ProbeContext) {
 
     let mut call = PendingCall {
         entry_sp: sp,
-        ts_ns: now,
+        entered: in_flight::now(),
         size: args.get(spec.size_arg),
         count: if spec.count_arg == ARG_NONE {
             1
@@ -336,14 +316,7 @@ fn on_enter(ctx: &ProbeContext) {
         let depth = unsafe { bpf_probe_read_user((sp + 24) as *const u64) }.unwrap_or(0);
         call.count = mul_sat(height, depth);
     }
-    let key = PendingKey {
-        pid_tgid,
-        family: spec.family as u32,
-        _pad: 0,
-    };
-    if PENDING.insert(&key, &call, 0).is_err() {
-        bump(Counter::PendingFull);
-    }
+    in_flight::begin(pid_tgid, spec.family, &call);
 }
 
 /// A release with no result to check (`free`, `munmap`): report it at entry.
@@ -380,21 +353,13 @@ fn on_exit(ctx: &RetProbeContext) {
         return;
     };
     let pid_tgid = bpf_get_current_pid_tgid();
-    let key = PendingKey {
-        pid_tgid,
-        family: exit_spec.family as u32,
-        _pad: 0,
-    };
-    // SAFETY: copied out at once; only this thread touches its own key.
-    let Some(call) = (unsafe { PENDING.get(&key) }).copied() else {
+    let Some((call, held)) = in_flight::find(pid_tgid, exit_spec.family) else {
         // The return of a call skipped at entry because it ran inside a call
         // of its parent family (the driver under the runtime) is expected;
         // anything else returned without its entry being seen.
         let sp = stack_pointer(ctx);
-        // SAFETY: reading the monotonic clock has no preconditions.
-        let now = unsafe { bpf_ktime_get_ns() };
         if exit_spec.parent_family == ARG_NONE
-            || !in_flight(pid_tgid, exit_spec.parent_family, sp, now)
+            || !in_flight::outer(pid_tgid, exit_spec.parent_family, sp)
         {
             bump(Counter::UnpairedReturn);
         }
@@ -406,7 +371,7 @@ fn on_exit(ctx: &RetProbeContext) {
         // The return of a nested call that was skipped at its entry.
         return;
     }
-    let _ = PENDING.remove(&key);
+    in_flight::end(pid_tgid, exit_spec.family, held);
     if sp > expected {
         bump(Counter::StalePending);
         debug!(ctx, "stale in-flight call dropped (spec {})", call.spec);

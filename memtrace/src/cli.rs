@@ -238,6 +238,13 @@ pub struct TraceArgs {
     #[arg(long, default_value_t = 8, value_parser = parse_ring_mib)]
     pub ring_mib: u32,
 
+    /// Measure memtrace's own cost: turn on the kernel's BPF run-time
+    /// statistics while tracing (system-wide, for every BPF program, at some
+    /// tens of ns per program run) and report how often each of memtrace's
+    /// programs ran and the time it took (`bpf_programs`).
+    #[arg(long)]
+    pub bpf_stats: bool,
+
     /// Benchmark floor: attach empty probes that record nothing.
     #[arg(long, hide = true)]
     pub null_probes: bool,

@@ -54,6 +54,9 @@ struct Footer {
     /// The DWARF unwinder's tables (absent in records of older versions).
     #[serde(default)]
     unwind: Option<crate::unwind::kernel::UnwindSummary>,
+    /// memtrace's own BPF cost (`--bpf-stats`; absent otherwise and in older records).
+    #[serde(default)]
+    bpf_programs: Vec<crate::report::ProgramCost>,
 }
 
 /// Writes a record file as the trace goes.
@@ -179,6 +182,7 @@ impl Recorder {
             processes: report.processes.clone(),
             attach_failures: report.attach_failures.clone(),
             unwind: report.unwind.clone(),
+            bpf_programs: report.bpf_programs.clone(),
         }));
         let flushed = self.out.flush();
         match self.failed.take() {
@@ -288,6 +292,10 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     };
     let mut notes = Vec::new();
     let unwind = footer.as_ref().and_then(|f| f.unwind.clone());
+    let bpf_programs = footer
+        .as_ref()
+        .map(|f| f.bpf_programs.clone())
+        .unwrap_or_default();
     let (
         duration_ms,
         ended_ns,
@@ -313,6 +321,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
             processes,
             attach_failures,
             unwind: _,
+            bpf_programs: _,
         }) => {
             notes.extend(recorded);
             let thread_names: HashMap<u32, String> = thread_names.into_iter().collect();
@@ -391,6 +400,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
     let mut report = report::build(input, &mut symbolizer);
     report.unwind = unwind;
+    report.bpf_programs = bpf_programs;
     Ok(report)
 }
 
@@ -476,6 +486,7 @@ mod tests {
                 processes: Vec::new(),
                 attach_failures: Vec::new(),
                 unwind: None,
+                bpf_programs: Vec::new(),
             }),
         ];
         let mut text = String::new();

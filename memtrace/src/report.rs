@@ -62,6 +62,31 @@ pub struct Report {
     /// The CPython interpreters found in traced processes, and whether (or
     /// why not) their Python frames are read.
     pub python: Vec<crate::interp::python::Interpreter>,
+    /// With `--bpf-stats`: each of memtrace's BPF programs, how often it ran
+    /// and the kernel time it took (memtrace's own cost in the traced
+    /// process, the traps excluded); empty without.
+    pub bpf_programs: Vec<ProgramCost>,
+}
+
+/// One BPF program's runs and run time (`--bpf-stats`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ProgramCost {
+    pub program: String,
+    pub runs: u64,
+    pub run_ns: u64,
+    /// `run_ns / runs` (0 when it never ran).
+    pub ns_per_run: u64,
+}
+
+impl ProgramCost {
+    pub fn new(program: &str, runs: u64, run_ns: u64) -> Self {
+        ProgramCost {
+            program: program.to_string(),
+            runs,
+            run_ns,
+            ns_per_run: run_ns.checked_div(runs).unwrap_or(0),
+        }
+    }
 }
 
 /// Kernel counters of stacks cut short, and their names in
@@ -602,6 +627,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     Report {
         stack_truncations_by_cause,
         unwind: None,
+        bpf_programs: Vec::new(),
         target: input.target,
         duration_ms: input.duration_ms,
         interim: false,

@@ -210,6 +210,7 @@ pub(crate) mod fixture {
         Report {
             stack_truncations_by_cause: BTreeMap::new(),
             unwind: None,
+            bpf_programs: Vec::new(),
             python: Vec::new(),
             processes: Vec::new(),
             attach_failures: Vec::new(),

@@ -93,6 +93,14 @@ impl Sink for TextSink {
                 }
             )?;
         }
+        if !report.bpf_programs.is_empty() {
+            let programs: Vec<String> = report
+                .bpf_programs
+                .iter()
+                .map(|p| format!("{} {} runs, {} ns each", p.program, p.runs, p.ns_per_run))
+                .collect();
+            writeln!(out, "memtrace's own BPF time: {}", programs.join("; "))?;
+        }
         if let Some(reconciliation) = &report.reconciliation {
             let pid = (report.processes.len() > 1).then_some(target.pid);
             let rate = super::sample_rate(report);

@@ -153,6 +153,7 @@ pub fn counter_name(counter: Counter) -> &'static str {
         Counter::PyTruncated => "py_truncated",
         Counter::PyStackMapFull => "py_stack_map_full",
         Counter::PyHashCollision => "py_hash_collision",
+        Counter::InFlightSpilled => "in_flight_spilled",
     }
 }
 
@@ -578,6 +579,23 @@ impl Probes {
                     .map(|values| values.iter().sum())
                     .unwrap_or(0);
                 (counter_name(counter).to_string(), value)
+            })
+            .collect()
+    }
+
+    /// How often each of memtrace's programs ran and the kernel time it took
+    /// (counted only while the kernel's BPF statistics are on: `--bpf-stats`).
+    pub fn program_costs(&self) -> Vec<crate::report::ProgramCost> {
+        [ENTER, EXIT, FORKS]
+            .into_iter()
+            .filter_map(|name| {
+                let info = self.ebpf.program(name)?.info().ok()?;
+                let run_ns = u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX);
+                Some(crate::report::ProgramCost::new(
+                    name,
+                    info.run_count(),
+                    run_ns,
+                ))
             })
             .collect()
     }

@@ -130,6 +130,18 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         wakeup_bytes: WAKEUP_BYTES,
     };
     let mut probes = Probes::load(pid, &options)?;
+    // Held to the end of the trace: the kernel counts run time while it is open.
+    let _bpf_stats = if args.bpf_stats {
+        Some(
+            aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|err| {
+                Failure::runtime(format!(
+                    "--bpf-stats: the kernel refused to turn on BPF statistics: {err}"
+                ))
+            })?,
+        )
+    } else {
+        None
+    };
     // Before any probe, so a fork during attach is still reported. Without
     // --follow-forks the reports only name the children in a note.
     match probes.watch_forks() {
@@ -843,6 +855,9 @@ impl Session<'_> {
         };
         let mut report = report::build(input, &mut self.symbolizer);
         report.unwind = probes.unwind.as_ref().map(|unwind| unwind.summary());
+        if self.args.bpf_stats {
+            report.bpf_programs = probes.program_costs();
+        }
         report
     }
 
