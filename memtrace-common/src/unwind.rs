@@ -135,9 +135,14 @@ pub struct MapEntry {
 #[derive(Clone, Copy, Debug)]
 pub struct ProcMaps {
     pub len: u32,
-    pub _pad: u32,
+    /// Changes with every write of a process's list (unique across
+    /// processes): the kernel's PC cache keys its entries by it.
+    pub generation: u32,
     pub entries: [MapEntry; MAX_MAPPINGS],
 }
+
+/// Entries of the unwinder's PC cache (a power of two).
+pub const PC_CACHE_ENTRIES: u32 = 4096;
 
 /// A stack written by the unwinder, keyed by the low 32 bits of its hash.
 #[repr(C)]

@@ -6,7 +6,9 @@
 //! Per frame: find the PC's executable mapping in the process's sorted
 //! mapping list (binary search), its object's page index entry (one array
 //! read), the covering row within that page (binary search), then compute the
-//! CFA, read the return address at CFA-8 and restore rbp. The frame loop runs
+//! CFA, read the return address at CFA-8 and restore rbp. The rule found for
+//! a PC is kept in `PC_CACHE`, keyed by the PC and the generation of the
+//! process's mapping list, so the hot PCs of a program skip both searches. The frame loop runs
 //! under `bpf_loop`, so the verifier checks one frame, not 127.
 
 use aya_ebpf::{
@@ -21,7 +23,8 @@ use memtrace_common::{
     unwind::{
         DwarfStack, MapEntry, PageChunk, PageRow, ProcMaps, RowChunk, RowKind, RuleChunk,
         TableInfo, UnwindRule, MAPPING_SEARCH_STEPS, MAX_FRAMES, MAX_MAPPINGS, PAGES_PER_CHUNK,
-        PAGE_SHIFT, ROWS_PER_CHUNK, ROW_SEARCH_STEPS, RULES_PER_CHUNK, TABLE_CAPPED, TABLE_NONE,
+        PAGE_SHIFT, PC_CACHE_ENTRIES, ROWS_PER_CHUNK, ROW_SEARCH_STEPS, RULES_PER_CHUNK,
+        TABLE_CAPPED, TABLE_NONE,
     },
     Counter, EventKind,
 };
@@ -73,6 +76,9 @@ static DWARF_STACKS: HashMap<u32, DwarfStack> = HashMap::with_max_entries(16384,
 /// When each process's last `MapsStale` report was sent.
 #[map]
 static STALE_SENT: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0);
+/// Rules found for recent PCs (see [`cached_rule`]).
+#[map]
+static PC_CACHE: Array<PcCacheEntry> = Array::with_max_entries(PC_CACHE_ENTRIES, 0);
 /// The stack being walked, per CPU.
 #[map]
 static WALK_SCRATCH: PerCpuArray<DwarfStack> = PerCpuArray::with_max_entries(1, 0);
@@ -108,7 +114,87 @@ struct Walk {
     exact: u32,
     /// A PC fell outside every mapping known for the process.
     stale: u32,
-    _pad: u32,
+    /// [`ProcMaps::generation`] of the process's mapping list.
+    generation: u32,
+}
+
+/// One PC cache entry: `value` is the mapping list's generation (high half)
+/// and the packed rule (low half); `check` is the PC mixed with `value`, so
+/// an entry torn by two CPUs writing it at once fails the check instead of
+/// giving another PC's rule.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct PcCacheEntry {
+    check: u64,
+    value: u64,
+}
+
+/// The packed-rule kind of a PC whose object's table was capped.
+const CACHED_CAPPED: u32 = 0xff;
+
+#[inline(always)]
+fn cache_index(pc: u64) -> u32 {
+    (pc.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - PC_CACHE_ENTRIES.trailing_zeros())) as u32
+}
+
+#[inline(always)]
+fn cache_check(pc: u64, value: u64) -> u64 {
+    pc ^ value.wrapping_mul(0xff51_afd7_ed55_8ccd)
+}
+
+/// The rule and stop reason cached for `pc` under `generation`.
+#[inline(always)]
+fn cached_rule(generation: u32, pc: u64) -> Option<(UnwindRule, u32)> {
+    let entry = PC_CACHE.get_ptr_mut(cache_index(pc))?;
+    // SAFETY: an element of an array map, alive as long as the map; aligned
+    // u64 loads are atomic, and a torn pair fails the check below.
+    let (check, value) = unsafe {
+        (
+            core::ptr::read_volatile(core::ptr::addr_of!((*entry).check)),
+            core::ptr::read_volatile(core::ptr::addr_of!((*entry).value)),
+        )
+    };
+    if (value >> 32) as u32 != generation || check != cache_check(pc, value) {
+        return None;
+    }
+    let packed = value as u32;
+    let kind = packed >> 24;
+    if kind == CACHED_CAPPED {
+        return Some((UnwindRule::default(), CAPPED));
+    }
+    Some((
+        UnwindRule {
+            cfa_offset8: packed as u16 as i16,
+            rbp_offset8: (packed >> 16) as u8 as i8,
+            kind: kind as u8,
+        },
+        NO_TABLE,
+    ))
+}
+
+/// Remembers the rule of `pc` (`missing`: why frame pointers are used when
+/// the rule has none).
+#[inline(always)]
+fn cache_rule(generation: u32, pc: u64, rule: &UnwindRule, missing: u32) {
+    let Some(entry) = PC_CACHE.get_ptr_mut(cache_index(pc)) else {
+        return;
+    };
+    let packed = if missing == CAPPED {
+        CACHED_CAPPED << 24
+    } else {
+        u32::from(rule.cfa_offset8 as u16)
+            | (u32::from(rule.rbp_offset8 as u8) << 16)
+            | (u32::from(rule.kind) << 24)
+    };
+    let value = (u64::from(generation) << 32) | u64::from(packed);
+    // SAFETY: as in `cached_rule`; each store is an aligned u64.
+    unsafe {
+        core::ptr::write_volatile(core::ptr::addr_of_mut!((*entry).value), value);
+        core::ptr::write_volatile(
+            core::ptr::addr_of_mut!((*entry).check),
+            cache_check(pc, value),
+        );
+    }
 }
 
 /// `value`, hidden from the optimizer, so a bounds check on it is the one
@@ -323,23 +409,30 @@ fn step(walk: &mut Walk) -> u32 {
     walk.exact = 0;
     let (row, missing) = if walk.slot == NO_SLOT {
         (UnwindRule::default(), NO_TABLE)
+    } else if let Some(cached) = cached_rule(walk.generation, lookup) {
+        cached
     } else {
-        match find_mapping(walk.slot, lookup) {
+        let (rule, missing, cacheable) = match find_mapping(walk.slot, lookup) {
             None => {
                 walk.stale = 1;
                 if walk.depth > 0 {
                     // Not code: the previous frame's return address was not real.
                     return NO_TABLE;
                 }
-                (UnwindRule::default(), NO_TABLE)
+                // Not cached: the next walk must see the mapping is unknown.
+                (UnwindRule::default(), NO_TABLE, false)
             }
-            Some(entry) if entry.table == TABLE_NONE => (UnwindRule::default(), NO_TABLE),
-            Some(entry) if entry.table == TABLE_CAPPED => (UnwindRule::default(), CAPPED),
+            Some(entry) if entry.table == TABLE_NONE => (UnwindRule::default(), NO_TABLE, true),
+            Some(entry) if entry.table == TABLE_CAPPED => (UnwindRule::default(), CAPPED, true),
             Some(entry) => match find_rule(entry.table, lookup.wrapping_sub(entry.bias)) {
-                Some(row) => (row, NO_TABLE),
+                Some(rule) => (rule, NO_TABLE, true),
                 None => return BAD_RULE,
             },
+        };
+        if cacheable {
+            cache_rule(walk.generation, lookup, &rule, missing);
         }
+        (rule, missing)
     };
 
     // Record this frame.
@@ -460,6 +553,7 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
             NO_SLOT
         }
     };
+    let generation = PROC_MAPS.get(slot).map_or(0, |maps| maps.generation);
     let mut walk = Walk {
         pc,
         sp,
@@ -470,7 +564,7 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
         stop: RUNNING,
         exact: 0,
         stale: 0,
-        _pad: 0,
+        generation,
     };
     let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
     // SAFETY: the callback is a static function of this program and `walk`

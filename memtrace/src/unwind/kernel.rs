@@ -114,6 +114,8 @@ pub struct UnwindTables {
     by_file: HashMap<(u64, u64), FileTable>,
     slot_of: HashMap<u32, (u32, Vec<MapEntry>)>,
     free_slots: Vec<u32>,
+    /// The generation of the last process list written.
+    generation: u32,
     summary: UnwindSummary,
 }
 
@@ -145,6 +147,7 @@ impl UnwindTables {
             by_file: HashMap::new(),
             slot_of: HashMap::new(),
             free_slots: (0..capacity.processes).rev().collect(),
+            generation: 0,
             summary: UnwindSummary {
                 mode: "dwarf".into(),
                 kernel_bytes_reserved: (u64::from(capacity.row_chunks)
@@ -209,9 +212,10 @@ impl UnwindTables {
                 }
             },
         };
+        self.generation = self.generation.wrapping_add(1);
         let mut maps = ProcMaps {
             len: entries.len() as u32,
-            _pad: 0,
+            generation: self.generation,
             entries: [MapEntry::default(); MAX_MAPPINGS],
         };
         maps.entries[..entries.len()].copy_from_slice(&entries);
