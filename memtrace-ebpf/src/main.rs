@@ -88,6 +88,10 @@ static MMAPS: HashMap<MmapKey, u64> = HashMap::with_max_entries(65536, 0);
 static TRACED: HashMap<u32, u8> = HashMap::with_max_entries(1024, 0);
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
+/// Flags set by user space; index 0: 1 once the trace is ending (its entry
+/// probes are being detached, so returns without an entry are expected).
+#[map]
+static CONTROL: Array<u32> = Array::with_max_entries(4, 0);
 
 /// Entry of every probed function.
 #[uprobe]
@@ -358,8 +362,10 @@ fn on_exit(ctx: &RetProbeContext) {
         // of its parent family (the driver under the runtime) is expected;
         // anything else returned without its entry being seen.
         let sp = stack_pointer(ctx);
-        if exit_spec.parent_family == ARG_NONE
-            || !in_flight::outer(pid_tgid, exit_spec.parent_family, sp)
+        let ending = CONTROL.get(0).is_some_and(|&flag| flag != 0);
+        if !ending
+            && (exit_spec.parent_family == ARG_NONE
+                || !in_flight::outer(pid_tgid, exit_spec.parent_family, sp))
         {
             bump(Counter::UnpairedReturn);
         }

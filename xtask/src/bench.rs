@@ -95,16 +95,12 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     };
 
     eprintln!("xtask bench: checking peers");
-    let mut apt = Apt {
-        updated: false,
-        no_install: args.no_install,
-    };
-    let bpftrace = ensure_bpftrace(&mut apt);
-    let memleak = ensure_memleak(&mut apt, &root);
+    let peers = Peers::find(args.no_install);
+    let (bpftrace, memleak) = (&peers.bpftrace, &peers.memleak);
 
-    let machine = machine(&env, &root, &memleak);
+    let machine = machine(&env, &root, memleak);
     eprintln!("xtask bench: malloc/free pairs ({rounds} rounds)");
-    let pairs = bench_pairs(&env, &bpftrace, &memleak);
+    let pairs = bench_pairs(&env, bpftrace, memleak);
     eprintln!("xtask bench: deep stacks without frame pointers ({rounds} rounds)");
     let deep = unwind::bench_deep(&env);
     eprintln!("xtask bench: unwind tables of real objects");
@@ -120,11 +116,13 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     eprintln!("xtask bench: collateral cost on another process ({rounds} rounds)");
     let collateral = bench_collateral(&env);
 
-    eprintln!("xtask bench: Python workloads");
-    let python = super::bench_python::section(&super::bench_python::PythonBench {
+    eprintln!("xtask bench: Python and C++ workloads");
+    let python = super::bench_workloads::section(&super::bench_workloads::WorkloadBench {
         memtrace: &env.memtrace,
         work: &env.work,
         rounds: rounds.min(3),
+        peers: &peers,
+        cxxbench: &env.bin.join("cxxbench"),
     });
     eprintln!("xtask bench: redis-server under redis-benchmark ({rounds} rounds)");
     let redis = super::bench_redis::section(&super::bench_redis::RedisBench {
@@ -132,6 +130,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         work: &env.work,
         rounds,
         requests: if quick { 20_000 } else { 50_000 },
+        peers: &peers,
     });
     eprintln!("xtask bench: mallocbench under each preloaded allocator ({rounds} rounds)");
     let allocators = super::bench_allocators::section(&super::bench_allocators::AllocatorBench {
@@ -157,9 +156,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         rss,
         attach,
         collateral,
+        redis_set: redis.set_ratio,
     });
     doc.push('\n');
-    doc.push_str(&redis);
+    doc.push_str(&redis.markdown);
     doc.push_str(&allocators);
     doc.push_str(&python);
     let out = if args.out.is_absolute() {
@@ -420,23 +420,71 @@ fn value_after(line: &str, key: &str) -> Option<f64> {
 // --- tracers ----------------------------------------------------------------
 
 #[derive(Clone, Debug)]
-enum Tracer {
+pub(crate) enum Tracer {
     None,
     /// memtrace with these extra flags.
     Memtrace(Vec<String>),
-    Bpftrace,
-    Memleak(Option<PathBuf>),
+    /// bpftrace's empty probes on this object's malloc (entry and return)
+    /// and free (entry): the naive floor.
+    Bpftrace(String),
+    /// bcc's memleak by pid: the kernel headers it compiles against
+    /// (BCC_KERNEL_SOURCE, None: the kernel's own) and the allocator object
+    /// it probes (`-O`; None: its default, libc).
+    Memleak {
+        headers: Option<PathBuf>,
+        object: Option<String>,
+    },
 }
 
-const BPFTRACE_SCRIPT: &str = "BEGIN { printf(\"bench-attached\\n\"); } \
-     uprobe:libc:malloc {} uretprobe:libc:malloc {} uprobe:libc:free {}";
+/// The bpftrace floor's script for the allocator in `object` ("libc" or a path).
+fn bpftrace_script(object: &str) -> String {
+    format!(
+        "BEGIN {{ printf(\"bench-attached\\n\"); }} \
+         uprobe:{object}:malloc {{}} uretprobe:{object}:malloc {{}} uprobe:{object}:free {{}}"
+    )
+}
+
+/// Where bcc and bpftrace are, found (and installed when allowed) once.
+pub(crate) struct Peers {
+    pub bpftrace: Result<(), String>,
+    pub memleak: Result<Option<PathBuf>, String>,
+}
+
+impl Peers {
+    /// Finds the peers, installing Debian's packages unless `no_install`.
+    pub(crate) fn find(no_install: bool) -> Peers {
+        let mut apt = Apt {
+            updated: false,
+            no_install,
+        };
+        Peers {
+            bpftrace: ensure_bpftrace(&mut apt),
+            memleak: ensure_memleak(&mut apt, &root()),
+        }
+    }
+
+    /// bcc's memleak on `object`, or why it cannot run.
+    pub(crate) fn memleak(&self, object: Option<&str>) -> Result<Tracer, String> {
+        self.memleak.clone().map(|headers| Tracer::Memleak {
+            headers,
+            object: object.map(str::to_string),
+        })
+    }
+
+    /// bpftrace's floor on `object`, or why it cannot run.
+    pub(crate) fn bpftrace(&self, object: &str) -> Result<Tracer, String> {
+        self.bpftrace
+            .clone()
+            .map(|()| Tracer::Bpftrace(object.to_string()))
+    }
+}
 
 /// What memtrace's JSON report says about one run.
 #[derive(Clone, Debug, Default)]
-struct Report {
-    allocs: u64,
-    frees: u64,
-    lost: u64,
+pub(crate) struct Report {
+    pub allocs: u64,
+    pub frees: u64,
+    pub lost: u64,
     /// Non-zero lost_by_cause entries.
     causes: Vec<(String, u64)>,
 }
@@ -468,7 +516,7 @@ impl Report {
 }
 
 /// An attached tracer.
-struct Attached {
+pub(crate) struct Attached {
     proc: Option<Proc>,
     report: Option<PathBuf>,
     /// Seconds from the tracer's start to "attached".
@@ -479,7 +527,7 @@ struct Attached {
 
 impl Attached {
     /// Stops the tracer and reads memtrace's report.
-    fn stop(mut self) -> Result<Option<Report>> {
+    pub(crate) fn stop(mut self) -> Result<Option<Report>> {
         let mut status = None;
         if let Some(proc) = self.proc.as_mut() {
             status = Some(proc.stop(Duration::from_secs(30))?);
@@ -502,6 +550,17 @@ impl Attached {
 }
 
 fn attach(env: &Env, tracer: &Tracer, pid: i32) -> Result<Attached> {
+    attach_with(&env.memtrace, &env.work, tracer, pid)
+}
+
+/// Attaches `tracer` to `pid` and waits until it is attached (memtrace:
+/// `memtrace` is the binary, its report goes under `work`).
+pub(crate) fn attach_with(
+    memtrace: &Path,
+    work: &Path,
+    tracer: &Tracer,
+    pid: i32,
+) -> Result<Attached> {
     let t0 = Instant::now();
     match tracer {
         Tracer::None => Ok(Attached {
@@ -511,9 +570,9 @@ fn attach(env: &Env, tracer: &Tracer, pid: i32) -> Result<Attached> {
             summary: String::new(),
         }),
         Tracer::Memtrace(flags) => {
-            let report = env.work.join(format!("report-{}.json", next_seq()));
+            let report = work.join(format!("report-{}.json", next_seq()));
             let _ = std::fs::remove_file(&report);
-            let mut cmd = Command::new(&env.memtrace);
+            let mut cmd = Command::new(memtrace);
             cmd.args(["--pid", &pid.to_string(), "--format", "json", "-o"])
                 .arg(&report)
                 .args(flags);
@@ -533,9 +592,10 @@ fn attach(env: &Env, tracer: &Tracer, pid: i32) -> Result<Attached> {
                 summary,
             })
         }
-        Tracer::Bpftrace => {
+        Tracer::Bpftrace(object) => {
             let mut cmd = Command::new("bpftrace");
-            cmd.args(["-B", "line", "-p", &pid.to_string(), "-e", BPFTRACE_SCRIPT]);
+            cmd.args(["-B", "line", "-p", &pid.to_string(), "-e"])
+                .arg(bpftrace_script(object));
             let mut proc = Proc::spawn("bpftrace", &mut cmd, true)?;
             proc.wait_line(Stream::Out, Duration::from_secs(60), |l| {
                 l.contains("bench-attached")
@@ -548,21 +608,23 @@ fn attach(env: &Env, tracer: &Tracer, pid: i32) -> Result<Attached> {
                 summary: String::new(),
             })
         }
-        Tracer::Memleak(source) => {
+        Tracer::Memleak { headers, object } => {
             // Interval 2 s: its first "Top 10 stacks" line comes after every
             // probe is attached (it prints "Attaching" before attaching).
-            // Here its uprobe attach fails now and then ("Failed to attach
-            // BPF to uprobe": the perf uprobe PMU refuses, and the tracefs
-            // fallback is absent), so it gets three tries; failures are
-            // listed in the report.
+            // Run through the launcher that fixes Debian's ctypes signature
+            // of bpf_attach_uprobe (see assets/memleak_launcher.py); an
+            // attach failure still gets three tries, listed in the report.
             let mut tries = 0;
             let proc = loop {
                 tries += 1;
-                let mut cmd = Command::new("memleak-bpfcc");
+                let mut cmd = memleak_command()?;
                 cmd.args(["-p", &pid.to_string(), "2"])
                     .env("PYTHONUNBUFFERED", "1");
-                if let Some(source) = source {
-                    cmd.env("BCC_KERNEL_SOURCE", source);
+                if let Some(object) = object {
+                    cmd.args(["-O", object]);
+                }
+                if let Some(headers) = headers {
+                    cmd.env("BCC_KERNEL_SOURCE", headers);
                 }
                 let mut proc = Proc::spawn("memleak-bpfcc", &mut cmd, true)?;
                 match proc.wait_line(Stream::Out, Duration::from_secs(120), |l| {
@@ -679,6 +741,35 @@ fn ensure_bpftrace(apt: &mut Apt) -> Result<(), String> {
     } else {
         Err("bpftrace installed but does not run".into())
     }
+}
+
+/// `memleak-bpfcc`, run by its own interpreter through
+/// `assets/memleak_launcher.py` (written to target/bench), which passes the
+/// `ref_ctr_offset` argument Debian's python3-bpfcc 0.26 leaves to chance.
+fn memleak_command() -> Result<Command> {
+    let found = Command::new("sh")
+        .args(["-c", "command -v memleak-bpfcc"])
+        .output()?;
+    let tool = String::from_utf8_lossy(&found.stdout).trim().to_string();
+    if tool.is_empty() {
+        bail!("memleak-bpfcc is not on PATH");
+    }
+    let script = std::fs::read_to_string(&tool).with_context(|| format!("reading {tool}"))?;
+    let interpreter = script
+        .lines()
+        .next()
+        .and_then(|line| line.strip_prefix("#!"))
+        .and_then(|line| line.split_whitespace().next())
+        .unwrap_or("/usr/bin/python3")
+        .to_string();
+    let launcher = root().join("target/bench/memleak_launcher.py");
+    if let Some(dir) = launcher.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&launcher, include_str!("../assets/memleak_launcher.py"))?;
+    let mut cmd = Command::new(interpreter);
+    cmd.arg(launcher).arg(tool);
+    Ok(cmd)
 }
 
 fn command_exists(program: &str) -> bool {
@@ -885,13 +976,16 @@ fn bench_pairs(
         PairConfig::new(
             "bpftrace empty probes",
             "`bpftrace -p PID` with empty `uprobe:libc:malloc`, `uretprobe:libc:malloc`, `uprobe:libc:free`".into(),
-            Tracer::Bpftrace,
+            Tracer::Bpftrace("libc".into()),
             traced,
         ),
         PairConfig::new(
             "bcc memleak",
             "`memleak-bpfcc -p PID 2` (its defaults: every allocator, stacks)".into(),
-            Tracer::Memleak(memleak.clone().ok().flatten()),
+            Tracer::Memleak {
+                headers: memleak.clone().ok().flatten(),
+                object: None,
+            },
             traced,
         ),
     ];
@@ -904,7 +998,7 @@ fn bench_pairs(
     run_rounds(env, "mallocbench", &mut configs);
     // A peer none of whose runs worked is unavailable, and says why.
     for config in configs.iter_mut() {
-        let peer = matches!(config.tracer, Tracer::Bpftrace | Tracer::Memleak(_));
+        let peer = matches!(config.tracer, Tracer::Bpftrace(_) | Tracer::Memleak { .. });
         if peer && config.samples.is_empty() && config.unavailable.is_none() {
             if let Some(first) = config.errors.first() {
                 config.unavailable = Some(first.clone());
@@ -1197,7 +1291,7 @@ fn rss_run(env: &Env, live: u64) -> Result<RssRun> {
     let mut attached = attach(env, &memtrace_flags(&[]), prog.pid())?;
     let tracer_pid = attached.proc.as_ref().map(Proc::pid).context("no tracer")?;
     prog.send_line()?;
-    prog.wait_line(Stream::Out, Duration::from_secs(120), |l| {
+    prog.wait_line(Stream::Out, Duration::from_secs(600), |l| {
         l.starts_with("live ")
     })?;
     // memtrace has taken in every event when its RSS stops growing.
@@ -1218,7 +1312,7 @@ fn rss_run(env: &Env, live: u64) -> Result<RssRun> {
     let mut peak_kib = steady_kib;
     let proc = attached.proc.as_mut().context("no tracer")?;
     proc.signal(libc::SIGINT);
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         if let Some(hwm) = status_kib(tracer_pid, "VmHWM:") {
             peak_kib = peak_kib.max(hwm);
@@ -1227,7 +1321,7 @@ fn rss_run(env: &Env, live: u64) -> Result<RssRun> {
             break;
         }
         if Instant::now() > deadline {
-            bail!("memtrace did not stop within 60 s of SIGINT");
+            bail!("memtrace did not stop within 300 s of SIGINT");
         }
     }
     let report = attached.stop()?.context("no memtrace report")?;
@@ -1245,8 +1339,14 @@ struct RssResult {
 }
 
 fn bench_rss(env: &Env) -> RssResult {
-    let runs = [0u64, 1_000_000]
-        .into_iter()
+    let sizes: &[u64] = if env.quick {
+        &[0, 1_000_000]
+    } else {
+        &[0, 1_000_000, 10_000_000]
+    };
+    let runs = sizes
+        .iter()
+        .copied()
         .map(|live| {
             eprintln!("xtask bench:   {live} live allocations");
             rss_run(env, live).map_err(|e| format!("{e:#}"))
@@ -1696,6 +1796,8 @@ struct Doc {
     rss: RssResult,
     attach: AttachResult,
     collateral: CollateralResult,
+    /// redis SET throughput under memtrace default / untraced.
+    redis_set: Option<f64>,
 }
 
 fn fmt_ns(v: Option<f64>) -> String {
@@ -2048,20 +2150,21 @@ fn render(doc: &Doc) -> String {
         .filter_map(|r| r.as_ref().ok())
         .collect();
     let mut per_alloc = None;
-    if let (Some(base), Some(full)) = (
-        ok.iter().find(|r| r.live == 0),
-        ok.iter().find(|r| r.live > 0),
-    ) {
-        let steady = (full.steady_kib as f64 - base.steady_kib as f64) * 1024.0 / full.live as f64;
-        let peak = (full.peak_kib as f64 - base.peak_kib as f64) * 1024.0 / full.live as f64;
-        per_alloc = Some(steady);
-        let _ = writeln!(
-            s,
-            "\nPer live allocation (difference to 0 live, divided by N): {steady:.0} bytes steady, {peak:.0} bytes at exit.\n"
-        );
-    } else {
-        let _ = writeln!(s);
+    if let Some(base) = ok.iter().find(|r| r.live == 0) {
+        for full in ok.iter().filter(|r| r.live > 0) {
+            let steady =
+                (full.steady_kib as f64 - base.steady_kib as f64) * 1024.0 / full.live as f64;
+            let peak = (full.peak_kib as f64 - base.peak_kib as f64) * 1024.0 / full.live as f64;
+            // The goal is judged at the largest table measured.
+            per_alloc = Some(steady);
+            let _ = writeln!(
+                s,
+                "\nPer live allocation at {} live (difference to 0 live, divided by N): {steady:.0} bytes steady, {peak:.0} bytes at exit.",
+                full.live
+            );
+        }
     }
+    let _ = writeln!(s);
 
     let _ = writeln!(
         s,
@@ -2203,21 +2306,21 @@ fn render(doc: &Doc) -> String {
     let _ = writeln!(s, "## Goals\n");
     let goals: Vec<(&str, Goal)> = vec![
         (
-            "memtrace default <= 1.5x placed floor",
-            goal_le(memtrace_default.zip(placed).map(|(a, b)| a / b), 1.5, |v| {
+            "memtrace default <= 1.3x placed floor",
+            goal_le(memtrace_default.zip(placed).map(|(a, b)| a / b), 1.3, |v| {
                 format!("{v:.2}x")
             }),
         ),
         (
-            "--stack-depth 0 <= 1.15x placed floor",
-            goal_le(depth0.zip(placed).map(|(a, b)| a / b), 1.15, |v| {
+            "--stack-depth 0 <= 1.1x placed floor",
+            goal_le(depth0.zip(placed).map(|(a, b)| a / b), 1.1, |v| {
                 format!("{v:.2}x")
             }),
         ),
         (
-            ">= 10x cheaper than bcc memleak per pair",
+            "bcc memleak >= 5x memtrace default per pair",
             match bcc.zip(memtrace_default) {
-                Some((b, d)) if b / d >= 10.0 => Goal::Met(format!("{:.1}x", b / d)),
+                Some((b, d)) if b / d >= 5.0 => Goal::Met(format!("{:.1}x", b / d)),
                 Some((b, d)) => Goal::NotMet(format!("{:.1}x", b / d)),
                 None => Goal::Unknown("bcc memleak not measured".into()),
             },
@@ -2249,8 +2352,16 @@ fn render(doc: &Doc) -> String {
             },
         ),
         (
-            "<= 100 bytes RSS per live allocation",
-            goal_le(per_alloc, 100.0, |v| format!("{v:.0} bytes")),
+            "<= 48 bytes RSS per live allocation",
+            goal_le(per_alloc, 48.0, |v| format!("{v:.0} bytes")),
+        ),
+        (
+            "redis SET under memtrace default >= 0.35x untraced",
+            match doc.redis_set {
+                Some(v) if v >= 0.35 => Goal::Met(format!("{v:.2}x")),
+                Some(v) => Goal::NotMet(format!("{v:.2}x")),
+                None => Goal::Unknown("not measured".into()),
+            },
         ),
     ];
     let _ = writeln!(s, "| Goal | Status | Measured |");

@@ -1,30 +1,42 @@
 //! `cargo xtask bench` section: a real workload. Debian's `redis-server`
-//! (it links jemalloc) under `redis-benchmark` SET and GET on loopback, with
-//! a fixed request count, untraced vs memtrace (default flags) vs memtrace
-//! `--stack-depth 0`, in interleaved rounds; the result is the traced /
-//! untraced throughput ratio. Also runnable alone: `cargo xtask bench-redis`.
+//! (it links jemalloc) under `redis-benchmark` SET, GET and LPUSH on
+//! loopback, with a fixed request count, untraced vs memtrace (default,
+//! `--stack-depth 0`, `--sample-rate 100`) vs bcc memleak vs bpftrace's
+//! empty probes, in interleaved rounds; the result is the traced / untraced
+//! throughput ratio. Also runnable alone: `cargo xtask bench-redis`.
 
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use serde_json::Value;
+
+use crate::bench::{attach_with, Peers, Tracer};
+
+/// How one configuration runs the server.
+enum Setup {
+    Untraced,
+    /// A tracer attached by pid (memtrace, bcc memleak, bpftrace), or why
+    /// it is unavailable here.
+    Traced(Result<Tracer, String>),
+}
 
 /// One traced (or untraced) configuration.
 struct Config {
     name: &'static str,
-    /// memtrace's flags; `None`: untraced.
-    flags: Option<&'static [&'static str]>,
-    set: Vec<f64>,
-    get: Vec<f64>,
-    /// (allocs, frees, lost) per traced run.
+    how: String,
+    setup: Setup,
+    /// Requests per second per test, one entry per run.
+    rps: Vec<[f64; TESTS.len()]>,
+    /// (allocs, frees, lost) per memtrace run.
     events: Vec<(u64, u64, u64)>,
     errors: Vec<String>,
 }
+
+/// The redis-benchmark tests run, in its `-t` spelling and its CSV's.
+const TESTS: [(&str, &str); 3] = [("set", "SET"), ("get", "GET"), ("lpush", "LPUSH")];
 
 /// Options of the section.
 pub struct RedisBench<'a> {
@@ -32,11 +44,32 @@ pub struct RedisBench<'a> {
     pub work: &'a Path,
     pub rounds: usize,
     pub requests: u64,
+    pub peers: &'a Peers,
 }
 
-/// Runs the section and returns its Markdown (a `## ` heading and a table),
-/// or a paragraph saying why it was skipped.
-pub fn section(opts: &RedisBench) -> String {
+/// The allocator object redis-server calls: Debian links jemalloc; the
+/// peers probe it there (libc otherwise).
+const ALLOCATOR_OBJECT: &str = "libjemalloc";
+
+/// What the section found.
+pub struct RedisResult {
+    /// A `## ` heading and a table, or a paragraph saying why it was skipped.
+    pub markdown: String,
+    /// memtrace default's SET throughput / untraced.
+    pub set_ratio: Option<f64>,
+}
+
+/// Runs the section.
+pub fn section(opts: &RedisBench) -> RedisResult {
+    let mut set_ratio = None;
+    let md = markdown(opts, &mut set_ratio);
+    RedisResult {
+        markdown: md,
+        set_ratio,
+    }
+}
+
+fn markdown(opts: &RedisBench, set_ratio: &mut Option<f64>) -> String {
     let mut md = String::from("## Real workload: redis-server under redis-benchmark\n\n");
     for tool in ["redis-server", "redis-benchmark"] {
         if Command::new(tool).arg("--version").output().is_err() {
@@ -47,23 +80,55 @@ pub fn section(opts: &RedisBench) -> String {
             return md;
         }
     }
+    let object = jemalloc_object();
+    let peer_object = object.clone().unwrap_or_else(|| "libc".into());
+    let memtrace = |flags: &[&str]| {
+        Setup::Traced(Ok(Tracer::Memtrace(
+            flags.iter().map(|f| f.to_string()).collect(),
+        )))
+    };
     let mut configs = vec![
-        config("untraced", None),
-        config("memtrace", Some(&[])),
-        config("memtrace --stack-depth 0", Some(&["--stack-depth", "0"])),
+        config("untraced", "no tracer", Setup::Untraced),
+        config("memtrace default", "`memtrace --pid PID`", memtrace(&[])),
+        config(
+            "memtrace --stack-depth 0",
+            "`memtrace --pid PID --stack-depth 0`",
+            memtrace(&["--stack-depth", "0"]),
+        ),
+        config(
+            "memtrace --sample-rate 100",
+            "`memtrace --pid PID --sample-rate 100`",
+            memtrace(&["--sample-rate", "100"]),
+        ),
+        config(
+            "bcc memleak",
+            "`memleak-bpfcc -p PID -O JEMALLOC 2` (stacks, every allocator function it knows)",
+            Setup::Traced(opts.peers.memleak(Some(&peer_object))),
+        ),
+        config(
+            "bpftrace empty probes",
+            "`bpftrace -p PID`, empty malloc entry+return and free entry probes on jemalloc",
+            Setup::Traced(opts.peers.bpftrace(&peer_object)),
+        ),
     ];
+    let tests: Vec<&str> = TESTS.iter().map(|t| t.0).collect();
     for round in 0..opts.rounds {
         for config in configs.iter_mut() {
+            let tracer = match &config.setup {
+                Setup::Untraced => None,
+                Setup::Traced(Ok(tracer)) => Some(tracer),
+                Setup::Traced(Err(_)) => continue,
+            };
             eprintln!(
-                "xtask bench:   round {} redis {} ({} requests each of SET, GET)",
+                "xtask bench:   round {} redis {} ({} requests each of {})",
                 round + 1,
                 config.name,
-                opts.requests
+                opts.requests,
+                tests.join(", ")
             );
-            match one_run(opts, config.flags) {
+            match one_run(opts, tracer) {
                 Ok(run) => {
-                    config.set.push(run.set);
-                    config.get.push(run.get);
+                    config.rps.push(run.rps);
                     config.events.extend(run.events);
                 }
                 Err(err) => {
@@ -75,48 +140,67 @@ pub fn section(opts: &RedisBench) -> String {
     }
     let _ = writeln!(
         md,
-        "`redis-server` {} (jemalloc) on 127.0.0.1, `redis-benchmark -t set,get -n {} -c 50 \
-         --csv`, one server per run, memtrace attached by pid before the benchmark starts; \
+        "`redis-server` {} ({}) on 127.0.0.1, `redis-benchmark -t {} -n {} -c 50 \
+         --csv`, one server per run, the tracer attached by pid before the benchmark starts; \
          {} interleaved rounds, medians. Ratio = traced / untraced requests per second.\n",
         version(),
+        object.as_deref().unwrap_or("libc malloc"),
+        tests.join(","),
         opts.requests,
         opts.rounds
     );
-    md.push_str(
-        "| configuration | SET req/s | SET ratio | GET req/s | GET ratio | allocs seen | lost |\n",
-    );
-    md.push_str("|---|---|---|---|---|---|---|\n");
-    let base_set = median(&configs[0].set);
-    let base_get = median(&configs[0].get);
+    md.push_str("| configuration | how | runs |");
+    for (_, test) in TESTS {
+        let _ = write!(md, " {test} req/s | {test} ratio |");
+    }
+    md.push_str(" allocs seen | lost |\n|---|---|---:|");
+    for _ in TESTS {
+        md.push_str("---:|---:|");
+    }
+    md.push_str("---:|---:|\n");
+    let base: Vec<Option<f64>> = (0..TESTS.len())
+        .map(|t| median(&configs[0].rps.iter().map(|r| r[t]).collect::<Vec<_>>()))
+        .collect();
     for c in &configs {
-        let ratio = |v: Option<f64>, base: Option<f64>| match (v, base) {
-            (Some(v), Some(b)) if b > 0.0 => format!("{:.2}x", v / b),
-            _ => "-".into(),
-        };
-        let (set, get) = (median(&c.set), median(&c.get));
+        let _ = write!(md, "| {} | {} | {} |", c.name, c.how, c.rps.len());
+        for (t, base) in base.iter().enumerate() {
+            let value = median(&c.rps.iter().map(|r| r[t]).collect::<Vec<_>>());
+            let ratio = match (value, base) {
+                (Some(v), Some(b)) if *b > 0.0 => {
+                    if t == 0 && c.name == "memtrace default" {
+                        *set_ratio = Some(v / b);
+                    }
+                    format!("{:.2}x", v / b)
+                }
+                _ => "-".into(),
+            };
+            let _ = write!(
+                md,
+                " {} | {ratio} |",
+                value.map_or("-".into(), |v| format!("{v:.0}"))
+            );
+        }
+        let memtrace = matches!(c.setup, Setup::Traced(Ok(Tracer::Memtrace(_))));
         let allocs = c.events.iter().map(|e| e.0).max();
         let lost: u64 = c.events.iter().map(|e| e.2).sum();
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} |",
-            c.name,
-            set.map_or("-".into(), |v| format!("{v:.0}")),
-            ratio(set, base_set),
-            get.map_or("-".into(), |v| format!("{v:.0}")),
-            ratio(get, base_get),
-            if c.flags.is_some() {
-                allocs.map_or("-".into(), |a| a.to_string())
-            } else {
-                "-".into()
+            " {} | {} |",
+            match (memtrace, allocs) {
+                (true, Some(a)) => a.to_string(),
+                _ => "-".into(),
             },
-            if c.flags.is_some() {
+            if memtrace {
                 lost.to_string()
             } else {
-                "-".into()
+                "n/a".into()
             },
         );
     }
     for c in &configs {
+        if let Setup::Traced(Err(why)) = &c.setup {
+            let _ = writeln!(md, "\n{}: unavailable: {why}", c.name);
+        }
         for err in &c.errors {
             let _ = writeln!(md, "\n{}: failed: {}", c.name, err.replace('\n', " "));
         }
@@ -125,15 +209,38 @@ pub fn section(opts: &RedisBench) -> String {
     md
 }
 
-fn config(name: &'static str, flags: Option<&'static [&'static str]>) -> Config {
+fn config(name: &'static str, how: &str, setup: Setup) -> Config {
     Config {
         name,
-        flags,
-        set: Vec::new(),
-        get: Vec::new(),
+        how: how.to_string(),
+        setup,
+        rps: Vec::new(),
         events: Vec::new(),
         errors: Vec::new(),
     }
+}
+
+/// Debian's libjemalloc, as redis-server loads it (None: not installed).
+fn jemalloc_object() -> Option<String> {
+    let out = Command::new("ldd")
+        .arg(which("redis-server")?)
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|line| {
+            let path = line.split("=>").nth(1)?.split_whitespace().next()?;
+            path.contains(ALLOCATOR_OBJECT).then(|| path.to_string())
+        })
+}
+
+fn which(program: &str) -> Option<String> {
+    let out = Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .output()
+        .ok()?;
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (!path.is_empty()).then_some(path)
 }
 
 fn version() -> String {
@@ -150,8 +257,7 @@ fn version() -> String {
 }
 
 struct Run {
-    set: f64,
-    get: f64,
+    rps: [f64; TESTS.len()],
     events: Option<(u64, u64, u64)>,
 }
 
@@ -189,7 +295,7 @@ fn free_port() -> Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
-fn one_run(opts: &RedisBench, flags: Option<&[&str]>) -> Result<Run> {
+fn one_run(opts: &RedisBench, tracer: Option<&Tracer>) -> Result<Run> {
     let port = free_port()?.to_string();
     let dir = opts.work.join(format!("redis-{port}"));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -214,52 +320,20 @@ fn one_run(opts: &RedisBench, flags: Option<&[&str]>) -> Result<Run> {
             .context("starting redis-server")?,
     );
     wait_ready(&port)?;
-    let report_path: Option<PathBuf> = flags.map(|_| dir.join("report.json"));
-    let mut tracer = match (flags, &report_path) {
-        (Some(flags), Some(report)) => {
-            let mut child = Command::new(opts.memtrace)
-                .args([
-                    "--pid",
-                    &server.0.id().to_string(),
-                    "--format",
-                    "json",
-                    "-o",
-                ])
-                .arg(report)
-                .args(flags)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .context("starting memtrace")?;
-            let stderr = child.stderr.take().context("memtrace stderr")?;
-            let mut lines = BufReader::new(stderr).lines();
-            loop {
-                match lines.next() {
-                    Some(Ok(line)) if line.contains("memtrace: tracing pid") => break,
-                    Some(Ok(_)) => continue,
-                    _ => bail!("memtrace ended before attaching"),
-                }
-            }
-            // Keep draining its stderr so it never blocks.
-            std::thread::spawn(move || for _ in lines {});
-            Some(Guard(child))
-        }
-        _ => None,
+    let attached = match tracer {
+        Some(tracer) => Some(attach_with(
+            opts.memtrace,
+            opts.work,
+            tracer,
+            server.0.id() as i32,
+        )?),
+        None => None,
     };
+    let tests: Vec<&str> = TESTS.iter().map(|t| t.0).collect();
     let out = Command::new("redis-benchmark")
-        .args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &port,
-            "-t",
-            "set,get",
-            "-c",
-            "50",
-            "--csv",
-            "-n",
-        ])
+        .args(["-h", "127.0.0.1", "-p", &port, "-t"])
+        .arg(tests.join(","))
+        .args(["-c", "50", "--csv", "-n"])
         .arg(opts.requests.to_string())
         .output()
         .context("running redis-benchmark")?;
@@ -277,24 +351,22 @@ fn one_run(opts: &RedisBench, flags: Option<&[&str]>) -> Result<Run> {
             .and_then(|v| v.trim_matches('"').parse().ok())
             .with_context(|| format!("no {test} line in redis-benchmark's output: {csv}"))
     };
-    let (set, get) = (rps("SET")?, rps("GET")?);
-    let mut events = None;
-    if let (Some(tracer), Some(path)) = (tracer.as_mut(), &report_path) {
-        tracer.interrupt_and_wait(Duration::from_secs(60))?;
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let json: Value = serde_json::from_str(&text).context("memtrace's report")?;
-        let num = |v: &Value| v.as_u64().unwrap_or(0);
-        events = Some((
-            num(&json["events"]["allocs"]),
-            num(&json["events"]["frees"]),
-            num(&json["events"]["lost"]),
-        ));
+    let mut values = [0.0; TESTS.len()];
+    for (value, (_, test)) in values.iter_mut().zip(TESTS) {
+        *value = rps(test)?;
     }
-    drop(tracer);
+    let events = match attached {
+        Some(attached) => attached
+            .stop()?
+            .map(|report| (report.allocs, report.frees, report.lost)),
+        None => None,
+    };
     server.interrupt_and_wait(Duration::from_secs(20))?;
     let _ = std::fs::remove_dir_all(&dir);
-    Ok(Run { set, get, events })
+    Ok(Run {
+        rps: values,
+        events,
+    })
 }
 
 fn wait_ready(port: &str) -> Result<()> {

@@ -11,8 +11,8 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod bench_allocators;
-mod bench_python;
 mod bench_redis;
+mod bench_workloads;
 mod soak;
 
 #[derive(Parser)]
@@ -40,8 +40,9 @@ enum Task {
     Demo,
     /// Measure memtrace against the probe floor and its peers (writes BENCHMARKS.md).
     Bench(bench::BenchArgs),
-    /// Only the bench section on Python workloads (prints Markdown).
-    BenchPython {
+    /// Only the bench section on real Python and C++ workloads (prints Markdown).
+    #[command(alias = "bench-python")]
+    BenchWorkloads {
         /// Interleaved rounds per configuration.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
@@ -74,7 +75,7 @@ fn main() -> Result<()> {
         Task::Demo => demo(),
         Task::Bench(args) => bench::bench(args),
         Task::BenchRedis { rounds, requests } => bench_redis_only(rounds, requests),
-        Task::BenchPython { rounds } => bench_python_only(rounds),
+        Task::BenchWorkloads { rounds } => bench_workloads_only(rounds),
         Task::BenchAllocators { rounds } => bench_allocators_only(rounds),
         Task::Soak(args) => soak::soak(args),
     }
@@ -94,15 +95,20 @@ fn single_section(task: &str) -> Result<(PathBuf, PathBuf)> {
     Ok((root.join("target/release/memtrace"), work))
 }
 
-/// `cargo xtask bench-python`: the Python section alone, on the release build.
-fn bench_python_only(rounds: usize) -> Result<()> {
-    let (memtrace, work) = single_section("bench-python")?;
+/// `cargo xtask bench-workloads`: the Python and C++ section alone, on the
+/// release build.
+fn bench_workloads_only(rounds: usize) -> Result<()> {
+    let (memtrace, work) = single_section("bench-workloads")?;
+    let peers = bench::Peers::find(false);
+    let fixtures = bench_fixtures()?;
     print!(
         "{}",
-        bench_python::section(&bench_python::PythonBench {
+        bench_workloads::section(&bench_workloads::WorkloadBench {
             memtrace: &memtrace,
             work: &work,
             rounds: rounds.max(1),
+            peers: &peers,
+            cxxbench: &fixtures.join("bench/cxxbench"),
         })
     );
     Ok(())
@@ -111,6 +117,7 @@ fn bench_python_only(rounds: usize) -> Result<()> {
 /// `cargo xtask bench-redis`: the redis section alone, on the release build.
 fn bench_redis_only(rounds: usize, requests: u64) -> Result<()> {
     let (memtrace, work) = single_section("bench-redis")?;
+    let peers = bench::Peers::find(false);
     print!(
         "{}",
         bench_redis::section(&bench_redis::RedisBench {
@@ -118,7 +125,9 @@ fn bench_redis_only(rounds: usize, requests: u64) -> Result<()> {
             work: &work,
             rounds: rounds.max(1),
             requests,
+            peers: &peers,
         })
+        .markdown
     );
     Ok(())
 }
@@ -131,12 +140,7 @@ fn bench_allocators_only(rounds: usize) -> Result<()> {
     }
     build_release()?;
     let root = root();
-    let fixtures = root.join("target/fixtures");
-    run(Command::new("make")
-        .args(["-s", "-f"])
-        .arg(root.join("tests/fixtures/bench/bench.mk"))
-        .arg(format!("OUT={}", fixtures.display()))
-        .arg("bench"))?;
+    let fixtures = bench_fixtures()?;
     print!(
         "{}",
         bench_allocators::section(&bench_allocators::AllocatorBench {
@@ -268,6 +272,18 @@ fn build_release() -> Result<()> {
     run(Command::new("cargo")
         .current_dir(root())
         .args(["build", "--release", "-p", "memtrace"]))
+}
+
+/// Builds the bench programs (tests/fixtures/bench/bench.mk); returns the
+/// fixtures' directory.
+fn bench_fixtures() -> Result<PathBuf> {
+    let fixtures = root().join("target/fixtures");
+    run(Command::new("make")
+        .args(["-s", "-f"])
+        .arg(root().join("tests/fixtures/bench/bench.mk"))
+        .arg(format!("OUT={}", fixtures.display()))
+        .arg("bench"))?;
+    Ok(fixtures)
 }
 
 /// Builds the fixtures; returns their directory.

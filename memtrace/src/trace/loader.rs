@@ -14,7 +14,9 @@ use std::path::PathBuf;
 use crate::unwind::kernel::UnwindTables;
 use anyhow::Context;
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, StackTraceMap};
-use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
+use aya::programs::uprobe::{
+    UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeLinkId, UProbeScope,
+};
 use aya::programs::{RawTracePoint, UProbe};
 use aya::{Ebpf, EbpfLoader};
 use memtrace_common::unwind::{DwarfStack, MAX_FRAMES, STACK_MODE_DWARF};
@@ -125,7 +127,12 @@ pub struct Probes {
     /// CPython processes' reading recipes, by tgid (`interp::python`).
     py_procs: HashMap<MapData, u32, PyProc>,
     py_stacks: HashMap<MapData, u32, PyStack>,
+    /// Flags user space sets for the programs (`CONTROL_ENDING`).
+    control: Array<MapData, u32>,
 }
+
+/// Index in `CONTROL`: 1 once the trace is ending.
+const CONTROL_ENDING: u32 = 0;
 
 /// Kernel counter names, as shown in reports.
 pub fn counter_name(counter: Counter) -> &'static str {
@@ -237,7 +244,9 @@ impl Probes {
             ebpf.take_map("PY_STACKS")
                 .context("map PY_STACKS missing")?,
         )?;
+        let control = Array::try_from(ebpf.take_map("CONTROL").context("map CONTROL missing")?)?;
         Ok(Probes {
+            control,
             dwarf_stacks,
             unwind,
             ebpf,
@@ -409,10 +418,11 @@ impl Probes {
                 if function.return_offset.is_some() {
                     let orphan = self.processes.get_mut(&pid).and_then(|l| l.exit.pop());
                     if let Some(orphan) = orphan {
-                        self.detach_links(ProcessLinks {
+                        self.take_links(ProcessLinks {
                             enter: Vec::new(),
                             exit: vec![orphan],
-                        });
+                        })
+                        .close();
                     }
                 }
                 Err(kernel_support::attach_error(err, "uprobe"))
@@ -505,17 +515,17 @@ impl Probes {
             unwind.remove_process(pid);
         }
         if let Some(links) = self.processes.remove(&pid) {
-            self.detach_links(links);
+            self.take_links(links).close();
         }
         if let Some(traced) = self.traced.as_mut() {
             let _ = traced.remove(&pid);
         }
     }
 
-    /// Detaches the entry probes of one stage in every traced process: the
-    /// first step of ending a trace (see [`DetachStage`]); [`Probes::detach`]
-    /// finishes it.
-    pub fn detach_stage(&mut self, stage: DetachStage) {
+    /// Takes the entry probes of one stage in every traced process, for
+    /// [`Detaching::close`]: the first step of ending a trace (see
+    /// [`DetachStage`]); [`Probes::detach`] finishes it.
+    pub fn detach_stage(&mut self, stage: DetachStage) -> Detaching {
         let mut links = ProcessLinks::default();
         for process in self.processes.values_mut() {
             let (now, later): (Vec<_>, Vec<_>) =
@@ -523,24 +533,24 @@ impl Probes {
             process.enter = later;
             links.enter.extend(now);
         }
-        self.detach_links(links);
+        self.take_links(links)
     }
 
-    /// Detaches every probe left: entry probes stage by stage, then return
-    /// probes, so no call is left half-recorded.
-    pub fn detach(&mut self) {
+    /// Takes every probe left, for [`Detaching::close`]: entry probes stage
+    /// by stage, then return probes, so no call is left half-recorded.
+    pub fn detach(&mut self) -> Detaching {
         let all: Vec<ProcessLinks> = std::mem::take(&mut self.processes).into_values().collect();
         let mut merged = ProcessLinks::default();
         for links in all {
             merged.enter.extend(links.enter);
             merged.exit.extend(links.exit);
         }
-        self.detach_links(merged);
+        self.take_links(merged)
     }
 
-    /// Detaches `links`: entry probes in [`DetachStage`] order, then return
-    /// probes.
-    fn detach_links(&mut self, mut links: ProcessLinks) {
+    /// Takes `links` out of the programs: entry probes in [`DetachStage`]
+    /// order, then return probes.
+    fn take_links(&mut self, mut links: ProcessLinks) -> Detaching {
         links.enter.sort_by_key(|(stage, _)| *stage);
         let mut entries = Vec::new();
         if let Some(Ok(program)) = self.ebpf.program_mut(ENTER).map(<&mut UProbe>::try_from) {
@@ -550,13 +560,14 @@ impl Probes {
                 }
             }
         }
+        let mut batches = Vec::new();
         for stage in DetachStage::ORDER {
             let (now, later): (Vec<_>, Vec<_>) =
                 entries.into_iter().partition(|(s, _)| *s == stage);
             entries = later;
-            drop_concurrently(now);
+            batches.push(now.into_iter().map(|(_, link)| link).collect());
         }
-        drop_concurrently(entries);
+        batches.push(entries.into_iter().map(|(_, link)| link).collect());
         let mut exits = Vec::new();
         if let Some(Ok(program)) = self.ebpf.program_mut(EXIT).map(<&mut UProbe>::try_from) {
             for id in links.exit {
@@ -565,7 +576,16 @@ impl Probes {
                 }
             }
         }
-        drop_concurrently(exits);
+        batches.push(exits);
+        Detaching { batches }
+    }
+
+    /// Tells the kernel programs the trace is ending: a return whose entry
+    /// probe is already gone is then expected, not an unpaired return.
+    pub fn mark_ending(&mut self) {
+        if let Err(err) = self.control.set(CONTROL_ENDING, 1, 0) {
+            log::debug!("cannot mark the trace as ending: {err}");
+        }
     }
 
     /// Sums the per-CPU kernel counters.
@@ -626,6 +646,22 @@ impl Probes {
         }
         let trace = self.stacks.get(&id, 0).ok()?;
         Some(trace.frames().iter().map(|frame| frame.ip).collect())
+    }
+}
+
+/// Probes taken out of their programs, still attached until [`Detaching::close`].
+pub struct Detaching {
+    /// Closed one batch after the other.
+    batches: Vec<Vec<UProbeLink>>,
+}
+
+impl Detaching {
+    /// Detaches the probes (slow: each close waits for an RCU grace period,
+    /// so callers run it off the event loop and keep reading events).
+    pub fn close(self) {
+        for batch in self.batches {
+            drop_concurrently(batch);
+        }
     }
 }
 

@@ -449,16 +449,17 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
     session.pipeline.close(ended_ns);
     let watched = session.family.running().next().is_some();
+    probes.mark_ending();
     for stage in DetachStage::ORDER {
-        probes.detach_stage(stage);
-        session.pipeline.drain(ring.get_mut(), &probes);
+        let detaching = probes.detach_stage(stage);
+        close_while_draining(detaching, &mut session, &mut ring, &probes).await;
         if watched && stage != DetachStage::Releases {
             tokio::time::sleep(DETACH_GRACE).await;
             session.pipeline.drain(ring.get_mut(), &probes);
         }
     }
-    probes.detach();
-    session.pipeline.drain(ring.get_mut(), &probes);
+    let detaching = probes.detach();
+    close_while_draining(detaching, &mut session, &mut ring, &probes).await;
     session.snapshot(&probes);
     let report = session.report(&probes, &discovery);
     if let Some(tx) = &metrics {
@@ -470,6 +471,26 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     }
     output.finish(&report)?;
     Ok(())
+}
+
+/// Detaches probes on a blocking thread while the event loop keeps reading
+/// the ring buffer: closing a uprobe waits for an RCU grace period (seconds
+/// for a few dozen in a VM), and a busy target fills the ring meanwhile, so
+/// releases after the end would otherwise be lost.
+async fn close_while_draining(
+    detaching: loader::Detaching,
+    session: &mut Session<'_>,
+    ring: &mut AsyncFd<aya::maps::RingBuf<aya::maps::MapData>>,
+    probes: &Probes,
+) {
+    let mut closing = tokio::task::spawn_blocking(move || detaching.close());
+    loop {
+        tokio::select! {
+            _ = &mut closing => break,
+            _ = tokio::time::sleep(DRAIN_EVERY) => session.pipeline.drain(ring.get_mut(), probes),
+        }
+    }
+    session.pipeline.drain(ring.get_mut(), probes);
 }
 
 /// The heap allocators `--allocators` names (empty: all).
