@@ -23,6 +23,16 @@ impl StackRef {
             StackRef::Id(stack_id as u32)
         }
     }
+
+    /// The kernel's encoding, which [`StackRef::from_wire`] reads back (an
+    /// id, `STACK_NONE`, or a negative errno): 4 bytes instead of 8.
+    pub fn to_wire(self) -> i32 {
+        match self {
+            StackRef::Id(id) => id as i32,
+            StackRef::NotRequested => STACK_NONE,
+            StackRef::Failed(errno) => -errno,
+        }
+    }
 }
 
 /// One decoded event.

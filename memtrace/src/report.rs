@@ -363,7 +363,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         let all: Vec<FileAddr> = input
             .table
             .blocks()
-            .filter_map(|(_, _, _, b)| match b.stack {
+            .filter_map(|(_, _, _, b)| match b.stack() {
                 StackRef::Id(id) => Some(id),
                 _ => None,
             })
@@ -406,7 +406,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             .entry((
                 entry.allocator,
                 entry.memory,
-                input.stacks.canonical(block.stack),
+                input.stacks.canonical(block.stack()),
                 input.stacks.python.canonical(block.py_stack),
             ))
             .or_insert_with(|| SiteAcc {
@@ -760,7 +760,7 @@ fn suppression(
         return Some("warmup".to_string());
     }
     let suppressions = input.suppressions?;
-    let frames: &[crate::stacks::RawFrame] = match block.stack {
+    let frames: &[crate::stacks::RawFrame] = match block.stack() {
         StackRef::Id(id) => input.stacks.get(id).unwrap_or(&[]),
         _ => &[],
     };

@@ -16,19 +16,39 @@ use std::collections::{BTreeMap, HashMap};
 use crate::event::{Action, Event, StackRef};
 use crate::probe::catalog::Domain;
 
-/// Where a block lives: (process id, address domain, address).
-type BlockKey = (u32, Domain, u64);
+/// Where a block lives: (process id, address domain, address), ordered so.
+/// Packed (14 bytes, not 16): the table holds millions of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(C, packed(2))]
+struct BlockKey {
+    pid: u32,
+    domain: Domain,
+    addr: u64,
+}
 
-/// A block that is still live.
+fn key(pid: u32, domain: Domain, addr: u64) -> BlockKey {
+    BlockKey { pid, domain, addr }
+}
+
+/// A block that is still live. Packed (30 bytes, not 40): the table holds
+/// millions of them; read its fields by value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C, packed(2))]
 pub struct LiveBlock {
     pub size: u64,
-    pub spec: u16,
     pub ts_ns: u64,
     pub tid: u32,
-    pub stack: StackRef,
     /// The Python stack (kernel id), 0: none.
     pub py_stack: u32,
+    /// [`StackRef::to_wire`] of the block's stack.
+    stack: i32,
+    pub spec: u16,
+}
+
+impl LiveBlock {
+    pub fn stack(&self) -> StackRef {
+        StackRef::from_wire(self.stack)
+    }
 }
 
 /// What the table has seen.
@@ -91,7 +111,7 @@ impl LiveTable {
         if self.ended_ns.is_none_or(|end| event.ts_ns <= end) {
             return false;
         }
-        let unknown = |addr: u64| !self.blocks.contains_key(&(event.pid, domain, addr));
+        let unknown = |addr: u64| !self.blocks.contains_key(&key(event.pid, domain, addr));
         match event.action {
             Action::Free { addr } => unknown(addr),
             Action::Realloc { old, .. } => old == 0 || unknown(old),
@@ -108,9 +128,9 @@ impl LiveTable {
             Action::Alloc { addr, size, stack } => {
                 self.last_release.remove(&event.tid);
                 self.counts.allocs += 1;
-                self.insert((event.pid, domain, addr), size, event, stack);
+                self.insert(key(event.pid, domain, addr), size, event, stack);
             }
-            Action::Free { addr } => self.release_by(event, (event.pid, domain, addr)),
+            Action::Free { addr } => self.release_by(event, key(event.pid, domain, addr)),
             Action::Realloc {
                 old,
                 new,
@@ -120,11 +140,11 @@ impl LiveTable {
             } => {
                 self.last_release.remove(&event.tid);
                 if old != 0 {
-                    self.release((event.pid, domain, old));
+                    self.release(key(event.pid, domain, old));
                 }
                 if track_new {
                     self.counts.allocs += 1;
-                    self.insert((event.pid, domain, new), size, event, stack);
+                    self.insert(key(event.pid, domain, new), size, event, stack);
                 }
             }
             Action::Failed { code, .. } => {
@@ -140,7 +160,7 @@ impl LiveTable {
             spec: event.spec,
             ts_ns: event.ts_ns,
             tid: event.tid,
-            stack,
+            stack: stack.to_wire(),
             py_stack: event.py_stack,
         };
         if self.blocks.len() >= self.max_blocks && !self.blocks.contains_key(&key) {
@@ -196,7 +216,7 @@ impl LiveTable {
     pub fn blocks(&self) -> impl Iterator<Item = (u32, Domain, u64, &LiveBlock)> {
         self.blocks
             .iter()
-            .map(|(&(pid, domain, addr), block)| (pid, domain, addr, block))
+            .map(|(key, block)| (key.pid, key.domain, key.addr, block))
     }
 }
 

@@ -51,7 +51,7 @@ impl History {
                 .entry((
                     spec.allocator,
                     spec.memory,
-                    stacks.canonical(block.stack),
+                    stacks.canonical(block.stack()),
                     stacks.python.canonical(block.py_stack),
                 ))
                 .or_default();
