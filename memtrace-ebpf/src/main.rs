@@ -89,7 +89,8 @@ static TRACED: HashMap<u32, u8> = HashMap::with_max_entries(1024, 0);
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
 /// Flags set by user space; index 0: 1 once the trace is ending (its entry
-/// probes are being detached, so returns without an entry are expected).
+/// probes are being detached, so returns without an entry are expected);
+/// index 1: how many processes have a Python frame reader (0: skip it).
 #[map]
 static CONTROL: Array<u32> = Array::with_max_entries(4, 0);
 

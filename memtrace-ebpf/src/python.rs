@@ -164,7 +164,9 @@ fn thread_state(pid_tgid: u64, proc: &PyProc) -> Result<u64, Counter> {
 /// cause is counted).
 #[inline(always)]
 pub fn python_stack_id(pid_tgid: u64) -> u32 {
-    if crate::STACK_MODE.load() == memtrace_common::unwind::STACK_MODE_NONE {
+    if crate::STACK_MODE.load() == memtrace_common::unwind::STACK_MODE_NONE
+        || crate::CONTROL.get(1).is_none_or(|&readers| readers == 0)
+    {
         return 0;
     }
     let tgid = (pid_tgid >> 32) as u32;

@@ -127,12 +127,16 @@ pub struct Probes {
     /// CPython processes' reading recipes, by tgid (`interp::python`).
     py_procs: HashMap<MapData, u32, PyProc>,
     py_stacks: HashMap<MapData, u32, PyStack>,
-    /// Flags user space sets for the programs (`CONTROL_ENDING`).
+    /// Flags user space sets for the programs (`CONTROL_*`).
     control: Array<MapData, u32>,
+    /// The processes with a Python frame reader.
+    python_pids: std::collections::BTreeSet<u32>,
 }
 
 /// Index in `CONTROL`: 1 once the trace is ending.
 const CONTROL_ENDING: u32 = 0;
+/// Index in `CONTROL`: how many processes have a Python frame reader.
+const CONTROL_PYTHON: u32 = 1;
 
 /// Kernel counter names, as shown in reports.
 pub fn counter_name(counter: Counter) -> &'static str {
@@ -247,6 +251,7 @@ impl Probes {
         let control = Array::try_from(ebpf.take_map("CONTROL").context("map CONTROL missing")?)?;
         Ok(Probes {
             control,
+            python_pids: std::collections::BTreeSet::new(),
             dwarf_stacks,
             unwind,
             ebpf,
@@ -624,12 +629,26 @@ impl Probes {
     pub fn set_python(&mut self, pid: u32, config: &PyProc) -> anyhow::Result<()> {
         self.py_procs
             .insert(pid, config, 0)
-            .with_context(|| format!("cannot configure the Python frame reader for pid {pid}"))
+            .with_context(|| format!("cannot configure the Python frame reader for pid {pid}"))?;
+        self.python_pids.insert(pid);
+        self.publish_python_count();
+        Ok(())
     }
 
     /// Stops reading the Python frames of `pid` (it exited or exec'd).
     pub fn clear_python(&mut self, pid: u32) {
         let _ = self.py_procs.remove(&pid);
+        self.python_pids.remove(&pid);
+        self.publish_python_count();
+    }
+
+    /// Tells the kernel how many processes have a Python reader: with none,
+    /// allocations skip the reader's map look-up.
+    fn publish_python_count(&mut self) {
+        let count = u32::try_from(self.python_pids.len()).unwrap_or(u32::MAX);
+        if let Err(err) = self.control.set(CONTROL_PYTHON, count, 0) {
+            log::warn!("cannot enable the Python frame reader: {err}");
+        }
     }
 
     /// The Python stack stored under `id`.
