@@ -200,11 +200,15 @@ pub fn section(opts: &WorkloadBench) -> String {
          `free`, so every iteration is two events, the allocation with its native and Python \
          stack) and a pure-Python `json.dumps`+`json.loads` loop of a 40-key dict. C++: \
          `cxxbench` (tests/fixtures/bench/cxxbench.cpp), per iteration a `std::map<std::string, \
-         std::vector<int>>` of 64 entries built, searched and destroyed (~130 operator new + \
-         delete), `-O2` without frame pointers, `LD_PRELOAD` of Debian's libjemalloc (the peers \
-         probe jemalloc: `memleak-bpfcc -O`, bpftrace's `uprobe:LIBJEMALLOC:malloc`). ns per \
-         iteration, medians of {} interleaved rounds; ratio = traced / untraced. \
-         `--stack-depth 0` captures neither native stacks nor Python frames.\n",
+         std::vector<int>>` of 64 entries built, searched and destroyed (~256 operator new + \
+         delete), `-O2` without frame pointers, `LD_PRELOAD` of Debian's libjemalloc. The peers \
+         probe jemalloc's `malloc`/`free` there (`memleak-bpfcc -O`, bpftrace's \
+         `uprobe:LIBJEMALLOC:malloc`), which jemalloc's own `operator new`/`delete` never call: \
+         in that row they see none of the program's allocations, so their cost there is the \
+         cost of tracing nothing (memleak has no `operator new` probes; memtrace probes the C++ \
+         operators of the object that defines them). ns per iteration, medians of {} \
+         interleaved rounds; ratio = traced / untraced. `--stack-depth 0` captures neither \
+         native stacks nor Python frames.\n",
         opts.rounds
     );
     let _ = writeln!(
