@@ -49,6 +49,30 @@ impl LiveBlock {
     pub fn stack(&self) -> StackRef {
         StackRef::from_wire(self.stack)
     }
+
+    fn origin(&self) -> Origin {
+        Origin {
+            spec: self.spec,
+            stack: self.stack(),
+            py_stack: self.py_stack,
+        }
+    }
+}
+
+/// Where blocks came from: the probed function and the stacks as captured
+/// (kernel ids, not yet canonical).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Origin {
+    pub spec: u16,
+    pub stack: StackRef,
+    pub py_stack: u32,
+}
+
+/// Live bytes and blocks of one origin.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OriginTotal {
+    pub bytes: u64,
+    pub blocks: u64,
 }
 
 /// What the table has seen.
@@ -78,6 +102,10 @@ pub struct LiveTable {
     /// Per thread, the block it released last and the spec that released
     /// it, until its next event.
     last_release: HashMap<u32, (BlockKey, u16)>,
+    /// Live totals per origin, kept as blocks come and go: a snapshot every
+    /// interval then costs the number of origins, not a walk of millions of
+    /// blocks (which stalled the event loop long enough to overflow the ring).
+    origins: HashMap<Origin, OriginTotal>,
 }
 
 impl LiveTable {
@@ -88,6 +116,7 @@ impl LiveTable {
             counts: Counts::default(),
             max_blocks,
             last_release: HashMap::new(),
+            origins: HashMap::new(),
         }
     }
 
@@ -169,7 +198,12 @@ impl LiveTable {
         }
         // An address handed out again without a release we saw (released
         // through an untraced path): the new block replaces the old one.
-        self.blocks.insert(key, block);
+        let total = self.origins.entry(block.origin()).or_default();
+        total.bytes += size;
+        total.blocks += 1;
+        if let Some(replaced) = self.blocks.insert(key, block) {
+            self.forget(&replaced);
+        }
     }
 
     /// A release: the same block released again by the same thread through
@@ -192,11 +226,29 @@ impl LiveTable {
     }
 
     fn release(&mut self, key: BlockKey) {
-        if self.blocks.remove(&key).is_some() {
+        if let Some(block) = self.blocks.remove(&key) {
+            self.forget(&block);
             self.counts.frees += 1;
         } else {
             self.counts.unmatched_frees += 1;
         }
+    }
+
+    /// Takes a block that left the table out of its origin's total.
+    fn forget(&mut self, block: &LiveBlock) {
+        let origin = block.origin();
+        if let Some(total) = self.origins.get_mut(&origin) {
+            total.bytes = total.bytes.saturating_sub(block.size);
+            total.blocks = total.blocks.saturating_sub(1);
+            if total.blocks == 0 {
+                self.origins.remove(&origin);
+            }
+        }
+    }
+
+    /// Live totals per origin (what [`LiveTable::blocks`] sums to, grouped).
+    pub fn origins(&self) -> impl Iterator<Item = (&Origin, &OriginTotal)> {
+        self.origins.iter()
     }
 
     pub fn counts(&self) -> &Counts {
@@ -302,6 +354,46 @@ mod tests {
             stack: StackRef::Id(2),
             track_new: true,
         })
+    }
+
+    /// (stack, bytes, blocks), sorted.
+    type Totals = Vec<(i32, u64, u64)>;
+
+    /// The origin totals, and the same grouped from the blocks.
+    fn origin_totals(table: &LiveTable) -> (Totals, Totals) {
+        let mut kept: Vec<_> = table
+            .origins()
+            .map(|(o, t)| (o.stack.to_wire(), t.bytes, t.blocks))
+            .collect();
+        let mut grouped: HashMap<i32, (u64, u64)> = HashMap::new();
+        for (_, _, _, block) in table.blocks() {
+            let entry = grouped.entry(block.stack().to_wire()).or_default();
+            entry.0 += block.size;
+            entry.1 += 1;
+        }
+        let mut summed: Vec<_> = grouped.into_iter().map(|(s, (b, n))| (s, b, n)).collect();
+        kept.sort();
+        summed.sort();
+        (kept, summed)
+    }
+
+    #[test]
+    fn origin_totals_follow_every_change_of_the_table() {
+        let mut table = LiveTable::new(100);
+        table.apply(&alloc(0x10, 48), Domain::Heap);
+        table.apply(&alloc(0x20, 16), Domain::Heap);
+        // The same address handed out again: the old block is replaced.
+        table.apply(&alloc(0x20, 8), Domain::Heap);
+        table.apply(&realloc(0x10, 0x30, 100), Domain::Heap);
+        let (kept, summed) = origin_totals(&table);
+        assert_eq!(kept, summed);
+        assert_eq!(kept, vec![(1, 8, 1), (2, 100, 1)]);
+        table.apply(&event(Action::Free { addr: 0x20 }), Domain::Heap);
+        table.apply(&event(Action::Free { addr: 0x30 }), Domain::Heap);
+        assert!(
+            table.origins().next().is_none(),
+            "emptied origins are dropped"
+        );
     }
 
     #[test]

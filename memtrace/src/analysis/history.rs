@@ -43,23 +43,23 @@ impl History {
     ) {
         let mut sites: HashMap<SiteKey, (u64, u64)> = HashMap::new();
         let mut totals: HashMap<(Allocator, Memory), (u64, u64)> = HashMap::new();
-        for (_, _, _, block) in table.blocks() {
-            let Some(spec) = specs.get(usize::from(block.spec)) else {
+        for (origin, live) in table.origins() {
+            let Some(spec) = specs.get(usize::from(origin.spec)) else {
                 continue;
             };
             let site = sites
                 .entry((
                     spec.allocator,
                     spec.memory,
-                    stacks.canonical(block.stack()),
-                    stacks.python.canonical(block.py_stack),
+                    stacks.canonical(origin.stack),
+                    stacks.python.canonical(origin.py_stack),
                 ))
                 .or_default();
-            site.0 += block.size;
-            site.1 += 1;
+            site.0 += live.bytes;
+            site.1 += live.blocks;
             let total = totals.entry((spec.allocator, spec.memory)).or_default();
-            total.0 += block.size;
-            total.1 += 1;
+            total.0 += live.bytes;
+            total.1 += live.blocks;
         }
         // Sites that emptied since the last snapshot record a zero.
         let gone: Vec<SiteKey> = self
