@@ -141,6 +141,16 @@ pub struct ProcMaps {
     pub entries: [MapEntry; MAX_MAPPINGS],
 }
 
+/// Entries of the array that finds a process's slot without a hash look-up
+/// (a power of two; indexed by tgid modulo it).
+pub const SLOT_CACHE_ENTRIES: u32 = 1024;
+
+/// A [`SLOT_CACHE_ENTRIES`] entry: `tgid << 32 | (slot + 1)`; 0: none.
+#[inline(always)]
+pub fn slot_cache_entry(tgid: u32, slot: u32) -> u64 {
+    (u64::from(tgid) << 32) | u64::from(slot.wrapping_add(1))
+}
+
 /// Entries of the unwinder's PC cache (a power of two).
 pub const PC_CACHE_ENTRIES: u32 = 4096;
 

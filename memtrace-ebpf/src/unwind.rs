@@ -24,7 +24,7 @@ use memtrace_common::{
         DwarfStack, MapEntry, PageChunk, PageRow, ProcMaps, RowChunk, RowKind, RuleChunk,
         TableInfo, UnwindRule, MAPPING_SEARCH_STEPS, MAX_FRAMES, MAX_MAPPINGS, PAGES_PER_CHUNK,
         PAGE_SHIFT, PC_CACHE_ENTRIES, ROWS_PER_CHUNK, ROW_SEARCH_STEPS, RULES_PER_CHUNK,
-        TABLE_CAPPED, TABLE_NONE,
+        SLOT_CACHE_ENTRIES, TABLE_CAPPED, TABLE_NONE,
     },
     Counter, EventKind,
 };
@@ -67,6 +67,10 @@ static UNWIND_TABLES: Array<TableInfo> = Array::with_max_entries(4096, 0);
 /// Slot in `PROC_MAPS` of each traced process, by tgid.
 #[map]
 static PROC_SLOTS: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
+/// Most processes' slots again, at `tgid % SLOT_CACHE_ENTRIES`
+/// ([`slot_cache_entry`]): an array read instead of a hash look-up.
+#[map]
+static PROC_SLOT_CACHE: Array<u64> = Array::with_max_entries(SLOT_CACHE_ENTRIES, 0);
 /// Executable mappings of each traced process, by slot (sized by the loader).
 #[map]
 static PROC_MAPS: Array<ProcMaps> = Array::with_max_entries(1, 0);
@@ -210,6 +214,13 @@ fn opaque(value: u32) -> u32 {
 fn read_u64(addr: u64) -> Option<u64> {
     // SAFETY: bpf_probe_read_user validates the user address and fails cleanly.
     unsafe { bpf_probe_read_user(addr as *const u64) }.ok()
+}
+
+/// Two consecutive words of user memory, in one read.
+#[inline(always)]
+fn read_pair(addr: u64) -> Option<[u64; 2]> {
+    // SAFETY: bpf_probe_read_user validates the user address and fails cleanly.
+    unsafe { bpf_probe_read_user(addr as *const [u64; 2]) }.ok()
 }
 
 /// A binary search's state, shared with its `bpf_loop` callback (a loop
@@ -489,7 +500,7 @@ fn step(walk: &mut Walk) -> u32 {
         if walk.bp == 0 {
             return missing;
         }
-        let (Some(ra), Some(next_bp)) = (read_u64(walk.bp + 8), read_u64(walk.bp)) else {
+        let Some([next_bp, ra]) = read_pair(walk.bp) else {
             return missing;
         };
         let Some(ra) = untrampolined(walk.bp + 8, ra) else {
@@ -503,18 +514,30 @@ fn step(walk: &mut Walk) -> u32 {
         return BAD_RULE;
     };
 
-    let Some(ra) = read_u64(cfa.wrapping_sub(8)) else {
-        return FAULT;
+    let saves_rbp = row.rbp_offset8 != 0 && kind != RowKind::Plt as u8;
+    let ra = if saves_rbp && row.rbp_offset8 == -2 {
+        // The usual prologue (`push %rbp` first): rbp sits just below the
+        // return address, so one read fetches both.
+        let Some([bp, ra]) = read_pair(cfa.wrapping_sub(16)) else {
+            return FAULT;
+        };
+        walk.bp = bp;
+        ra
+    } else {
+        let Some(ra) = read_u64(cfa.wrapping_sub(8)) else {
+            return FAULT;
+        };
+        if saves_rbp {
+            match read_u64(cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64)) {
+                Some(bp) => walk.bp = bp,
+                None => return FAULT,
+            }
+        }
+        ra
     };
     let Some(ra) = untrampolined(cfa.wrapping_sub(8), ra) else {
         return FAULT;
     };
-    if row.rbp_offset8 != 0 && kind != RowKind::Plt as u8 {
-        match read_u64(cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64)) {
-            Some(bp) => walk.bp = bp,
-            None => return FAULT,
-        }
-    }
     walk.sp = cfa;
     walk.pc = ra;
     if ra == 0 {
@@ -545,9 +568,8 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
     // SAFETY: for return probes the context is the trapped task's pt_regs.
     let (pc, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    // SAFETY: the value is copied out at once.
-    let slot = match unsafe { PROC_SLOTS.get(&tgid) } {
-        Some(&slot) => slot,
+    let slot = match process_slot(tgid) {
+        Some(slot) => slot,
         None => {
             bump(Counter::UnwindNoMappings);
             NO_SLOT
@@ -589,6 +611,18 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
         report_stale(tgid);
     }
     store(walk.hash, walk.depth)
+}
+
+/// The slot of process `tgid` in `PROC_MAPS`.
+#[inline(always)]
+fn process_slot(tgid: u32) -> Option<u32> {
+    if let Some(&entry) = PROC_SLOT_CACHE.get(tgid % SLOT_CACHE_ENTRIES) {
+        if (entry >> 32) as u32 == tgid && entry as u32 != 0 {
+            return Some(entry as u32 - 1);
+        }
+    }
+    // SAFETY: the value is copied out at once.
+    unsafe { PROC_SLOTS.get(&tgid) }.copied()
 }
 
 /// Tells user space that `tgid`'s mappings changed (at most every 10 ms).

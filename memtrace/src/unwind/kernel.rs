@@ -1,6 +1,6 @@
 //! Loading unwind tables and per-process mappings into the eBPF maps the
 //! in-kernel unwinder reads (`UNWIND_ROWS`, `UNWIND_PAGES`, `UNWIND_TABLES`,
-//! `PROC_SLOTS`, `PROC_MAPS`).
+//! `PROC_SLOTS`, `PROC_SLOT_CACHE`, `PROC_MAPS`).
 //!
 //! Tables are built once per file (device, inode) and shared by every process
 //! mapping it. Table memory is bounded by `--unwind-table-mib`: an object whose
@@ -13,8 +13,9 @@ use std::time::Instant;
 use aya::maps::{Array, HashMap as BpfHashMap, MapData};
 use aya::Ebpf;
 use memtrace_common::unwind::{
-    MapEntry, PageChunk, PageRow, ProcMaps, RowChunk, RuleChunk, TableInfo, UnwindRule,
-    MAX_MAPPINGS, PAGES_PER_CHUNK, ROWS_PER_CHUNK, RULES_PER_CHUNK, TABLE_CAPPED, TABLE_NONE,
+    slot_cache_entry, MapEntry, PageChunk, PageRow, ProcMaps, RowChunk, RuleChunk, TableInfo,
+    UnwindRule, MAX_MAPPINGS, PAGES_PER_CHUNK, ROWS_PER_CHUNK, RULES_PER_CHUNK, SLOT_CACHE_ENTRIES,
+    TABLE_CAPPED, TABLE_NONE,
 };
 use serde::{Deserialize, Serialize};
 
@@ -105,6 +106,9 @@ pub struct UnwindTables {
     pages: Array<MapData, PageChunk>,
     tables: Array<MapData, TableInfo>,
     slots: BpfHashMap<MapData, u32, u32>,
+    /// The same, for most processes, in an array the kernel reads without
+    /// a hash look-up (`PROC_SLOT_CACHE`).
+    slot_cache: Array<MapData, u64>,
     proc_maps: Array<MapData, ProcMaps>,
     capacity: Capacity,
     next_row_chunk: u32,
@@ -131,6 +135,7 @@ impl UnwindTables {
         let pages = Array::try_from(take("UNWIND_PAGES")?)?;
         let tables = Array::try_from(take("UNWIND_TABLES")?)?;
         let slots = BpfHashMap::try_from(take("PROC_SLOTS")?)?;
+        let slot_cache = Array::try_from(take("PROC_SLOT_CACHE")?)?;
         let proc_maps = Array::try_from(take("PROC_MAPS")?)?;
         Ok(UnwindTables {
             rows,
@@ -138,6 +143,7 @@ impl UnwindTables {
             pages,
             tables,
             slots,
+            slot_cache,
             proc_maps,
             capacity,
             next_row_chunk: 0,
@@ -227,6 +233,10 @@ impl UnwindTables {
             log::warn!("unwinder: cannot register pid {pid}: {err}");
             return;
         }
+        // Cleared first: a reader never sees this tgid with another slot.
+        let index = pid % SLOT_CACHE_ENTRIES;
+        let _ = self.slot_cache.set(index, 0, 0);
+        let _ = self.slot_cache.set(index, slot_cache_entry(pid, slot), 0);
         self.slot_of.insert(pid, (slot, entries));
     }
 
@@ -234,6 +244,10 @@ impl UnwindTables {
     pub fn remove_process(&mut self, pid: u32) {
         if let Some((slot, _)) = self.slot_of.remove(&pid) {
             let _ = self.slots.remove(&pid);
+            let index = pid % SLOT_CACHE_ENTRIES;
+            if self.slot_cache.get(&index, 0).ok() == Some(slot_cache_entry(pid, slot)) {
+                let _ = self.slot_cache.set(index, 0, 0);
+            }
             self.free_slots.push(slot);
         }
     }
