@@ -217,3 +217,46 @@ fn children_of_the_target_are_reported_as_not_traced() {
         .to_string();
     assert!(note.starts_with("2 child process"), "{note}");
 }
+
+#[test]
+fn bpf_stats_reports_memtracers_own_programs_and_is_off_by_default() {
+    if !privileged() {
+        return;
+    }
+    let run = |extra: &[&str]| {
+        let mut fixture = Fixture::start("leak_sites", &["30", "30"]);
+        let pid = fixture.pid.to_string();
+        let mut args = vec!["--pid", &pid, "--format", "json", "--duration", "3s"];
+        args.extend_from_slice(extra);
+        let tracer = Tracer::attach(&args);
+        fixture.go();
+        tracer.report().0
+    };
+    let report = run(&["--bpf-stats"]);
+    let allocs = report["events"]["allocs"].as_u64().expect("allocs");
+    let programs = report["bpf_programs"].as_array().expect("bpf_programs");
+    let program = |name: &str| {
+        programs
+            .iter()
+            .find(|p| p["program"] == name)
+            .unwrap_or_else(|| panic!("{name} in {programs:?}"))
+    };
+    for name in ["call_enter", "call_exit"] {
+        let p = program(name);
+        let runs = p["runs"].as_u64().expect("runs");
+        // Every allocation traced ran both programs at least once.
+        assert!(runs >= allocs, "{name}: {runs} runs for {allocs} allocs");
+        assert!(p["run_ns"].as_u64().expect("run_ns") > 0, "{p}");
+        assert_eq!(
+            p["ns_per_run"].as_u64(),
+            Some(p["run_ns"].as_u64().unwrap_or(0) / runs),
+            "{p}"
+        );
+    }
+    let plain = run(&[]);
+    assert_eq!(
+        plain["bpf_programs"],
+        serde_json::json!([]),
+        "off by default"
+    );
+}
