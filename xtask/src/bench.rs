@@ -935,7 +935,8 @@ impl PairsResult {
     }
 }
 
-fn memtrace_flags(flags: &[&str]) -> Tracer {
+/// memtrace with these flags, as a [`Tracer`].
+pub(crate) fn memtrace_flags(flags: &[&str]) -> Tracer {
     Tracer::Memtrace(flags.iter().map(|s| s.to_string()).collect())
 }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::bench::{attach_with, Peers, Tracer};
+use crate::bench::{attach_with, memtrace_flags, Peers, Tracer};
 
 /// How one configuration runs the server.
 enum Setup {
@@ -82,11 +82,7 @@ fn markdown(opts: &RedisBench, set_ratio: &mut Option<f64>) -> String {
     }
     let object = jemalloc_object();
     let peer_object = object.clone().unwrap_or_else(|| "libc".into());
-    let memtrace = |flags: &[&str]| {
-        Setup::Traced(Ok(Tracer::Memtrace(
-            flags.iter().map(|f| f.to_string()).collect(),
-        )))
-    };
+    let memtrace = |flags: &[&str]| Setup::Traced(Ok(memtrace_flags(flags)));
     let mut configs = vec![
         config("untraced", "no tracer", Setup::Untraced),
         config("memtrace default", "`memtrace --pid PID`", memtrace(&[])),

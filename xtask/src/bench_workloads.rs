@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result};
 
-use crate::bench::{attach_with, Peers, Tracer};
+use crate::bench::{attach_with, memtrace_flags, Peers, Tracer};
 
 /// Options of the section.
 pub struct WorkloadBench<'a> {
@@ -63,11 +63,7 @@ struct Program {
 
 /// The configurations, each a tracer (`None`: untraced) or why it cannot run.
 fn configs(peers: &Peers, allocator: &str) -> Vec<(&'static str, Result<Option<Tracer>, String>)> {
-    let memtrace = |flags: &[&str]| {
-        Ok(Some(Tracer::Memtrace(
-            flags.iter().map(|f| f.to_string()).collect(),
-        )))
-    };
+    let memtrace = |flags: &[&str]| Ok(Some(memtrace_flags(flags)));
     let object = (allocator != "libc").then_some(allocator);
     vec![
         ("untraced", Ok(None)),
