@@ -100,7 +100,10 @@ pub struct ProbeSpec {
     pub parent_family: u8,
     /// [`SpecQuirk`] as `u8`.
     pub quirk: u8,
-    pub _pad: [u8; 5],
+    /// 1: a heap function, whose blocks may be settled in the kernel when
+    /// they are released before they leave it (see [`HeldSlot`]).
+    pub heap: u8,
+    pub _pad: [u8; 4],
     /// Status value meaning success when `ret` is [`RetKind::Status`].
     pub success_code: i64,
 }
@@ -118,7 +121,8 @@ impl ProbeSpec {
             family: 0,
             parent_family: ARG_NONE,
             quirk: SpecQuirk::None as u8,
-            _pad: [0; 5],
+            heap: 0,
+            _pad: [0; 4],
             success_code: 0,
         }
     }
@@ -227,6 +231,65 @@ pub fn in_flight_slot(tid: u32, family: u8) -> u32 {
     (mixed >> (64 - IN_FLIGHT_SLOTS.trailing_zeros())) as u32
 }
 
+/// Slots of the held-allocation table: one per thread (by a hash of its id).
+pub const HELD_SLOTS: u32 = 16384;
+/// Entries of the held table's address index.
+pub const HELD_HINTS: u32 = 65536;
+/// [`HeldSlot::state`] while user space takes the slot's event.
+pub const HELD_BUSY_USER: u64 = 1;
+
+/// A thread's newest heap allocation, held in the kernel instead of being
+/// sent at once: if the same thread (or any thread, found through the
+/// address index) releases it before the thread's next allocation, the pair
+/// is settled in the kernel and never costs a ring-buffer record. Otherwise
+/// the thread's next held allocation sends it, or user space takes it once
+/// it is old (the array is memory-mapped by the loader).
+///
+/// `state` is the slot's lock and version: 0 free; [`held_state`] (even) an
+/// event held by that thread; odd: being written (by its thread) or taken
+/// (by user space, [`HELD_BUSY_USER`]). Every transition is a
+/// compare-and-swap, so a release racing with a flush is seen by exactly one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldSlot {
+    pub state: u64,
+    /// The block this thread settled last, until the thread's next event:
+    /// a second release of it at another probe is the same release.
+    pub settled_addr: u64,
+    /// Thread of `settled_addr` + 1 (0: none).
+    pub settled_tid: u32,
+    /// Spec that settled `settled_addr`.
+    pub settled_spec: u16,
+    pub _pad: u16,
+    pub event: WireEvent,
+}
+
+/// The slot of thread `tid` in the held table.
+#[inline(always)]
+pub fn held_slot(tid: u32) -> u32 {
+    let mixed = (u64::from(tid) ^ 0x5bd1_e995).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (mixed >> (64 - HELD_SLOTS.trailing_zeros())) as u32
+}
+
+/// The address-index entry of block `addr`.
+#[inline(always)]
+pub fn held_hint(addr: u64) -> u32 {
+    let mixed = (addr >> 3).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (mixed >> (64 - HELD_HINTS.trailing_zeros())) as u32
+}
+
+/// [`HeldSlot::state`] of an event held by thread `tid`, version `version`.
+#[inline(always)]
+pub fn held_state(tid: u32, version: u32) -> u64 {
+    ((u64::from(tid) + 1) << 32) | (u64::from(version) << 1 & 0xffff_fffe)
+}
+
+/// The thread (+ 1) a held state belongs to (0 for [`HELD_BUSY_USER`]).
+#[inline(always)]
+pub fn held_owner(state: u64) -> u32 {
+    (state >> 32) as u32
+}
+
 /// Key of the live anonymous-mapping set (so `munmap` only reports what `mmap` traced).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -290,13 +353,19 @@ pub enum Counter {
     /// An allocator call was kept in the in-flight hash map because another
     /// thread held its slot (slower, nothing lost).
     InFlightSpilled = 23,
+    /// Heap blocks released before their allocation left the kernel: the
+    /// pair was settled there (counted in `allocs` and `frees`, never sent).
+    SettledInKernel = 24,
+    /// A release of a block settled in the kernel seen again at a second
+    /// probe by the same thread (an `operator delete` ending in `free`).
+    SettledSeenTwice = 25,
 }
 
 /// Number of [`Counter`] slots.
 pub const COUNTER_SLOTS: u32 = 32;
 
 impl Counter {
-    pub const ALL: [Counter; 24] = [
+    pub const ALL: [Counter; 26] = [
         Counter::RingbufFull,
         Counter::StackFault,
         Counter::StackCollision,
@@ -321,6 +390,8 @@ impl Counter {
         Counter::PyStackMapFull,
         Counter::PyHashCollision,
         Counter::InFlightSpilled,
+        Counter::SettledInKernel,
+        Counter::SettledSeenTwice,
     ];
 }
 
@@ -443,6 +514,7 @@ const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 24);
 const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
 const _: () = assert!(core::mem::size_of::<MmapKey>() == 16);
+const _: () = assert!(core::mem::size_of::<HeldSlot>() == 80);
 
 #[cfg(feature = "user")]
 mod user {
@@ -459,6 +531,8 @@ mod user {
     unsafe impl aya::Pod for super::PyProc {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::PyStack {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::HeldSlot {}
 }
 
 #[cfg(test)]

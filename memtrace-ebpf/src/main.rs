@@ -25,6 +25,7 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+mod held;
 mod in_flight;
 mod python;
 
@@ -90,7 +91,8 @@ static TRACED: HashMap<u32, u8> = HashMap::with_max_entries(1024, 0);
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
 /// Flags set by user space; index 0: 1 once the trace is ending (its entry
 /// probes are being detached, so returns without an entry are expected);
-/// index 1: how many processes have a Python frame reader (0: skip it).
+/// index 1: how many processes have a Python frame reader (0: skip it);
+/// index 2: 1 while heap allocations may be held (`held`).
 #[map]
 static CONTROL: Array<u32> = Array::with_max_entries(4, 0);
 
@@ -223,20 +225,25 @@ fn mul_sat(a: u64, b: u64) -> u64 {
     }
 }
 
+/// Submit flags of a record: wake the reader only once `WAKEUP_BYTES` wait.
+#[inline(always)]
+fn wakeup_flags() -> u64 {
+    let threshold = WAKEUP_BYTES.load();
+    if threshold == 0 {
+        0
+    } else if EVENTS.query(BPF_RB_AVAIL_DATA) >= threshold {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    }
+}
+
 #[inline(always)]
 fn emit(event: WireEvent) {
-    let threshold = WAKEUP_BYTES.load();
     match EVENTS.reserve::<WireEvent>(0) {
         Some(mut entry) => {
             entry.write(event);
-            let flags = if threshold == 0 {
-                0
-            } else if EVENTS.query(BPF_RB_AVAIL_DATA) >= threshold {
-                BPF_RB_FORCE_WAKEUP
-            } else {
-                BPF_RB_NO_WAKEUP
-            };
-            entry.submit(flags);
+            entry.submit(wakeup_flags());
         }
         None => bump(Counter::RingbufFull),
     }
@@ -348,6 +355,9 @@ fn release_now(args: &Args, spec: &ProbeSpec, pid_tgid: u64) {
         bump(Counter::Filtered);
         return;
     }
+    if spec.heap != 0 && held::settle(pid_tgid, ptr, spec.index, true) {
+        return;
+    }
     let mut event = base_event(pid_tgid, spec.index, EventKind::Free);
     event.addr = ptr;
     emit(event);
@@ -433,6 +443,9 @@ fn finish_call(
             bump(Counter::Filtered);
             return;
         }
+        if success && spec.heap != 0 && held::settle(pid_tgid, released, spec.index, true) {
+            return;
+        }
         emit(event);
         return;
     }
@@ -440,6 +453,9 @@ fn finish_call(
     if !success {
         if spec.kind == SpecKind::Realloc as u8 && call.ptr != 0 && call.size == 0 {
             // realloc(p, 0) frees p and returns NULL.
+            if spec.heap != 0 && held::settle(pid_tgid, call.ptr, spec.index, true) {
+                return;
+            }
             let mut event = base_event(pid_tgid, spec.index, EventKind::Free);
             event.addr = call.ptr;
             emit(event);
@@ -495,7 +511,10 @@ fn finish_call(
     let is_realloc = spec.kind == SpecKind::Realloc as u8;
     let old = if is_realloc { call.ptr } else { 0 };
     let new_sampled = sampled(addr);
-    let old_sampled = old != 0 && sampled(old);
+    // A held old block is settled here: the reallocation then only creates.
+    let old_sampled = old != 0
+        && sampled(old)
+        && !(spec.heap != 0 && held::settle(pid_tgid, old, spec.index, false));
     if !new_sampled && !old_sampled {
         bump(Counter::Filtered);
         return;
@@ -538,6 +557,12 @@ fn finish_call(
                 err
             }
         };
+    }
+    if spec.heap != 0 {
+        if kind == EventKind::Alloc && held::hold(&event) {
+            return;
+        }
+        held::forget_settled(event.tid);
     }
     emit(event);
 }

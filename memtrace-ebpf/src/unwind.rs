@@ -355,10 +355,7 @@ fn row_at(index: u32) -> Option<PageRow> {
 #[inline(always)]
 fn rule_at(index: u32) -> Option<UnwindRule> {
     let chunk = UNWIND_RULES.get(index / RULES_PER_CHUNK)?;
-    chunk
-        .rules
-        .get((index % RULES_PER_CHUNK) as usize)
-        .copied()
+    chunk.rules.get((index % RULES_PER_CHUNK) as usize).copied()
 }
 
 #[inline(always)]
@@ -463,11 +460,16 @@ fn step(walk: &mut Walk) -> u32 {
 
     let kind = row.kind;
     let cfa = if kind == RowKind::Rsp as u8 {
-        walk.sp.wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
+        walk.sp
+            .wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
     } else if kind == RowKind::Rbp as u8 {
-        walk.bp.wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
+        walk.bp
+            .wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
     } else if kind == RowKind::RbpDeref as u8 {
-        match read_u64(walk.bp.wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)) {
+        match read_u64(
+            walk.bp
+                .wrapping_add((i64::from(row.cfa_offset8) * 8) as u64),
+        ) {
             Some(cfa) => cfa,
             None => return FAULT,
         }

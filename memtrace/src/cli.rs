@@ -245,6 +245,14 @@ pub struct TraceArgs {
     #[arg(long)]
     pub bpf_stats: bool,
 
+    /// Send every heap allocation and release to memtrace as it happens. By
+    /// default the kernel holds each thread's newest heap allocation and,
+    /// when it is released before the thread allocates again, settles the
+    /// pair there (counted in `allocs`, `frees` and `settled_in_kernel`, at
+    /// a fraction of the cost of sending both).
+    #[arg(long)]
+    pub no_settle: bool,
+
     /// Benchmark floor: attach empty probes that record nothing.
     #[arg(long, hide = true)]
     pub null_probes: bool,

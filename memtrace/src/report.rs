@@ -194,6 +194,9 @@ pub struct EventCounts {
     pub failed_calls: u64,
     /// Allocations not tracked because the live table was at its cap.
     pub table_full: u64,
+    /// Heap blocks released before their allocation left the kernel: the
+    /// pairs settled there (included in `allocs` and `frees`).
+    pub settled_in_kernel: u64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -556,12 +559,15 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let lost_by_cause = pick(LOST_CAUSES);
     let stack_failures_by_cause = pick(STACK_CAUSES);
     let lost: u64 = lost_by_cause.values().sum();
+    let kernel = |name: &str| input.kernel_counters.get(name).copied().unwrap_or(0);
+    let settled = kernel("settled_in_kernel");
     let events = EventCounts {
-        allocs: counts.allocs,
-        frees: counts.frees,
+        allocs: counts.allocs + settled,
+        frees: counts.frees + settled,
+        settled_in_kernel: settled,
         lost,
         unmatched_frees: counts.unmatched_frees,
-        releases_seen_twice: counts.releases_seen_twice,
+        releases_seen_twice: counts.releases_seen_twice + kernel("settled_seen_twice"),
         stack_failures: stack_failures_by_cause.values().sum(),
         failed_calls: failed_calls.iter().map(|f| f.count).sum(),
         table_full: counts.table_full,

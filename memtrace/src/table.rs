@@ -10,6 +10,14 @@
 //! event of that thread in between, is one release seen at two probes (a C++
 //! `operator delete` that ends in a call of a probed `free`/`sdallocx`) and is
 //! counted in `releases_seen_twice`.
+//!
+//! A block's events are ordered by time, not by arrival: an allocation the
+//! kernel held (see the loader's `held` module) arrives after events of
+//! other threads made later. An event older than the block the table holds
+//! at its address is about an earlier block there: an allocation is counted
+//! and remembered as superseded, and a release settles a superseded one (or
+//! is unmatched). A release of a block always comes after its allocation,
+//! so in-order events never meet these rules.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -106,6 +114,9 @@ pub struct LiveTable {
     /// interval then costs the number of origins, not a walk of millions of
     /// blocks (which stalled the event loop long enough to overflow the ring).
     origins: HashMap<Origin, OriginTotal>,
+    /// Blocks older than the one the table holds at their address, arrived
+    /// late and not yet released, by key (almost always empty).
+    superseded: BTreeMap<BlockKey, u32>,
 }
 
 impl LiveTable {
@@ -117,6 +128,7 @@ impl LiveTable {
             max_blocks,
             last_release: HashMap::new(),
             origins: HashMap::new(),
+            superseded: BTreeMap::new(),
         }
     }
 
@@ -169,7 +181,7 @@ impl LiveTable {
             } => {
                 self.last_release.remove(&event.tid);
                 if old != 0 {
-                    self.release(key(event.pid, domain, old));
+                    self.release(key(event.pid, domain, old), event.ts_ns);
                 }
                 if track_new {
                     self.counts.allocs += 1;
@@ -192,6 +204,12 @@ impl LiveTable {
             stack: stack.to_wire(),
             py_stack: event.py_stack,
         };
+        if let Some(held) = self.blocks.get(&key) {
+            if held.ts_ns > event.ts_ns {
+                *self.superseded.entry(key).or_insert(0) += 1;
+                return;
+            }
+        }
         if self.blocks.len() >= self.max_blocks && !self.blocks.contains_key(&key) {
             self.counts.table_full += 1;
             return;
@@ -221,16 +239,39 @@ impl LiveTable {
                 }
             }
         }
-        self.release(key);
+        self.release(key, event.ts_ns);
         self.last_release.insert(event.tid, (key, event.spec));
     }
 
-    fn release(&mut self, key: BlockKey) {
+    /// Releases the block at `key` (a release made at `ts_ns`).
+    fn release(&mut self, key: BlockKey, ts_ns: u64) {
+        if self
+            .blocks
+            .get(&key)
+            .is_some_and(|block| block.ts_ns > ts_ns)
+        {
+            // Made before the block held here: it releases an earlier one.
+            self.release_superseded(key);
+            return;
+        }
         if let Some(block) = self.blocks.remove(&key) {
             self.forget(&block);
             self.counts.frees += 1;
         } else {
-            self.counts.unmatched_frees += 1;
+            self.release_superseded(key);
+        }
+    }
+
+    fn release_superseded(&mut self, key: BlockKey) {
+        match self.superseded.get_mut(&key) {
+            Some(count) => {
+                *count -= 1;
+                if *count == 0 {
+                    self.superseded.remove(&key);
+                }
+                self.counts.frees += 1;
+            }
+            None => self.counts.unmatched_frees += 1,
         }
     }
 
@@ -530,5 +571,76 @@ mod tests {
         table.apply(&alloc(0x10, 8), Domain::Heap);
         table.apply(&alloc(0x20, 8), Domain::Heap);
         assert_eq!((table.len(), table.counts().table_full), (1, 1));
+    }
+}
+
+#[cfg(test)]
+mod late_event_tests {
+    use super::*;
+    use crate::event::{Action, Event, StackRef};
+
+    fn at(ts_ns: u64, tid: u32, action: Action) -> Event {
+        Event {
+            ts_ns,
+            pid: 1,
+            tid,
+            spec: 0,
+            action,
+            py_stack: 0,
+        }
+    }
+
+    fn alloc(addr: u64, size: u64) -> Action {
+        Action::Alloc {
+            addr,
+            size,
+            stack: StackRef::NotRequested,
+        }
+    }
+
+    #[test]
+    fn a_held_block_taken_late_is_live_and_released_by_a_later_release() {
+        let mut t = LiveTable::new(100);
+        // Thread 2's events at t=20 arrive first; thread 1's block made at
+        // t=10 arrives after them (it was held in the kernel).
+        t.apply(&at(20, 2, alloc(0x20, 8)), Domain::Heap);
+        t.apply(&at(10, 1, alloc(0x10, 16)), Domain::Heap);
+        assert_eq!(t.len(), 2);
+        t.apply(&at(30, 2, Action::Free { addr: 0x10 }), Domain::Heap);
+        assert_eq!(t.len(), 1);
+        assert_eq!(t.counts().frees, 1);
+        assert_eq!(t.counts().unmatched_frees, 0);
+    }
+
+    #[test]
+    fn events_of_an_earlier_block_at_the_same_address_do_not_touch_the_later_one() {
+        let mut t = LiveTable::new(100);
+        // The later block (t=50) was taken from the kernel before the
+        // earlier block's allocation (t=10) and release (t=20) were read.
+        t.apply(&at(50, 1, alloc(0x10, 64)), Domain::Heap);
+        t.apply(&at(10, 2, alloc(0x10, 8)), Domain::Heap);
+        t.apply(&at(20, 2, Action::Free { addr: 0x10 }), Domain::Heap);
+        let blocks: Vec<_> = t.blocks().map(|(_, _, addr, b)| (addr, b.size)).collect();
+        assert_eq!(blocks, vec![(0x10, 64)]);
+        assert_eq!(t.counts().allocs, 2);
+        assert_eq!(t.counts().frees, 1);
+        assert_eq!(t.counts().unmatched_frees, 0);
+        // A release older than the block with no earlier block to settle is
+        // unmatched (its block predates the trace).
+        t.apply(&at(30, 2, Action::Free { addr: 0x10 }), Domain::Heap);
+        assert_eq!(t.counts().unmatched_frees, 1);
+        assert_eq!(t.len(), 1);
+        t.apply(&at(60, 1, Action::Free { addr: 0x10 }), Domain::Heap);
+        assert_eq!(t.len(), 0);
+        assert_eq!(t.counts().frees, 2);
+    }
+
+    #[test]
+    fn in_order_events_with_equal_times_behave_as_before() {
+        let mut t = LiveTable::new(100);
+        t.apply(&at(5, 1, alloc(0x10, 8)), Domain::Heap);
+        t.apply(&at(5, 1, Action::Free { addr: 0x10 }), Domain::Heap);
+        assert_eq!(t.len(), 0);
+        assert_eq!(t.counts().frees, 1);
     }
 }

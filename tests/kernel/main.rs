@@ -15,5 +15,6 @@ mod outputs;
 mod pairs;
 mod python;
 mod reliability;
+mod settle;
 mod unwind;
 mod visual;

@@ -290,6 +290,7 @@ impl FuncDef {
             self.parent_family
         };
         spec.quirk = self.quirk as u8;
+        spec.heap = u8::from(self.domain == Domain::Heap);
         spec.success_code = self.success_code;
         spec
     }

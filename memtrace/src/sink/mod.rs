@@ -228,6 +228,7 @@ pub(crate) mod fixture {
                 lost: 0,
                 unmatched_frees: 1,
                 releases_seen_twice: 0,
+                settled_in_kernel: 0,
                 stack_failures: 2,
                 failed_calls: 3,
                 table_full: 0,

@@ -137,6 +137,9 @@ impl Family {
         if let Some(member) = self.members.get_mut(&pid) {
             member.info.exited = true;
         }
+        // Its last allocations may still be held: taken now, while its
+        // mappings are still known to normalize their stacks.
+        pipeline.take_every_held(probes);
         probes.remove_process(pid);
         if pid != self.target {
             pipeline.forget_space(pid);

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 
+use super::held::HeldTable;
 use crate::unwind::kernel::UnwindTables;
 use anyhow::Context;
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, StackTraceMap};
@@ -52,6 +53,9 @@ pub struct LoadOptions {
     pub ring_bytes: u32,
     pub stack_entries: u32,
     pub wakeup_bytes: u64,
+    /// Let the kernel hold each thread's newest heap allocation and settle
+    /// it there when it is released first (`--no-settle` turns this off).
+    pub settle_in_kernel: bool,
 }
 
 /// Where one probed function is attached: enough to attach it again for
@@ -131,12 +135,43 @@ pub struct Probes {
     control: Array<MapData, u32>,
     /// The processes with a Python frame reader.
     python_pids: std::collections::BTreeSet<u32>,
+    /// The kernel's held allocations, mapped (`None`: none are held).
+    held: Option<HeldTable>,
 }
 
 /// Index in `CONTROL`: 1 once the trace is ending.
 const CONTROL_ENDING: u32 = 0;
 /// Index in `CONTROL`: how many processes have a Python frame reader.
 const CONTROL_PYTHON: u32 = 1;
+/// Index in `CONTROL`: 1 while the kernel may hold allocations (user space
+/// has the held table mapped).
+const CONTROL_HOLD: u32 = 2;
+
+/// Maps the held table and lets the kernel hold allocations; `None` (and
+/// every allocation sent at once) when the table cannot be mapped.
+fn map_held(ebpf: &Ebpf, control: &mut Array<MapData, u32>) -> Option<HeldTable> {
+    let fd = |name: &str| match ebpf.map(name) {
+        Some(aya::maps::Map::Array(data)) => Some(std::os::fd::AsFd::as_fd(data.fd())),
+        _ => None,
+    };
+    let (Some(slots), Some(index)) = (fd("HELD"), fd("HELD_INDEX")) else {
+        log::warn!("the held-allocation maps are missing: every event is sent");
+        return None;
+    };
+    match HeldTable::map(slots, index) {
+        Ok(table) => match control.set(CONTROL_HOLD, 1, 0) {
+            Ok(()) => Some(table),
+            Err(err) => {
+                log::warn!("cannot enable held allocations: {err}");
+                None
+            }
+        },
+        Err(err) => {
+            log::warn!("cannot map the held-allocation table ({err}): every event is sent");
+            None
+        }
+    }
+}
 
 /// Kernel counter names, as shown in reports.
 pub fn counter_name(counter: Counter) -> &'static str {
@@ -165,6 +200,8 @@ pub fn counter_name(counter: Counter) -> &'static str {
         Counter::PyStackMapFull => "py_stack_map_full",
         Counter::PyHashCollision => "py_hash_collision",
         Counter::InFlightSpilled => "in_flight_spilled",
+        Counter::SettledInKernel => "settled_in_kernel",
+        Counter::SettledSeenTwice => "settled_seen_twice",
     }
 }
 
@@ -248,8 +285,15 @@ impl Probes {
             ebpf.take_map("PY_STACKS")
                 .context("map PY_STACKS missing")?,
         )?;
-        let control = Array::try_from(ebpf.take_map("CONTROL").context("map CONTROL missing")?)?;
+        let mut control =
+            Array::try_from(ebpf.take_map("CONTROL").context("map CONTROL missing")?)?;
+        let held = if options.settle_in_kernel && !options.null_mode {
+            map_held(&ebpf, &mut control)
+        } else {
+            None
+        };
         Ok(Probes {
+            held,
             control,
             python_pids: std::collections::BTreeSet::new(),
             dwarf_stacks,
@@ -267,6 +311,11 @@ impl Probes {
             py_procs,
             py_stacks,
         })
+    }
+
+    /// The kernel's held allocations, when it holds any.
+    pub fn held(&self) -> Option<&HeldTable> {
+        self.held.as_ref()
     }
 
     /// The eBPF object, for the kernel log reader.

@@ -8,6 +8,7 @@
 mod by_name;
 pub mod discovery;
 mod family;
+mod held;
 mod kernel_support;
 pub mod loader;
 mod pipeline;
@@ -128,6 +129,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         ring_bytes: args.ring_mib << 20,
         stack_entries: args.stack_map_entries,
         wakeup_bytes: WAKEUP_BYTES,
+        settle_in_kernel: !args.no_settle,
     };
     let mut probes = Probes::load(pid, &options)?;
     // Held to the end of the trace: the kernel counts run time while it is open.
@@ -490,7 +492,7 @@ async fn close_while_draining(
             _ = tokio::time::sleep(DRAIN_EVERY) => session.pipeline.drain(ring.get_mut(), probes),
         }
     }
-    session.pipeline.drain(ring.get_mut(), probes);
+    session.pipeline.drain_all(ring.get_mut(), probes);
 }
 
 /// The heap allocators `--allocators` names (empty: all).

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use aya::maps::{MapData, RingBuf};
+use memtrace_common::WireEvent;
 
 use crate::event::{self, Action, Event, StackRef};
 use crate::probe::maps::{self, AddressSpace};
@@ -14,6 +15,10 @@ use crate::record::Recorder;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
 use crate::trace::loader::Probes;
+
+/// Allocations the kernel held this long are taken from it (see `held`):
+/// the live table is at most this much (one block per thread) behind.
+const HELD_AGE: Duration = Duration::from_millis(50);
 
 /// Mappings are re-read at most this often when a stack has unknown frames.
 const MAPS_REFRESH: Duration = Duration::from_millis(200);
@@ -52,6 +57,9 @@ pub struct Pipeline {
     /// Where the stream is recorded (`--record`).
     pub recorder: Option<Recorder>,
     pub decode_errors: u64,
+    /// When held allocations were last taken from the kernel.
+    held_taken: Option<Instant>,
+    held_buf: Vec<WireEvent>,
 }
 
 impl Pipeline {
@@ -68,6 +76,8 @@ impl Pipeline {
             stale_maps: Vec::new(),
             recorder: None,
             decode_errors: 0,
+            held_taken: None,
+            held_buf: Vec::new(),
         }
     }
 
@@ -112,23 +122,70 @@ impl Pipeline {
         gone
     }
 
-    /// Drains every record waiting in the ring buffer.
+    /// Drains every record waiting in the ring buffer, then takes the
+    /// allocations the kernel has held for [`HELD_AGE`].
     pub fn drain(&mut self, ring: &mut RingBuf<MapData>, probes: &Probes) {
+        self.read_ring(ring, probes);
+        if self.held_taken.is_none_or(|at| at.elapsed() >= HELD_AGE) {
+            self.held_taken = Some(Instant::now());
+            let before = crate::trace::monotonic_ns().saturating_sub(HELD_AGE.as_nanos() as u64);
+            self.take_held(probes, before);
+        }
+    }
+
+    /// Drains the ring buffer and takes every allocation the kernel holds
+    /// (the end of a trace, a process gone).
+    pub fn drain_all(&mut self, ring: &mut RingBuf<MapData>, probes: &Probes) {
+        self.read_ring(ring, probes);
+        self.take_every_held(probes);
+        self.read_ring(ring, probes);
+    }
+
+    /// Takes every allocation the kernel holds.
+    pub fn take_every_held(&mut self, probes: &Probes) {
+        self.take_held(probes, u64::MAX);
+    }
+
+    fn read_ring(&mut self, ring: &mut RingBuf<MapData>, probes: &Probes) {
         if let Some(recorder) = self.recorder.as_mut() {
             recorder.specs(probes.specs());
         }
         while let Some(record) = ring.next() {
-            match event::decode_wire(&record).and_then(|wire| {
-                if let Some(recorder) = self.recorder.as_mut() {
-                    recorder.event(&wire);
-                }
-                event::from_wire(&wire)
-            }) {
-                Ok(event) => self.handle(&event, probes),
+            match event::decode_wire(&record) {
+                Ok(wire) => self.take(&wire, probes),
                 Err(err) => {
                     self.decode_errors += 1;
                     log::debug!("undecodable event: {err}");
                 }
+            }
+        }
+    }
+
+    /// Applies the held allocations made at or before `before_ns`, oldest
+    /// first. They come late, after events of other threads made later; the
+    /// live table orders a block's events by time (see `LiveTable::apply`).
+    fn take_held(&mut self, probes: &Probes, before_ns: u64) {
+        let Some(held) = probes.held() else {
+            return;
+        };
+        let mut events = std::mem::take(&mut self.held_buf);
+        held.take(before_ns, &mut events);
+        events.sort_unstable_by_key(|event| event.ts_ns);
+        for wire in events.drain(..) {
+            self.take(&wire, probes);
+        }
+        self.held_buf = events;
+    }
+
+    fn take(&mut self, wire: &WireEvent, probes: &Probes) {
+        if let Some(recorder) = self.recorder.as_mut() {
+            recorder.event(wire);
+        }
+        match event::from_wire(wire) {
+            Ok(event) => self.handle(&event, probes),
+            Err(err) => {
+                self.decode_errors += 1;
+                log::debug!("undecodable event: {err}");
             }
         }
     }

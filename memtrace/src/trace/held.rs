@@ -1,0 +1,207 @@
+//! User space's side of the kernel's held allocations (see the eBPF
+//! program's `held` module): the `HELD` slots and their address index,
+//! memory-mapped, from which events held too long (and every one at the end
+//! of a trace) are taken with the same compare-and-swap protocol the kernel
+//! uses, so each held event is sent, settled or taken exactly once.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use memtrace_common::{
+    held_hint, held_slot, HeldSlot, WireEvent, HELD_BUSY_USER, HELD_HINTS, HELD_SLOTS,
+};
+
+/// A shared, writable mapping of a BPF array map.
+struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+impl Mapping {
+    fn new(fd: BorrowedFd<'_>, bytes: usize) -> io::Result<Self> {
+        // SAFETY: the page size query has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+        let len = bytes.div_ceil(page) * page;
+        // SAFETY: a fresh shared mapping of a BPF map fd; the kernel checks
+        // that the map is mmapable and `len` fits it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        NonNull::new(base.cast::<u8>())
+            .map(|base| Mapping { base, len })
+            .ok_or_else(|| io::Error::other("mmap returned NULL"))
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are exactly what mmap returned; nothing refers
+        // to the mapping once its owner is dropped.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// The held slots and their address index, mapped.
+pub struct HeldTable {
+    slots: Mapping,
+    index: Mapping,
+}
+
+// SAFETY: the mappings are plain shared memory, accessed only through atomics
+// and volatile reads under the slot protocol.
+unsafe impl Send for HeldTable {}
+
+impl HeldTable {
+    /// Maps the `HELD` array (`slots`) and `HELD_INDEX` (`index`).
+    pub fn map(slots: BorrowedFd<'_>, index: BorrowedFd<'_>) -> io::Result<Self> {
+        Ok(HeldTable {
+            slots: Mapping::new(slots, std::mem::size_of::<HeldSlot>() * HELD_SLOTS as usize)?,
+            index: Mapping::new(index, std::mem::size_of::<u32>() * HELD_HINTS as usize)?,
+        })
+    }
+
+    fn slot(&self, index: u32) -> *mut HeldSlot {
+        debug_assert!(index < HELD_SLOTS);
+        // SAFETY: `index` < HELD_SLOTS, so the element lies inside the mapping.
+        unsafe {
+            self.slots
+                .base
+                .as_ptr()
+                .cast::<HeldSlot>()
+                .add(index as usize)
+        }
+    }
+
+    fn state(&self, index: u32) -> &AtomicU64 {
+        // SAFETY: `state` is the first, 8-byte aligned word of an element
+        // inside the mapping, which lives as long as `self`; the kernel only
+        // touches it atomically too.
+        unsafe { AtomicU64::from_ptr(std::ptr::addr_of_mut!((*self.slot(index)).state)) }
+    }
+
+    fn hint(&self, hint: u32) -> &AtomicU32 {
+        debug_assert!(hint < HELD_HINTS);
+        // SAFETY: `hint` < HELD_HINTS: an aligned u32 inside the mapping.
+        unsafe { AtomicU32::from_ptr(self.index.base.as_ptr().cast::<u32>().add(hint as usize)) }
+    }
+
+    /// Takes every held event made at or before `before_ns` (monotonic
+    /// clock; `u64::MAX`: all of them) into `out`.
+    pub fn take(&self, before_ns: u64, out: &mut Vec<WireEvent>) {
+        for index in 0..HELD_SLOTS {
+            let state = self.state(index).load(Ordering::Acquire);
+            if state == 0 || state & 1 != 0 {
+                continue;
+            }
+            let slot = self.slot(index);
+            // SAFETY: an aligned word of the element; a torn read only makes
+            // the age test wrong for one scan.
+            let ts = unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*slot).event.ts_ns)) };
+            if ts > before_ns {
+                continue;
+            }
+            if self
+                .state(index)
+                .compare_exchange(state, HELD_BUSY_USER, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+            {
+                // Settled, sent or replaced meanwhile.
+                continue;
+            }
+            // SAFETY: the slot is locked by user space: its owner only writes
+            // it after taking a free or even state.
+            let event = unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*slot).event)) };
+            let _ = self.hint(held_hint(event.addr)).compare_exchange(
+                index + 1,
+                0,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+            self.state(index).store(0, Ordering::Release);
+            debug_assert_eq!(held_slot(event.tid), index);
+            out.push(event);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memtrace_common::held_state;
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+
+    /// A memfd of `bytes` zeroes, standing in for a BPF array map.
+    fn memfd(bytes: usize) -> OwnedFd {
+        // SAFETY: a fresh anonymous file; the name is a valid C string.
+        let fd = unsafe { libc::memfd_create(c"held-test".as_ptr(), 0) };
+        assert!(fd >= 0, "memfd_create: {}", io::Error::last_os_error());
+        // SAFETY: `fd` was just created and is owned here.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: `fd` is a valid memfd.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as i64) }, 0);
+        fd
+    }
+
+    fn event(tid: u32, addr: u64, ts_ns: u64) -> WireEvent {
+        WireEvent {
+            ts_ns,
+            addr,
+            size: 8,
+            aux: 0,
+            pid: 7,
+            tid,
+            stack_id: 0,
+            spec: 0,
+            kind: 0,
+            flags: 0,
+            py_stack: 0,
+            _pad: 0,
+        }
+    }
+
+    /// Holds `event` as the kernel does: event, index entry, then state.
+    fn hold(table: &HeldTable, event: WireEvent, state: u64) -> u32 {
+        let index = held_slot(event.tid);
+        // SAFETY: the slot lies in the mapping; nothing else runs here.
+        unsafe { (*table.slot(index)).event = event };
+        table.hint(held_hint(event.addr)).store(index + 1, Ordering::Release);
+        table.state(index).store(state, Ordering::Release);
+        index
+    }
+
+    #[test]
+    fn takes_only_events_held_long_enough_and_frees_their_slot_and_index_entry() {
+        let slots = memfd(std::mem::size_of::<HeldSlot>() * HELD_SLOTS as usize);
+        let index = memfd(4 * HELD_HINTS as usize);
+        let table = HeldTable::map(slots.as_fd(), index.as_fd()).expect("mapped");
+        let old = hold(&table, event(11, 0x1000, 100), held_state(11, 1));
+        let young = hold(&table, event(12, 0x2000, 900), held_state(12, 1));
+        // Being written by its thread: never taken.
+        let busy = hold(&table, event(13, 0x3000, 50), held_state(13, 1) | 1);
+
+        let mut out = Vec::new();
+        table.take(500, &mut out);
+        assert_eq!(out, vec![event(11, 0x1000, 100)]);
+        assert_eq!(table.state(old).load(Ordering::Acquire), 0);
+        assert_eq!(table.hint(held_hint(0x1000)).load(Ordering::Acquire), 0);
+        assert_ne!(table.state(young).load(Ordering::Acquire), 0);
+
+        out.clear();
+        table.take(u64::MAX, &mut out);
+        assert_eq!(out, vec![event(12, 0x2000, 900)]);
+        assert_eq!(table.hint(held_hint(0x2000)).load(Ordering::Acquire), 0);
+        assert_eq!(table.state(busy).load(Ordering::Acquire) & 1, 1);
+    }
+}
