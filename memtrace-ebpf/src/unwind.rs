@@ -87,6 +87,19 @@ static PC_CACHE: Array<PcCacheEntry> = Array::with_max_entries(PC_CACHE_ENTRIES,
 #[map]
 static WALK_SCRATCH: PerCpuArray<DwarfStack> = PerCpuArray::with_max_entries(1, 0);
 
+/// Words of the user stack copied at once at the start of a walk.
+const COPY_WORDS: usize = 256;
+
+/// This CPU's copy of the top of the user stack being walked: one read
+/// instead of one per frame (most walks stay within it).
+#[repr(C)]
+pub struct StackCopy {
+    words: [u64; COPY_WORDS],
+}
+
+#[map]
+static STACK_COPY: PerCpuArray<StackCopy> = PerCpuArray::with_max_entries(1, 0);
+
 const NO_SLOT: u32 = u32::MAX;
 
 /// Why a walk ended.
@@ -120,6 +133,10 @@ struct Walk {
     stale: u32,
     /// [`ProcMaps::generation`] of the process's mapping list.
     generation: u32,
+    /// The user address `STACK_COPY` starts at, and how many bytes it holds
+    /// (0: the copy failed, every word is read on its own).
+    copy_base: u64,
+    copy_len: u64,
 }
 
 /// One PC cache entry: `value` is the mapping list's generation (high half)
@@ -221,6 +238,69 @@ fn read_u64(addr: u64) -> Option<u64> {
 fn read_pair(addr: u64) -> Option<[u64; 2]> {
     // SAFETY: bpf_probe_read_user validates the user address and fails cleanly.
     unsafe { bpf_probe_read_user(addr as *const [u64; 2]) }.ok()
+}
+
+/// Copies the top of the user stack (from `sp`) into `STACK_COPY`; the
+/// bytes copied (0 when the copy faulted: the stack ends within it).
+#[inline(always)]
+fn copy_stack(sp: u64) -> u64 {
+    let Some(copy) = STACK_COPY.get_ptr_mut(0) else {
+        return 0;
+    };
+    const BYTES: u32 = (COPY_WORDS * 8) as u32;
+    // SAFETY: `copy` is this CPU's own element, BYTES long; the helper
+    // validates the user address and fails cleanly.
+    let read = unsafe {
+        aya_ebpf::helpers::generated::bpf_probe_read_user(
+            copy as *mut core::ffi::c_void,
+            BYTES,
+            sp as *const core::ffi::c_void,
+        )
+    };
+    if read == 0 {
+        u64::from(BYTES)
+    } else {
+        0
+    }
+}
+
+/// Word `index` of this CPU's stack copy; `index` must be below
+/// [`COPY_WORDS`]. Masked after an opaque read, so the verifier sees the
+/// bound (and 8-byte alignment) whatever the compiler made of the caller's.
+#[inline(always)]
+fn copied_word(index: u32) -> Option<u64> {
+    let index = opaque(index) & (COPY_WORDS as u32 - 1);
+    let copy = STACK_COPY.get_ptr(0)?;
+    // SAFETY: this CPU's own element, written by `copy_stack` in this program
+    // run (preemption is off, nothing else writes it); `index` is masked
+    // within its words.
+    Some(unsafe { *(copy as *const u64).add(index as usize) })
+}
+
+/// Two consecutive words of the walked stack: from the copy when it holds
+/// them, else read.
+#[inline(always)]
+fn stack_pair(walk: &Walk, addr: u64) -> Option<[u64; 2]> {
+    let offset = addr.wrapping_sub(walk.copy_base);
+    if offset & 7 == 0 && offset < walk.copy_len.saturating_sub(8) {
+        let index = (offset >> 3) as u32;
+        if let (Some(low), Some(high)) = (copied_word(index), copied_word(index + 1)) {
+            return Some([low, high]);
+        }
+    }
+    read_pair(addr)
+}
+
+/// One word of the walked stack: from the copy when it holds it, else read.
+#[inline(always)]
+fn stack_u64(walk: &Walk, addr: u64) -> Option<u64> {
+    let offset = addr.wrapping_sub(walk.copy_base);
+    if offset & 7 == 0 && offset < walk.copy_len {
+        if let Some(word) = copied_word((offset >> 3) as u32) {
+            return Some(word);
+        }
+    }
+    read_u64(addr)
 }
 
 /// A binary search's state, shared with its `bpf_loop` callback (a loop
@@ -502,7 +582,7 @@ fn step(walk: &mut Walk) -> u32 {
         if walk.bp == 0 {
             return missing;
         }
-        let Some([next_bp, ra]) = read_pair(walk.bp) else {
+        let Some([next_bp, ra]) = stack_pair(walk, walk.bp) else {
             return missing;
         };
         let Some(ra) = untrampolined(walk.bp + 8, ra) else {
@@ -520,17 +600,20 @@ fn step(walk: &mut Walk) -> u32 {
     let ra = if saves_rbp && row.rbp_offset8 == -2 {
         // The usual prologue (`push %rbp` first): rbp sits just below the
         // return address, so one read fetches both.
-        let Some([bp, ra]) = read_pair(cfa.wrapping_sub(16)) else {
+        let Some([bp, ra]) = stack_pair(walk, cfa.wrapping_sub(16)) else {
             return FAULT;
         };
         walk.bp = bp;
         ra
     } else {
-        let Some(ra) = read_u64(cfa.wrapping_sub(8)) else {
+        let Some(ra) = stack_u64(walk, cfa.wrapping_sub(8)) else {
             return FAULT;
         };
         if saves_rbp {
-            match read_u64(cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64)) {
+            match stack_u64(
+                walk,
+                cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64),
+            ) {
                 Some(bp) => walk.bp = bp,
                 None => return FAULT,
             }
@@ -589,6 +672,8 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
         exact: 0,
         stale: 0,
         generation,
+        copy_base: sp,
+        copy_len: copy_stack(sp),
     };
     let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
     // SAFETY: the callback is a static function of this program and `walk`

@@ -963,6 +963,18 @@ fn bench_pairs(
         ),
         PairConfig::new("memtrace default", "`memtrace` (32-frame DWARF stacks)".into(), memtrace_flags(&[]), traced),
         PairConfig::new(
+            "memtrace --no-settle",
+            "`memtrace --no-settle` (DWARF stacks, both events of every pair sent: the cost of a block that outlives its thread's next allocation)".into(),
+            memtrace_flags(&["--no-settle"]),
+            traced,
+        ),
+        PairConfig::new(
+            "memtrace --stack-depth 0 --no-settle",
+            "`memtrace --stack-depth 0 --no-settle`".into(),
+            memtrace_flags(&["--stack-depth", "0", "--no-settle"]),
+            traced,
+        ),
+        PairConfig::new(
             "memtrace --stacks fp",
             "`memtrace --stacks fp` (32-frame frame-pointer stacks)".into(),
             memtrace_flags(&["--stacks", "fp"]),
@@ -990,11 +1002,16 @@ fn bench_pairs(
             traced,
         ),
     ];
+    let mark = |configs: &mut [PairConfig], name: &str, why: &String| {
+        if let Some(config) = configs.iter_mut().find(|c| c.name == name) {
+            config.unavailable = Some(why.clone());
+        }
+    };
     if let Err(why) = bpftrace {
-        configs[7].unavailable = Some(why.clone());
+        mark(&mut configs, "bpftrace empty probes", why);
     }
     if let Err(why) = memleak {
-        configs[8].unavailable = Some(why.clone());
+        mark(&mut configs, "bcc memleak", why);
     }
     run_rounds(env, "mallocbench", &mut configs);
     // A peer none of whose runs worked is unavailable, and says why.
@@ -1960,6 +1977,8 @@ fn render(doc: &Doc) -> String {
     }
     let memtrace_default = p.median_of("memtrace default");
     let depth0 = p.median_of("memtrace --stack-depth 0");
+    let p_no_settle = p.median_of("memtrace --no-settle");
+    let p_depth0_no_settle = p.median_of("memtrace --stack-depth 0 --no-settle");
     let bcc = p.median_of("bcc memleak");
     let _ = writeln!(s);
     let _ = writeln!(
@@ -1971,6 +1990,11 @@ fn render(doc: &Doc) -> String {
         s,
         "- bcc memleak / memtrace --stack-depth 0: {}",
         fmt_ratio(bcc, depth0)
+    );
+    let _ = writeln!(
+        s,
+        "- every mallocbench pair is freed before its thread allocates again, so memtrace settles          it in the kernel (`settled_in_kernel`); `--no-settle` sends both events of each pair,          the cost of blocks that live longer: bcc memleak / memtrace --no-settle: {}",
+        fmt_ratio(bcc, p_no_settle)
     );
     let _ = writeln!(
         s,
@@ -2317,6 +2341,20 @@ fn render(doc: &Doc) -> String {
             goal_le(depth0.zip(placed).map(|(a, b)| a / b), 1.1, |v| {
                 format!("{v:.2}x")
             }),
+        ),
+        (
+            "the same, every pair sent (--no-settle) <= 1.3x placed floor",
+            goal_le(p_no_settle.zip(placed).map(|(a, b)| a / b), 1.3, |v| {
+                format!("{v:.2}x")
+            }),
+        ),
+        (
+            "the same, --stack-depth 0 --no-settle <= 1.1x placed floor",
+            goal_le(
+                p_depth0_no_settle.zip(placed).map(|(a, b)| a / b),
+                1.1,
+                |v| format!("{v:.2}x"),
+            ),
         ),
         (
             "bcc memleak >= 5x memtrace default per pair",

@@ -176,7 +176,9 @@ mod tests {
         let index = held_slot(event.tid);
         // SAFETY: the slot lies in the mapping; nothing else runs here.
         unsafe { (*table.slot(index)).event = event };
-        table.hint(held_hint(event.addr)).store(index + 1, Ordering::Release);
+        table
+            .hint(held_hint(event.addr))
+            .store(index + 1, Ordering::Release);
         table.state(index).store(state, Ordering::Release);
         index
     }
