@@ -19,20 +19,13 @@
 //! is unmatched). A release of a block always comes after its allocation,
 //! so in-order events never meet these rules.
 
+mod blocks;
+
 use std::collections::{BTreeMap, HashMap};
 
+use self::blocks::{BlockKey, BlockSet};
 use crate::event::{Action, Event, StackRef};
 use crate::probe::catalog::Domain;
-
-/// Where a block lives: (process id, address domain, address), ordered so.
-/// Packed (14 bytes, not 16): the table holds millions of them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-#[repr(C, packed(2))]
-struct BlockKey {
-    pid: u32,
-    domain: Domain,
-    addr: u64,
-}
 
 fn key(pid: u32, domain: Domain, addr: u64) -> BlockKey {
     BlockKey { pid, domain, addr }
@@ -97,14 +90,15 @@ pub struct Counts {
     pub failed: BTreeMap<(u16, i64), u64>,
 }
 
-/// Live blocks and counters. A B-tree, not a hash map: its nodes stay dense
-/// (no empty buckets, no doubling on growth), which roughly halves memtrace's
-/// memory per live block; lookups cost a few hundred nanoseconds at most,
-/// noise next to a uprobe hit.
+/// Live blocks and counters. The blocks are a dense ordered set (the
+/// `blocks` module: ~33 bytes a block where heap addresses cluster, as they
+/// do), not a hash map (empty buckets, doubling on growth) nor a B-tree entry
+/// per block (half-full leaves, ~88 bytes a block); lookups cost a few
+/// hundred nanoseconds at most, noise next to a uprobe hit.
 pub struct LiveTable {
     /// When the trace ended (monotonic ns), once [`LiveTable::close`] is called.
     ended_ns: Option<u64>,
-    blocks: BTreeMap<BlockKey, LiveBlock>,
+    blocks: BlockSet,
     counts: Counts,
     max_blocks: usize,
     /// Per thread, the block it released last and the spec that released
@@ -123,7 +117,7 @@ impl LiveTable {
     pub fn new(max_blocks: usize) -> Self {
         LiveTable {
             ended_ns: None,
-            blocks: BTreeMap::new(),
+            blocks: BlockSet::new(),
             counts: Counts::default(),
             max_blocks,
             last_release: HashMap::new(),
@@ -307,9 +301,7 @@ impl LiveTable {
 
     /// Every live block with its process, domain and address.
     pub fn blocks(&self) -> impl Iterator<Item = (u32, Domain, u64, &LiveBlock)> {
-        self.blocks
-            .iter()
-            .map(|(key, block)| (key.pid, key.domain, key.addr, block))
+        self.blocks.iter()
     }
 }
 
@@ -642,5 +634,68 @@ mod late_event_tests {
         t.apply(&at(5, 1, Action::Free { addr: 0x10 }), Domain::Heap);
         assert_eq!(t.len(), 0);
         assert_eq!(t.counts().frees, 1);
+    }
+}
+
+/// Memory per live block, printed (no thresholds): run one at a time, each in
+/// its own process, e.g. `cargo test -p memtrace --bins -- --ignored --exact
+/// table::memory_probe::per_block_1m --nocapture`.
+#[cfg(test)]
+mod memory_probe {
+    use super::*;
+    use crate::event::{Action, Event, StackRef};
+
+    /// (VmRSS, VmHWM) of this process, in bytes.
+    fn rss_hwm() -> (u64, u64) {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(name))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|kb| kb.parse::<u64>().ok())
+                .unwrap_or(0)
+                * 1024
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
+    fn measure(n: u64) {
+        let mut table = LiveTable::new(usize::MAX);
+        let (rss0, hwm0) = rss_hwm();
+        for i in 0..n {
+            let event = Event {
+                ts_ns: i,
+                pid: 1234,
+                tid: 1234,
+                spec: 0,
+                py_stack: 0,
+                action: Action::Alloc {
+                    addr: 0x5555_0000_0000 + 32 * i,
+                    size: 16,
+                    stack: StackRef::Id(1),
+                },
+            };
+            table.apply(&event, Domain::Heap);
+        }
+        let (rss1, hwm1) = rss_hwm();
+        println!(
+            "{n} blocks: VmRSS {:.1} B/block, VmHWM {:.1} B/block ({} live)",
+            rss1.saturating_sub(rss0) as f64 / n as f64,
+            hwm1.saturating_sub(hwm0) as f64 / n as f64,
+            table.len()
+        );
+    }
+
+    #[test]
+    #[ignore]
+    fn per_block_1m() {
+        measure(1_000_000);
+    }
+
+    #[test]
+    #[ignore]
+    fn per_block_10m() {
+        measure(10_000_000);
     }
 }
