@@ -87,18 +87,12 @@ static PC_CACHE: Array<PcCacheEntry> = Array::with_max_entries(PC_CACHE_ENTRIES,
 #[map]
 static WALK_SCRATCH: PerCpuArray<DwarfStack> = PerCpuArray::with_max_entries(1, 0);
 
-/// Words of the user stack copied at once at the start of a walk.
-const COPY_WORDS: usize = 256;
-
-/// This CPU's copy of the top of the user stack being walked: one read
-/// instead of one per frame (most walks stay within it).
-#[repr(C)]
-pub struct StackCopy {
-    words: [u64; COPY_WORDS],
-}
-
+/// This CPU's last stack stored or found in `DWARF_STACKS`: [hash, key + 1]
+/// (0: none). Entries are never removed or rewritten there, so a stack with
+/// the same 64-bit hash has that key without a look-up (a hot allocation
+/// site repeats its stack).
 #[map]
-static STACK_COPY: PerCpuArray<StackCopy> = PerCpuArray::with_max_entries(1, 0);
+static LAST_STACK: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
 
 const NO_SLOT: u32 = u32::MAX;
 
@@ -133,10 +127,6 @@ struct Walk {
     stale: u32,
     /// [`ProcMaps::generation`] of the process's mapping list.
     generation: u32,
-    /// The user address `STACK_COPY` starts at, and how many bytes it holds
-    /// (0: the copy failed, every word is read on its own).
-    copy_base: u64,
-    copy_len: u64,
 }
 
 /// One PC cache entry: `value` is the mapping list's generation (high half)
@@ -238,69 +228,6 @@ fn read_u64(addr: u64) -> Option<u64> {
 fn read_pair(addr: u64) -> Option<[u64; 2]> {
     // SAFETY: bpf_probe_read_user validates the user address and fails cleanly.
     unsafe { bpf_probe_read_user(addr as *const [u64; 2]) }.ok()
-}
-
-/// Copies the top of the user stack (from `sp`) into `STACK_COPY`; the
-/// bytes copied (0 when the copy faulted: the stack ends within it).
-#[inline(always)]
-fn copy_stack(sp: u64) -> u64 {
-    let Some(copy) = STACK_COPY.get_ptr_mut(0) else {
-        return 0;
-    };
-    const BYTES: u32 = (COPY_WORDS * 8) as u32;
-    // SAFETY: `copy` is this CPU's own element, BYTES long; the helper
-    // validates the user address and fails cleanly.
-    let read = unsafe {
-        aya_ebpf::helpers::generated::bpf_probe_read_user(
-            copy as *mut core::ffi::c_void,
-            BYTES,
-            sp as *const core::ffi::c_void,
-        )
-    };
-    if read == 0 {
-        u64::from(BYTES)
-    } else {
-        0
-    }
-}
-
-/// Word `index` of this CPU's stack copy; `index` must be below
-/// [`COPY_WORDS`]. Masked after an opaque read, so the verifier sees the
-/// bound (and 8-byte alignment) whatever the compiler made of the caller's.
-#[inline(always)]
-fn copied_word(index: u32) -> Option<u64> {
-    let index = opaque(index) & (COPY_WORDS as u32 - 1);
-    let copy = STACK_COPY.get_ptr(0)?;
-    // SAFETY: this CPU's own element, written by `copy_stack` in this program
-    // run (preemption is off, nothing else writes it); `index` is masked
-    // within its words.
-    Some(unsafe { *(copy as *const u64).add(index as usize) })
-}
-
-/// Two consecutive words of the walked stack: from the copy when it holds
-/// them, else read.
-#[inline(always)]
-fn stack_pair(walk: &Walk, addr: u64) -> Option<[u64; 2]> {
-    let offset = addr.wrapping_sub(walk.copy_base);
-    if offset & 7 == 0 && offset < walk.copy_len.saturating_sub(8) {
-        let index = (offset >> 3) as u32;
-        if let (Some(low), Some(high)) = (copied_word(index), copied_word(index + 1)) {
-            return Some([low, high]);
-        }
-    }
-    read_pair(addr)
-}
-
-/// One word of the walked stack: from the copy when it holds it, else read.
-#[inline(always)]
-fn stack_u64(walk: &Walk, addr: u64) -> Option<u64> {
-    let offset = addr.wrapping_sub(walk.copy_base);
-    if offset & 7 == 0 && offset < walk.copy_len {
-        if let Some(word) = copied_word((offset >> 3) as u32) {
-            return Some(word);
-        }
-    }
-    read_u64(addr)
 }
 
 /// A binary search's state, shared with its `bpf_loop` callback (a loop
@@ -582,7 +509,7 @@ fn step(walk: &mut Walk) -> u32 {
         if walk.bp == 0 {
             return missing;
         }
-        let Some([next_bp, ra]) = stack_pair(walk, walk.bp) else {
+        let Some([next_bp, ra]) = read_pair(walk.bp) else {
             return missing;
         };
         let Some(ra) = untrampolined(walk.bp + 8, ra) else {
@@ -600,20 +527,17 @@ fn step(walk: &mut Walk) -> u32 {
     let ra = if saves_rbp && row.rbp_offset8 == -2 {
         // The usual prologue (`push %rbp` first): rbp sits just below the
         // return address, so one read fetches both.
-        let Some([bp, ra]) = stack_pair(walk, cfa.wrapping_sub(16)) else {
+        let Some([bp, ra]) = read_pair(cfa.wrapping_sub(16)) else {
             return FAULT;
         };
         walk.bp = bp;
         ra
     } else {
-        let Some(ra) = stack_u64(walk, cfa.wrapping_sub(8)) else {
+        let Some(ra) = read_u64(cfa.wrapping_sub(8)) else {
             return FAULT;
         };
         if saves_rbp {
-            match stack_u64(
-                walk,
-                cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64),
-            ) {
+            match read_u64(cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64)) {
                 Some(bp) => walk.bp = bp,
                 None => return FAULT,
             }
@@ -672,8 +596,6 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
         exact: 0,
         stale: 0,
         generation,
-        copy_base: sp,
-        copy_len: copy_stack(sp),
     };
     let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
     // SAFETY: the callback is a static function of this program and `walk`
@@ -732,13 +654,32 @@ fn report_stale(tgid: u32) {
 /// Stores the scratch stack under its hash unless already there.
 #[inline(always)]
 fn store(hash: u64, depth: u32) -> i32 {
-    const EEXIST: i32 = 17;
     const EFAULT: i32 = 14;
-    const ENOMEM: i32 = 12;
     if depth == 0 {
         return -EFAULT;
     }
+    let last = LAST_STACK.get_ptr_mut(0);
+    if let Some(last) = last {
+        // SAFETY: this CPU's own element (preemption is off).
+        let [last_hash, last_key] = unsafe { *last };
+        if last_hash == hash && last_key != 0 {
+            return (last_key - 1) as i32;
+        }
+    }
     let key = (hash as u32) & 0x7fff_ffff;
+    let found = stored(hash, depth, key);
+    if let (Some(last), true) = (last, found >= 0) {
+        // SAFETY: as above.
+        unsafe { *last = [hash, u64::from(key) + 1] };
+    }
+    found
+}
+
+/// Finds or stores the scratch stack (hash `hash`) under `key`.
+#[inline(always)]
+fn stored(hash: u64, depth: u32, key: u32) -> i32 {
+    const EEXIST: i32 = 17;
+    const ENOMEM: i32 = 12;
     // SAFETY: the value is only read (its hash), at once.
     if let Some(existing) = unsafe { DWARF_STACKS.get(&key) } {
         if existing.hash == hash {
