@@ -1993,7 +1993,9 @@ fn render(doc: &Doc) -> String {
     );
     let _ = writeln!(
         s,
-        "- every mallocbench pair is freed before its thread allocates again, so memtrace settles          it in the kernel (`settled_in_kernel`); `--no-settle` sends both events of each pair,          the cost of blocks that live longer: bcc memleak / memtrace --no-settle: {}",
+        "- every mallocbench pair is freed before its thread allocates again, so memtrace settles it \
+         in the kernel (`settled_in_kernel`); `--no-settle` sends both events of each pair, the \
+         cost of blocks that live longer: bcc memleak / memtrace --no-settle: {}",
         fmt_ratio(bcc, p_no_settle)
     );
     let _ = writeln!(
