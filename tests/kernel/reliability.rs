@@ -906,24 +906,26 @@ fn after_an_overload_memtrace_recovers_and_sees_new_leaks_exactly() {
     work.expect("overloaded");
     // SAFETY: as above.
     unsafe { libc::kill(memtrace.id() as i32, libc::SIGCONT) };
-    // Caught up: two interim reports in a row with the same counts (the
-    // target is paused, so nothing new arrives once the ring is drained).
+    // Caught up: every churn event is seen or counted lost, and two interim
+    // reports in a row have the same counts (the target is paused, so
+    // nothing new arrives once the ring is drained).
     let counts = |r: &Value| {
         (
-            r["events"]["allocs"].as_u64(),
-            r["events"]["frees"].as_u64(),
-            r["events"]["lost"].as_u64(),
+            r["events"]["allocs"].as_u64().unwrap_or(0),
+            r["events"]["frees"].as_u64().unwrap_or(0),
+            r["events"]["lost"].as_u64().unwrap_or(0),
         )
     };
     let mut last = counts(&next_report());
     loop {
         let now = counts(&next_report());
-        if now == last && now.2.is_some_and(|lost| lost > 0) {
+        let (allocs, frees, lost) = now;
+        if now == last && lost > 0 && allocs + frees + lost >= 2 * 300_000 {
             break;
         }
         last = now;
     }
-    let lost_in_overload = last.2.unwrap_or(0);
+    let lost_in_overload = last.2;
     work.send();
     work.expect("done");
     // SAFETY: as above.

@@ -297,14 +297,14 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     };
 
     let deadline = args.duration.map(|d| session.started + d);
-    let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
-    let mut rescan = tokio::time::interval(RESCAN_EVERY);
+    let mut drain_tick = ticker(DRAIN_EVERY);
+    let mut rescan = ticker(RESCAN_EVERY);
     let mut rescans: u64 = 0;
-    let mut name_tick = tokio::time::interval(NAME_POLL_EVERY);
-    let mut status_tick = tokio::time::interval(Duration::from_secs(1));
-    let mut snapshot = tokio::time::interval(args.interval.unwrap_or(DEFAULT_HISTORY_EVERY));
+    let mut name_tick = ticker(NAME_POLL_EVERY);
+    let mut status_tick = ticker(Duration::from_secs(1));
+    let mut snapshot = ticker(args.interval.unwrap_or(DEFAULT_HISTORY_EVERY));
     snapshot.reset();
-    let mut metrics_tick = tokio::time::interval(METRICS_EVERY);
+    let mut metrics_tick = ticker(METRICS_EVERY);
     let show_status = std::io::stderr().is_terminal() && live.is_none();
     let mut status = status::StatusLine::new(show_status);
 
@@ -371,6 +371,10 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                     session.pipeline.table().live_bytes(), lost(&probes));
             }
             _ = snapshot.tick() => {
+                // A snapshot covers every event made before it, even when
+                // memtrace was behind (stopped, or the ring became readable
+                // in the same instant).
+                session.pipeline.drain(ring.get_mut(), &probes);
                 session.snapshot(&probes);
                 if let Some(view) = live.as_mut() {
                     let mut report = session.report(&probes, &discovery);
@@ -971,6 +975,15 @@ fn lost(probes: &Probes) -> u64 {
 }
 
 /// Registers a descriptor-owning value with the reactor for readability.
+/// A periodic timer that, after a stall (memtrace stopped or starved),
+/// fires once and then keeps its cadence instead of bursting to catch up:
+/// a burst would print interim reports back to back, none of them newer.
+fn ticker(period: Duration) -> tokio::time::Interval {
+    let mut ticker = tokio::time::interval(period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    ticker
+}
+
 fn register<T: std::os::fd::AsRawFd>(inner: T) -> std::io::Result<AsyncFd<T>> {
     // SAFETY: `inner` (the ring buffer or the log reader) owns its descriptor,
     // keeps it open and returns the same one until it is dropped, which happens
