@@ -951,6 +951,30 @@ fn after_an_overload_memtrace_recovers_and_sees_new_leaks_exactly() {
     );
 }
 
+#[test]
+fn a_target_gone_before_its_events_are_read_still_gets_its_call_sites() {
+    if !privileged() {
+        return;
+    }
+    // memtrace is stopped while the target leaks and exits, so it reads every
+    // event after the process (and its /proc/PID/maps) is gone: the stacks
+    // are normalized against the mappings read at attach.
+    let mut target = Proc::fixture("leak_sites", &["120", "0"]);
+    let pid = target.pid.to_string();
+    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--top", "50"]);
+    // SAFETY: kill with our own child's pid and a valid signal.
+    unsafe { libc::kill(tracer.child.id() as i32, libc::SIGSTOP) };
+    target.send();
+    target.expect("done");
+    let (_, status) = target.finish();
+    assert!(status.success(), "{status}");
+    // SAFETY: as above.
+    unsafe { libc::kill(tracer.child.id() as i32, libc::SIGCONT) };
+    let (report, stderr) = tracer.report();
+    assert_eq!(site_totals(&report, "leak_a"), (4800, 100), "{stderr}");
+    assert_eq!(site_totals(&report, "leak_b"), (10_000, 10), "{stderr}");
+}
+
 // ---------------------------------------------------------------------------
 // 7. More bad input (see also bad_input.rs).
 

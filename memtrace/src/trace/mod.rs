@@ -261,6 +261,9 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         notes: Vec::new(),
         python: python::PythonWatch::default(),
     };
+    // The target's mappings now, while it runs: its stacks are normalized
+    // against them even when memtrace reads the events after it exited.
+    session.pipeline.refresh_space_now(pid);
     // Before the announcement: by pid, Python frames are read from the
     // first allocation traced.
     session.watch_python(&mut probes);
