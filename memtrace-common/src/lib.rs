@@ -359,13 +359,16 @@ pub enum Counter {
     /// A release of a block settled in the kernel seen again at a second
     /// probe by the same thread (an `operator delete` ending in `free`).
     SettledSeenTwice = 25,
+    /// DWARF stacks answered by replaying an earlier walk of this CPU: the
+    /// same registers, mappings and stack words read, so the same stack.
+    StacksReplayed = 26,
 }
 
 /// Number of [`Counter`] slots.
 pub const COUNTER_SLOTS: u32 = 32;
 
 impl Counter {
-    pub const ALL: [Counter; 26] = [
+    pub const ALL: [Counter; 27] = [
         Counter::RingbufFull,
         Counter::StackFault,
         Counter::StackCollision,
@@ -392,6 +395,7 @@ impl Counter {
         Counter::InFlightSpilled,
         Counter::SettledInKernel,
         Counter::SettledSeenTwice,
+        Counter::StacksReplayed,
     ];
 }
 

@@ -10,6 +10,17 @@
 //! a PC is kept in `PC_CACHE`, keyed by the PC and the generation of the
 //! process's mapping list, so the hot PCs of a program skip both searches. The frame loop runs
 //! under `bpf_loop`, so the verifier checks one frame, not 127.
+//!
+//! A walk is a function of its start registers, the mapping list and the
+//! stack words it reads. Each CPU remembers its recent walks, words
+//! included (`WALK_REPLAYS`); a walk from the same registers in the same
+//! process first reads the remembered words' span in one copy, and when
+//! every word still holds its value, it is answered with the remembered
+//! stack without walking (`stacks_replayed`). A hot allocation site then
+//! costs one read instead of one read and two look-ups per frame.
+//!
+//! The whole walk is a global BPF function ([`memtrace_walk_stack`]): the
+//! verifier checks it once, not once per path of `call_exit` that reaches it.
 
 use aya_ebpf::{
     bindings::pt_regs,
@@ -94,6 +105,53 @@ static WALK_SCRATCH: PerCpuArray<DwarfStack> = PerCpuArray::with_max_entries(1, 
 #[map]
 static LAST_STACK: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
 
+/// Stack words a walk may read and still be replayed.
+const REPLAY_WORDS: usize = 32;
+/// Bytes of stack the words of a replayable walk may span.
+const REPLAY_SPAN: u32 = 4096;
+/// Replayable walks each CPU remembers, by start PC.
+const REPLAY_ENTRIES: u32 = 8;
+
+/// One remembered walk: its start registers, the process and mapping-list
+/// generation it ran under, every stack word it read, and what it found.
+/// The walk is a function of exactly these, so when they are all the same
+/// again the stored stack is the walk's answer (see [`replayed`]).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct WalkReplay {
+    pc: u64,
+    sp: u64,
+    bp: u64,
+    lo: u64,
+    tgid: u32,
+    generation: u32,
+    count: u32,
+    stop: u32,
+    key: i32,
+    /// Bytes from `lo` to the end of the highest word read.
+    bytes: u32,
+    /// [`seal`] of everything above and the words: an entry torn by two
+    /// walks (a preempted program on a preemptible kernel) fails it.
+    seal: u64,
+    addrs: [u64; REPLAY_WORDS],
+    values: [u64; REPLAY_WORDS],
+}
+
+/// Remembered walks, per CPU, at [`replay_index`] of their start PC.
+#[map]
+static WALK_REPLAYS: PerCpuArray<WalkReplay> = PerCpuArray::with_max_entries(REPLAY_ENTRIES, 0);
+
+/// The stack span a replay compares, read in one copy; `seq` changes with
+/// every replay, so one preempted by another on this CPU sees it changed.
+#[repr(C)]
+pub struct ReplaySpan {
+    seq: u64,
+    words: [u64; (REPLAY_SPAN / 8) as usize],
+}
+
+#[map]
+static REPLAY_SPANS: PerCpuArray<ReplaySpan> = PerCpuArray::with_max_entries(1, 0);
+
 const NO_SLOT: u32 = u32::MAX;
 
 /// Why a walk ended.
@@ -118,7 +176,6 @@ struct Walk {
     bp: u64,
     hash: u64,
     slot: u32,
-    depth: u32,
     stop: u32,
     /// The next PC was interrupted by a signal (not a return address): look
     /// it up as is, not at `pc - 1`.
@@ -127,6 +184,14 @@ struct Walk {
     stale: u32,
     /// [`ProcMaps::generation`] of the process's mapping list.
     generation: u32,
+    /// The `WALK_REPLAYS` element this walk logs its reads into.
+    replay: u32,
+    /// A read failed, a return address was the trampoline's, or a word was
+    /// unaligned: the walk depends on more than the words it logged.
+    unreplayable: u32,
+    _pad: u32,
+    /// [`seal`] of the words read so far.
+    seal: u64,
 }
 
 /// One PC cache entry: `value` is the mapping list's generation (high half)
@@ -412,10 +477,200 @@ fn find_rule(table: u32, offset: u64) -> Option<UnwindRule> {
     rule_at(info.rule_start + u32::from(row.rule))
 }
 
+impl Walk {
+    /// A stack word, logged for replay.
+    #[inline(always)]
+    fn read(&mut self, log: &mut WalkReplay, addr: u64) -> Option<u64> {
+        let value = read_u64(addr)?;
+        self.log(log, addr, value);
+        Some(value)
+    }
+
+    /// Two consecutive stack words in one read, logged for replay.
+    #[inline(always)]
+    fn read_pair(&mut self, log: &mut WalkReplay, addr: u64) -> Option<[u64; 2]> {
+        let pair = read_pair(addr)?;
+        self.log(log, addr, pair[0]);
+        self.log(log, addr.wrapping_add(8), pair[1]);
+        Some(pair)
+    }
+
+    /// [`untrampolined`]; a return address resolved through the kernel's
+    /// return instances depends on more than stack words: not replayable.
+    #[inline(always)]
+    fn untrampolined(&mut self, slot: u64, ra: u64) -> Option<u64> {
+        let real = untrampolined(slot, ra)?;
+        if real != ra {
+            self.unreplayable = 1;
+        }
+        Some(real)
+    }
+
+    /// Logs a word read into this walk's `WALK_REPLAYS` element, without
+    /// a branch (each would multiply the verifier's paths through a frame).
+    #[inline(always)]
+    fn log(&mut self, log: &mut WalkReplay, addr: u64, value: u64) {
+        // The count lives in the map value, not in `self`: a value loaded
+        // from a map is one the verifier does not track, so frames with
+        // different counts are still the same state to it.
+        let n = log.count;
+        log.count = n.wrapping_add(1);
+        let i = (n as usize) & (REPLAY_WORDS - 1);
+        log.addrs[i] = addr;
+        log.values[i] = value;
+        self.seal = seal(seal(self.seal, addr), value);
+        self.unreplayable |= (addr & 7) as u32;
+    }
+}
+
+/// One step of the seal hash.
+#[inline(always)]
+fn seal(state: u64, word: u64) -> u64 {
+    let mixed = (state ^ word).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    mixed ^ (mixed >> 31)
+}
+
+/// The seal of a replay entry's fields besides its words.
+#[inline(always)]
+fn seal_header(words: u64, entry: &WalkReplay, key: i32, stop: u32) -> u64 {
+    let mut state = seal(words, entry.pc);
+    state = seal(state, entry.sp);
+    state = seal(state, entry.bp);
+    state = seal(state, entry.lo);
+    state = seal(
+        state,
+        (u64::from(entry.generation) << 32) | u64::from(entry.tgid),
+    );
+    state = seal(state, (u64::from(stop) << 32) | u64::from(key as u32));
+    seal(
+        state,
+        (u64::from(entry.bytes) << 32) | u64::from(entry.count),
+    )
+}
+
+#[inline(always)]
+fn replay_index(pc: u64) -> u32 {
+    (pc.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 61) as u32 % REPLAY_ENTRIES
+}
+
+/// A replay's state, shared with its `bpf_loop` callback.
+#[repr(C)]
+struct ReplayCheck {
+    index: u32,
+    mismatch: u32,
+    lo: u64,
+    seal: u64,
+}
+
+/// `bpf_loop` callback: compares logged word `i` with the stack now.
+extern "C" fn replay_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: `ctx` is the `ReplayCheck` on `replayed`'s stack, alive during
+    // the synchronous bpf_loop call.
+    let check = unsafe { &mut *(ctx as *mut ReplayCheck) };
+    let (Some(entry), Some(span)) = (WALK_REPLAYS.get(check.index), REPLAY_SPANS.get(0)) else {
+        check.mismatch = 1;
+        return 1;
+    };
+    let (Some(&addr), Some(&value)) = (entry.addrs.get(i as usize), entry.values.get(i as usize))
+    else {
+        check.mismatch = 1;
+        return 1;
+    };
+    check.seal = seal(seal(check.seal, addr), value);
+    let word = (addr.wrapping_sub(check.lo) >> 3) as usize;
+    match span.words.get(word) {
+        Some(&now) if now == value => 0,
+        _ => {
+            check.mismatch = 1;
+            1
+        }
+    }
+}
+
+/// The answer of the remembered walk from these registers, if every stack
+/// word it read still holds the value it read: `(stack key, stop reason)`.
+#[inline(always)]
+fn replayed(
+    index: u32,
+    pc: u64,
+    sp: u64,
+    bp: u64,
+    tgid: u32,
+    generation: u32,
+) -> Option<(i32, u32)> {
+    let entry = WALK_REPLAYS.get_ptr(index)?;
+    // SAFETY: this CPU's own element; the seal check rejects a torn one.
+    let entry = unsafe { &*entry };
+    if entry.pc != pc
+        || entry.sp != sp
+        || entry.bp != bp
+        || entry.tgid != tgid
+        || entry.generation != generation
+    {
+        return None;
+    }
+    let (count, key, stop, lo, sealed) = (entry.count, entry.key, entry.stop, entry.lo, entry.seal);
+    let span = REPLAY_SPANS.get_ptr_mut(0)?;
+    // SAFETY: this CPU's own element; `seq` tells if another replay used it
+    // meanwhile.
+    let span = unsafe { &mut *span };
+    let seq = span.seq.wrapping_add(1);
+    span.seq = seq;
+    let mut check = ReplayCheck {
+        index,
+        mismatch: 0,
+        lo,
+        seal: 0x243F_6A88_85A3_08D3,
+    };
+    if count > 0 {
+        let bytes = opaque(entry.bytes);
+        if bytes == 0 || bytes > REPLAY_SPAN {
+            return None;
+        }
+        // SAFETY: `bytes` is at most the size of `words`; the helper
+        // validates the user range and fails cleanly.
+        let failed = unsafe {
+            aya_ebpf::helpers::generated::bpf_probe_read_user(
+                span.words.as_mut_ptr() as *mut core::ffi::c_void,
+                bytes,
+                lo as *const core::ffi::c_void,
+            )
+        };
+        if failed != 0 {
+            return None;
+        }
+        // SAFETY: the callback is a static function of this program and
+        // `check` outlives the call.
+        unsafe {
+            aya_ebpf::helpers::generated::bpf_loop(
+                count.min(REPLAY_WORDS as u32),
+                replay_word as *mut core::ffi::c_void,
+                &mut check as *mut ReplayCheck as *mut core::ffi::c_void,
+                0,
+            );
+        }
+    }
+    if check.mismatch != 0 || span.seq != seq || seal_header(check.seal, entry, key, stop) != sealed
+    {
+        return None;
+    }
+    Some((key, stop))
+}
+
 /// Records the current PC and computes the caller's registers.
 /// Returns the walk's new stop reason ([`RUNNING`] to go on).
 #[inline(always)]
-fn step(walk: &mut Walk) -> u32 {
+fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
+    let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) else {
+        return BAD_RULE;
+    };
+    // SAFETY: the per-CPU scratch element is this CPU's own; programs run with
+    // preemption disabled, so nothing else touches it during the walk.
+    let scratch = unsafe { &mut *scratch };
+    // The depth lives in the map value, not in `walk`: the verifier does not
+    // track a value loaded from a map, so it sees one frame's state, not one
+    // state per depth (see `WalkReplay` count).
+    let depth = scratch.len;
     let lookup = if walk.exact != 0 {
         walk.pc
     } else {
@@ -430,7 +685,7 @@ fn step(walk: &mut Walk) -> u32 {
         let (rule, missing, cacheable) = match find_mapping(walk.slot, lookup) {
             None => {
                 walk.stale = 1;
-                if walk.depth > 0 {
+                if depth > 0 {
                     // Not code: the previous frame's return address was not real.
                     return NO_TABLE;
                 }
@@ -451,17 +706,11 @@ fn step(walk: &mut Walk) -> u32 {
     };
 
     // Record this frame.
-    let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) else {
-        return BAD_RULE;
-    };
-    // SAFETY: the per-CPU scratch element is this CPU's own; programs run with
-    // preemption disabled, so nothing else touches it during the walk.
-    let scratch = unsafe { &mut *scratch };
-    match scratch.pcs.get_mut(walk.depth as usize) {
+    match scratch.pcs.get_mut(depth as usize) {
         Some(slot) => *slot = walk.pc,
         None => return COMPLETE,
     }
-    walk.depth += 1;
+    scratch.len = depth + 1;
     walk.hash = (walk.hash ^ walk.pc).wrapping_mul(0x0000_0100_0000_01b3);
     walk.hash ^= walk.hash >> 29;
 
@@ -473,7 +722,8 @@ fn step(walk: &mut Walk) -> u32 {
         walk.bp
             .wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
     } else if kind == RowKind::RbpDeref as u8 {
-        match read_u64(
+        match walk.read(
+            log,
             walk.bp
                 .wrapping_add((i64::from(row.cfa_offset8) * 8) as u64),
         ) {
@@ -491,9 +741,9 @@ fn step(walk: &mut Walk) -> u32 {
             .wrapping_add(extra)
     } else if kind == RowKind::Signal as u8 {
         let (Some(bp), Some(sp), Some(pc)) = (
-            read_u64(walk.sp + SIGCTX_RBP),
-            read_u64(walk.sp + SIGCTX_RSP),
-            read_u64(walk.sp + SIGCTX_RIP),
+            walk.read(log, walk.sp + SIGCTX_RBP),
+            walk.read(log, walk.sp + SIGCTX_RSP),
+            walk.read(log, walk.sp + SIGCTX_RIP),
         ) else {
             return FAULT;
         };
@@ -509,10 +759,11 @@ fn step(walk: &mut Walk) -> u32 {
         if walk.bp == 0 {
             return missing;
         }
-        let Some([next_bp, ra]) = read_pair(walk.bp) else {
+        let Some([next_bp, ra]) = walk.read_pair(log, walk.bp) else {
+            walk.unreplayable = 1;
             return missing;
         };
-        let Some(ra) = untrampolined(walk.bp + 8, ra) else {
+        let Some(ra) = walk.untrampolined(walk.bp + 8, ra) else {
             return FAULT;
         };
         walk.sp = walk.bp + 16;
@@ -527,24 +778,27 @@ fn step(walk: &mut Walk) -> u32 {
     let ra = if saves_rbp && row.rbp_offset8 == -2 {
         // The usual prologue (`push %rbp` first): rbp sits just below the
         // return address, so one read fetches both.
-        let Some([bp, ra]) = read_pair(cfa.wrapping_sub(16)) else {
+        let Some([bp, ra]) = walk.read_pair(log, cfa.wrapping_sub(16)) else {
             return FAULT;
         };
         walk.bp = bp;
         ra
     } else {
-        let Some(ra) = read_u64(cfa.wrapping_sub(8)) else {
+        let Some(ra) = walk.read(log, cfa.wrapping_sub(8)) else {
             return FAULT;
         };
         if saves_rbp {
-            match read_u64(cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64)) {
+            match walk.read(
+                log,
+                cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64),
+            ) {
                 Some(bp) => walk.bp = bp,
                 None => return FAULT,
             }
         }
         ra
     };
-    let Some(ra) = untrampolined(cfa.wrapping_sub(8), ra) else {
+    let Some(ra) = walk.untrampolined(cfa.wrapping_sub(8), ra) else {
         return FAULT;
     };
     walk.sp = cfa;
@@ -561,7 +815,13 @@ extern "C" fn frame_callback(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
     // SAFETY: `ctx` is the `Walk` on `capture`'s stack, passed to bpf_loop,
     // which calls back synchronously while that frame is alive.
     let walk = unsafe { &mut *(ctx as *mut Walk) };
-    walk.stop = step(walk);
+    let Some(log) = WALK_REPLAYS.get_ptr_mut(walk.replay) else {
+        walk.stop = BAD_RULE;
+        return 1;
+    };
+    // SAFETY: this CPU's own element; a write torn by another walk on this
+    // CPU fails the entry's seal.
+    walk.stop = step(walk, unsafe { &mut *log });
     if walk.stop == RUNNING {
         0
     } else {
@@ -576,6 +836,15 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: for return probes the context is the trapped task's pt_regs.
     let (pc, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
+    memtrace_walk_stack(pc, sp, bp)
+}
+
+/// Walks the user stack from the registers of a return probe. A global BPF
+/// function: the verifier checks it once, on its own, instead of once per
+/// path of `call_exit` that reaches it.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     let slot = match process_slot(tgid) {
         Some(slot) => slot,
@@ -585,18 +854,37 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
         }
     };
     let generation = PROC_MAPS.get(slot).map_or(0, |maps| maps.generation);
+    let replay = replay_index(pc);
+    if slot != NO_SLOT {
+        if let Some((key, stop)) = replayed(replay, pc, sp, bp, tgid, generation) {
+            bump(Counter::StacksReplayed);
+            count_stop(stop);
+            return key;
+        }
+    }
+    if let Some(entry) = WALK_REPLAYS.get_ptr_mut(replay) {
+        // SAFETY: this CPU's own element; the walk logs its words from 0.
+        unsafe { (*entry).count = 0 };
+    }
     let mut walk = Walk {
         pc,
         sp,
         bp,
         hash: 0xcbf2_9ce4_8422_2325,
         slot,
-        depth: 0,
         stop: RUNNING,
         exact: 0,
         stale: 0,
         generation,
+        replay,
+        unreplayable: 0,
+        _pad: 0,
+        seal: 0x243F_6A88_85A3_08D3,
     };
+    if let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) {
+        // SAFETY: this CPU's own element (see `step`).
+        unsafe { (*scratch).len = 0 };
+    }
     let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
     // SAFETY: the callback is a static function of this program and `walk`
     // outlives the call.
@@ -608,7 +896,22 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
             0,
         );
     }
-    match walk.stop {
+    count_stop(walk.stop);
+    if walk.stale != 0 {
+        report_stale(tgid);
+    }
+    let frames = WALK_SCRATCH.get(0).map_or(0, |scratch| scratch.len);
+    let key = store(walk.hash, frames);
+    if key >= 0 && slot != NO_SLOT && walk.stale == 0 {
+        remember(&walk, pc, sp, bp, tgid, key);
+    }
+    key
+}
+
+/// Counts why a walk ended (a complete walk counts nothing).
+#[inline(always)]
+fn count_stop(stop: u32) {
+    match stop {
         RUNNING => bump(Counter::UnwindDepth),
         FAULT => bump(Counter::UnwindReadFault),
         NO_TABLE => bump(Counter::UnwindNoTable),
@@ -616,10 +919,88 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
         CAPPED => bump(Counter::UnwindTableCap),
         _ => {}
     }
-    if walk.stale != 0 {
-        report_stale(tgid);
+}
+
+/// The lowest and highest address of a walk's logged words, found by
+/// [`span_word`].
+#[repr(C)]
+struct Span {
+    index: u32,
+    _pad: u32,
+    lo: u64,
+    hi: u64,
+}
+
+/// `bpf_loop` callback: widens the span by logged word `i`.
+extern "C" fn span_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: `ctx` is the `Span` on `remember`'s stack, alive during the
+    // synchronous bpf_loop call.
+    let span = unsafe { &mut *(ctx as *mut Span) };
+    let Some(entry) = WALK_REPLAYS.get(span.index) else {
+        return 1;
+    };
+    let Some(&addr) = entry.addrs.get(i as usize) else {
+        return 1;
+    };
+    span.lo = span.lo.min(addr);
+    span.hi = span.hi.max(addr);
+    0
+}
+
+/// Makes a finished walk replayable: its words were logged into its
+/// `WALK_REPLAYS` element as it read them; this seals them with the start
+/// registers (`walk` itself holds the final ones) and the answer.
+#[inline(always)]
+fn remember(walk: &Walk, pc: u64, sp: u64, bp: u64, tgid: u32, key: i32) {
+    if walk.unreplayable != 0 || walk.stop == FAULT || walk.stop == BAD_RULE {
+        return;
     }
-    store(walk.hash, walk.depth)
+    let Some(entry) = WALK_REPLAYS.get_ptr_mut(walk.replay) else {
+        return;
+    };
+    // SAFETY: this CPU's own element; see `WalkReplay::seal`.
+    let logged = unsafe { (*entry).count };
+    if logged > REPLAY_WORDS as u32 {
+        return;
+    }
+    let (lo, bytes) = if logged == 0 {
+        (0, 0)
+    } else {
+        let mut span = Span {
+            index: walk.replay,
+            _pad: 0,
+            lo: u64::MAX,
+            hi: 0,
+        };
+        // SAFETY: the callback is a static function of this program and
+        // `span` outlives the call.
+        unsafe {
+            aya_ebpf::helpers::generated::bpf_loop(
+                logged,
+                span_word as *mut core::ffi::c_void,
+                &mut span as *mut Span as *mut core::ffi::c_void,
+                0,
+            );
+        }
+        let bytes = span.hi.wrapping_sub(span.lo).wrapping_add(8);
+        if span.hi < span.lo || bytes > u64::from(REPLAY_SPAN) {
+            return;
+        }
+        (span.lo, bytes as u32)
+    };
+    // SAFETY: as above.
+    let entry = unsafe { &mut *entry };
+    entry.pc = pc;
+    entry.sp = sp;
+    entry.bp = bp;
+    entry.lo = lo;
+    entry.tgid = tgid;
+    entry.generation = walk.generation;
+    entry.count = logged;
+    entry.stop = walk.stop;
+    entry.key = key;
+    entry.bytes = bytes;
+    entry.seal = seal_header(walk.seal, entry, key, walk.stop);
 }
 
 /// The slot of process `tgid` in `PROC_MAPS`.
@@ -667,7 +1048,7 @@ fn store(hash: u64, depth: u32) -> i32 {
         }
     }
     let key = (hash as u32) & 0x7fff_ffff;
-    let found = stored(hash, depth, key);
+    let found = stored(hash, key);
     if let (Some(last), true) = (last, found >= 0) {
         // SAFETY: as above.
         unsafe { *last = [hash, u64::from(key) + 1] };
@@ -677,7 +1058,7 @@ fn store(hash: u64, depth: u32) -> i32 {
 
 /// Finds or stores the scratch stack (hash `hash`) under `key`.
 #[inline(always)]
-fn stored(hash: u64, depth: u32, key: u32) -> i32 {
+fn stored(hash: u64, key: u32) -> i32 {
     const EEXIST: i32 = 17;
     const ENOMEM: i32 = 12;
     // SAFETY: the value is only read (its hash), at once.
@@ -694,7 +1075,6 @@ fn stored(hash: u64, depth: u32, key: u32) -> i32 {
     // SAFETY: this CPU's own scratch element (see `step`).
     let scratch = unsafe { &mut *scratch };
     scratch.hash = hash;
-    scratch.len = depth;
     match DWARF_STACKS.insert(&key, scratch, 1 /* BPF_NOEXIST */) {
         Ok(()) => {
             bump(Counter::UnwindNewStack);

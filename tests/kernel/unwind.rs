@@ -3,7 +3,8 @@
 //! loaded after attach; C++ `new` through libstdc++; deep recursion cut at
 //! `--stack-depth` and counted; signal handlers and threads; Debian's
 //! stripped, static `python3.11`; frame-pointer code unchanged against
-//! `--stacks fp`.
+//! `--stacks fp`; walks replayed only when every stack word they read is
+//! unchanged.
 
 use serde_json::Value;
 
@@ -324,4 +325,45 @@ fn stacks_pass_through_functions_whose_return_is_probed() {
         "through the trampolines to the caller: {inner:#?}"
     );
     assert_eq!(report["stack_truncations_by_cause"]["fault"], 0);
+}
+
+#[test]
+fn replayed_walks_tell_callers_with_the_same_registers_apart() {
+    if !privileged() {
+        return;
+    }
+    // At malloc's return the PC, stack pointer and frame register are the
+    // same for both callers; only a return address on the stack differs.
+    let mut target = Fixture::start("twin_callers", &["30", "30"]);
+    let pid = target.pid.to_string();
+    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--top", "50"]);
+    target.go();
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report();
+    let through = |caller: &str| {
+        sites_of(&report, "leaf")
+            .iter()
+            .filter(|site| symbols(site).get(1).map(String::as_str) == Some(caller))
+            .fold((0, 0), |(bytes, count), site| {
+                (
+                    bytes + site["live_bytes"].as_u64().unwrap_or(0),
+                    count + site["live_count"].as_u64().unwrap_or(0),
+                )
+            })
+    };
+    assert_eq!(through("twin_a"), (300 * 24, 300), "{stderr}");
+    assert_eq!(through("twin_b"), (700 * 40, 700), "{stderr}");
+    for site in sites_of(&report, "leaf") {
+        let frames = symbols(site);
+        assert_eq!(
+            frames.get(2).map(String::as_str),
+            Some("main"),
+            "{frames:?}"
+        );
+    }
+    // The walks in a block of the same caller were replayed.
+    let replayed = report["kernel_counters"]["stacks_replayed"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(replayed > 0, "{}", report["kernel_counters"]);
 }

@@ -202,6 +202,7 @@ pub fn counter_name(counter: Counter) -> &'static str {
         Counter::InFlightSpilled => "in_flight_spilled",
         Counter::SettledInKernel => "settled_in_kernel",
         Counter::SettledSeenTwice => "settled_seen_twice",
+        Counter::StacksReplayed => "stacks_replayed",
     }
 }
 
@@ -263,6 +264,14 @@ impl Probes {
                 .with_context(|| format!("program {name} missing from the eBPF object"))?
                 .try_into()?;
             program.load().map_err(|err| load_failure(&err))?;
+            if let Some(insns) = program
+                .info()
+                .ok()
+                .and_then(|info| info.verified_instruction_count())
+            {
+                // The verifier's budget is 1M per program: the margin left.
+                log::debug!("program {name}: the verifier processed {insns} instructions");
+            }
         }
         let spec_map = Array::try_from(ebpf.take_map("SPECS").context("map SPECS missing")?)?;
         let events = RingBuf::try_from(ebpf.take_map("EVENTS").context("map EVENTS missing")?)?;
