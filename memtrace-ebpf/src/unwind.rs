@@ -106,9 +106,9 @@ static WALK_SCRATCH: PerCpuArray<DwarfStack> = PerCpuArray::with_max_entries(1, 
 static LAST_STACK: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
 
 /// Stack words a walk may read and still be replayed.
-const REPLAY_WORDS: usize = 32;
+const REPLAY_WORDS: usize = 64;
 /// Bytes of stack the words of a replayable walk may span.
-const REPLAY_SPAN: u32 = 4096;
+const REPLAY_SPAN: u32 = 16384;
 /// Replayable walks each CPU remembers, by start PC.
 const REPLAY_ENTRIES: u32 = 8;
 
@@ -130,6 +130,22 @@ pub struct WalkReplay {
     key: i32,
     /// Bytes from `lo` to the end of the highest word read.
     bytes: u32,
+    /// The walk used the start `bp` (code without frame pointers uses rbp
+    /// as any other register: its value then does not matter).
+    uses_bp: u32,
+    /// While the walk runs (not sealed): a read failed, a return address
+    /// was the trampoline's, or a word was unaligned, so the walk depends
+    /// on more than the words it logged; and whether `bp` still holds the
+    /// start register. Kept here rather than in [`Walk`]: the verifier does
+    /// not track values loaded from a map, so flags here do not split its
+    /// states of a frame.
+    unreplayable: u32,
+    start_bp: u32,
+    /// `bp` was restored from the stack word at `bp_addr`, not yet logged:
+    /// code without frame pointers saves rbp as any callee-saved register,
+    /// and its value matters only if a later frame uses it.
+    bp_pending: u32,
+    bp_addr: u64,
     /// [`seal`] of everything above and the words: an entry torn by two
     /// walks (a preempted program on a preemptible kernel) fails it.
     seal: u64,
@@ -186,9 +202,6 @@ struct Walk {
     generation: u32,
     /// The `WALK_REPLAYS` element this walk logs its reads into.
     replay: u32,
-    /// A read failed, a return address was the trampoline's, or a word was
-    /// unaligned: the walk depends on more than the words it logged.
-    unreplayable: u32,
     _pad: u32,
     /// [`seal`] of the words read so far.
     seal: u64,
@@ -486,22 +499,52 @@ impl Walk {
         Some(value)
     }
 
-    /// Two consecutive stack words in one read, logged for replay.
+    /// A saved rbp at `addr` and the return address above it, in one read:
+    /// the return address is logged, the rbp word only once it is used.
     #[inline(always)]
-    fn read_pair(&mut self, log: &mut WalkReplay, addr: u64) -> Option<[u64; 2]> {
-        let pair = read_pair(addr)?;
-        self.log(log, addr, pair[0]);
-        self.log(log, addr.wrapping_add(8), pair[1]);
-        Some(pair)
+    fn read_bp_ra(&mut self, log: &mut WalkReplay, addr: u64) -> Option<u64> {
+        let [bp, ra] = read_pair(addr)?;
+        self.log(log, addr.wrapping_add(8), ra);
+        self.restore_bp(log, addr, bp);
+        Some(ra)
+    }
+
+    /// rbp restored from the stack word at `addr`.
+    #[inline(always)]
+    fn restore_bp(&mut self, log: &mut WalkReplay, addr: u64, value: u64) {
+        self.bp = value;
+        log.start_bp = 0;
+        log.bp_addr = addr;
+        log.bp_pending = 1;
+    }
+
+    /// This frame uses rbp: the start register's, or the stack word it was
+    /// restored from, now matters to the walk (logged without a branch).
+    #[inline(always)]
+    fn use_bp(&mut self, log: &mut WalkReplay) {
+        log.uses_bp |= log.start_bp;
+        let pending = log.bp_pending & 1;
+        log.bp_pending = 0;
+        let n = log.count;
+        let i = (n as usize) & (REPLAY_WORDS - 1);
+        // Written either way; counted only when pending (otherwise the
+        // next word logged takes the slot).
+        log.addrs[i] = log.bp_addr;
+        log.values[i] = self.bp;
+        log.count = n.wrapping_add(pending);
+        let mask = 0u64.wrapping_sub(u64::from(pending));
+        let sealed = seal(seal(self.seal, log.bp_addr), self.bp);
+        self.seal = (sealed & mask) | (self.seal & !mask);
+        log.unreplayable |= (log.bp_addr & 7) as u32 & pending;
     }
 
     /// [`untrampolined`]; a return address resolved through the kernel's
     /// return instances depends on more than stack words: not replayable.
     #[inline(always)]
-    fn untrampolined(&mut self, slot: u64, ra: u64) -> Option<u64> {
+    fn untrampolined(&mut self, log: &mut WalkReplay, slot: u64, ra: u64) -> Option<u64> {
         let real = untrampolined(slot, ra)?;
         if real != ra {
-            self.unreplayable = 1;
+            log.unreplayable = 1;
         }
         Some(real)
     }
@@ -519,7 +562,7 @@ impl Walk {
         log.addrs[i] = addr;
         log.values[i] = value;
         self.seal = seal(seal(self.seal, addr), value);
-        self.unreplayable |= (addr & 7) as u32;
+        log.unreplayable |= (addr & 7) as u32;
     }
 }
 
@@ -542,6 +585,7 @@ fn seal_header(words: u64, entry: &WalkReplay, key: i32, stop: u32) -> u64 {
         (u64::from(entry.generation) << 32) | u64::from(entry.tgid),
     );
     state = seal(state, (u64::from(stop) << 32) | u64::from(key as u32));
+    state = seal(state, u64::from(entry.uses_bp));
     seal(
         state,
         (u64::from(entry.bytes) << 32) | u64::from(entry.count),
@@ -603,7 +647,7 @@ fn replayed(
     let entry = unsafe { &*entry };
     if entry.pc != pc
         || entry.sp != sp
-        || entry.bp != bp
+        || (entry.uses_bp != 0 && entry.bp != bp)
         || entry.tgid != tgid
         || entry.generation != generation
     {
@@ -719,9 +763,11 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
         walk.sp
             .wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
     } else if kind == RowKind::Rbp as u8 {
+        walk.use_bp(log);
         walk.bp
             .wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
     } else if kind == RowKind::RbpDeref as u8 {
+        walk.use_bp(log);
         match walk.read(
             log,
             walk.bp
@@ -741,13 +787,13 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
             .wrapping_add(extra)
     } else if kind == RowKind::Signal as u8 {
         let (Some(bp), Some(sp), Some(pc)) = (
-            walk.read(log, walk.sp + SIGCTX_RBP),
+            read_u64(walk.sp + SIGCTX_RBP),
             walk.read(log, walk.sp + SIGCTX_RSP),
             walk.read(log, walk.sp + SIGCTX_RIP),
         ) else {
             return FAULT;
         };
-        walk.bp = bp;
+        walk.restore_bp(log, walk.sp + SIGCTX_RBP, bp);
         walk.sp = sp;
         walk.pc = pc;
         walk.exact = 1;
@@ -756,18 +802,19 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
         return COMPLETE;
     } else if kind == RowKind::None as u8 {
         // Frame pointers for this frame.
+        walk.use_bp(log);
         if walk.bp == 0 {
             return missing;
         }
-        let Some([next_bp, ra]) = walk.read_pair(log, walk.bp) else {
-            walk.unreplayable = 1;
+        let frame = walk.bp;
+        let Some(ra) = walk.read_bp_ra(log, frame) else {
+            log.unreplayable = 1;
             return missing;
         };
-        let Some(ra) = walk.untrampolined(walk.bp + 8, ra) else {
+        let Some(ra) = walk.untrampolined(log, frame + 8, ra) else {
             return FAULT;
         };
-        walk.sp = walk.bp + 16;
-        walk.bp = next_bp;
+        walk.sp = frame + 16;
         walk.pc = ra;
         return if ra == 0 { COMPLETE } else { RUNNING };
     } else {
@@ -778,27 +825,24 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
     let ra = if saves_rbp && row.rbp_offset8 == -2 {
         // The usual prologue (`push %rbp` first): rbp sits just below the
         // return address, so one read fetches both.
-        let Some([bp, ra]) = walk.read_pair(log, cfa.wrapping_sub(16)) else {
+        let Some(ra) = walk.read_bp_ra(log, cfa.wrapping_sub(16)) else {
             return FAULT;
         };
-        walk.bp = bp;
         ra
     } else {
         let Some(ra) = walk.read(log, cfa.wrapping_sub(8)) else {
             return FAULT;
         };
         if saves_rbp {
-            match walk.read(
-                log,
-                cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64),
-            ) {
-                Some(bp) => walk.bp = bp,
+            let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
+            match read_u64(at) {
+                Some(bp) => walk.restore_bp(log, at, bp),
                 None => return FAULT,
             }
         }
         ra
     };
-    let Some(ra) = walk.untrampolined(cfa.wrapping_sub(8), ra) else {
+    let Some(ra) = walk.untrampolined(log, cfa.wrapping_sub(8), ra) else {
         return FAULT;
     };
     walk.sp = cfa;
@@ -864,7 +908,13 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
     }
     if let Some(entry) = WALK_REPLAYS.get_ptr_mut(replay) {
         // SAFETY: this CPU's own element; the walk logs its words from 0.
-        unsafe { (*entry).count = 0 };
+        unsafe {
+            (*entry).count = 0;
+            (*entry).unreplayable = 0;
+            (*entry).start_bp = 1;
+            (*entry).uses_bp = 0;
+            (*entry).bp_pending = 0;
+        }
     }
     let mut walk = Walk {
         pc,
@@ -877,7 +927,6 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
         stale: 0,
         generation,
         replay,
-        unreplayable: 0,
         _pad: 0,
         seal: 0x243F_6A88_85A3_08D3,
     };
@@ -952,15 +1001,16 @@ extern "C" fn span_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
 /// registers (`walk` itself holds the final ones) and the answer.
 #[inline(always)]
 fn remember(walk: &Walk, pc: u64, sp: u64, bp: u64, tgid: u32, key: i32) {
-    if walk.unreplayable != 0 || walk.stop == FAULT || walk.stop == BAD_RULE {
+    if walk.stop == FAULT || walk.stop == BAD_RULE {
         return;
     }
     let Some(entry) = WALK_REPLAYS.get_ptr_mut(walk.replay) else {
         return;
     };
     // SAFETY: this CPU's own element; see `WalkReplay::seal`.
-    let logged = unsafe { (*entry).count };
-    if logged > REPLAY_WORDS as u32 {
+    let (logged, unreplayable, uses_bp) =
+        unsafe { ((*entry).count, (*entry).unreplayable, (*entry).uses_bp) };
+    if logged > REPLAY_WORDS as u32 || unreplayable != 0 {
         return;
     }
     let (lo, bytes) = if logged == 0 {
@@ -992,7 +1042,10 @@ fn remember(walk: &Walk, pc: u64, sp: u64, bp: u64, tgid: u32, key: i32) {
     let entry = unsafe { &mut *entry };
     entry.pc = pc;
     entry.sp = sp;
-    entry.bp = bp;
+    // Without a branch: one on the flag would make the verifier tell the
+    // walk's states apart by it.
+    entry.bp = bp & 0u64.wrapping_sub(u64::from(uses_bp & 1));
+    entry.uses_bp = uses_bp & 1;
     entry.lo = lo;
     entry.tgid = tgid;
     entry.generation = walk.generation;
