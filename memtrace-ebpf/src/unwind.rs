@@ -98,19 +98,27 @@ static PC_CACHE: Array<PcCacheEntry> = Array::with_max_entries(PC_CACHE_ENTRIES,
 #[map]
 static WALK_SCRATCH: PerCpuArray<DwarfStack> = PerCpuArray::with_max_entries(1, 0);
 
-/// This CPU's last stack stored or found in `DWARF_STACKS`: [hash, key + 1]
-/// (0: none). Entries are never removed or rewritten there, so a stack with
-/// the same 64-bit hash has that key without a look-up (a hot allocation
-/// site repeats its stack).
+/// This CPU's last stack stored or found in `DWARF_STACKS`, by its 64-bit
+/// hash (0: none); its key is the hash's low 31 bits. Entries are never
+/// removed or rewritten there, so a stack with the same hash has that key
+/// without a look-up (a hot allocation site repeats its stack). One word,
+/// so a program preempted while reading it cannot see half of another's.
 #[map]
-static LAST_STACK: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
+static LAST_STACK: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Walks started on this CPU. The walk's scratch is per CPU and a program
+/// on a preemptible kernel can be preempted by another that walks on the
+/// same CPU: a walk that sees the count changed when it ends was
+/// overwritten and is counted as failed (`stack_other`), never stored.
+#[map]
+static WALKS_STARTED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Stack words a walk may read and still be replayed.
 const REPLAY_WORDS: usize = 64;
 /// Bytes of stack the words of a replayable walk may span.
 const REPLAY_SPAN: u32 = 16384;
-/// Replayable walks each CPU remembers, by start PC.
-const REPLAY_ENTRIES: u32 = 8;
+/// Replayable walks each CPU remembers, by start PC and stack pointer.
+const REPLAY_ENTRIES: u32 = 32;
 
 /// One remembered walk: its start registers, the process and mapping-list
 /// generation it ran under, every stack word it read, and what it found.
@@ -153,7 +161,7 @@ pub struct WalkReplay {
     values: [u64; REPLAY_WORDS],
 }
 
-/// Remembered walks, per CPU, at [`replay_index`] of their start PC.
+/// Remembered walks, per CPU, at [`replay_index`] of their start PC and SP.
 #[map]
 static WALK_REPLAYS: PerCpuArray<WalkReplay> = PerCpuArray::with_max_entries(REPLAY_ENTRIES, 0);
 
@@ -592,9 +600,12 @@ fn seal_header(words: u64, entry: &WalkReplay, key: i32, stop: u32) -> u64 {
     )
 }
 
+/// Where a walk from `pc` and `sp` is remembered: by both, since one
+/// allocator call site (a wrapper such as redis's `zmalloc`) is reached from
+/// many call paths, usually at different stack depths.
 #[inline(always)]
-fn replay_index(pc: u64) -> u32 {
-    (pc.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 61) as u32 % REPLAY_ENTRIES
+fn replay_index(pc: u64, sp: u64) -> u32 {
+    ((pc ^ sp.rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 59) as u32 % REPLAY_ENTRIES
 }
 
 /// A replay's state, shared with its `bpf_loop` callback.
@@ -708,8 +719,8 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
     let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) else {
         return BAD_RULE;
     };
-    // SAFETY: the per-CPU scratch element is this CPU's own; programs run with
-    // preemption disabled, so nothing else touches it during the walk.
+    // SAFETY: the per-CPU scratch element is this CPU's own; a walk that
+    // preempted this one on the CPU is detected by `WALKS_STARTED`.
     let scratch = unsafe { &mut *scratch };
     // The depth lives in the map value, not in `walk`: the verifier does not
     // track a value loaded from a map, so it sees one frame's state, not one
@@ -898,14 +909,32 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
         }
     };
     let generation = PROC_MAPS.get(slot).map_or(0, |maps| maps.generation);
-    let replay = replay_index(pc);
+    // Two entries per start PC and SP: two call paths that reach the same
+    // call site at the same depth (an event loop dispatching to handlers of
+    // one frame size) each keep theirs.
+    let pair = replay_index(pc, sp) & !1;
     if slot != NO_SLOT {
-        if let Some((key, stop)) = replayed(replay, pc, sp, bp, tgid, generation) {
-            bump(Counter::StacksReplayed);
-            count_stop(stop);
-            return key;
+        for index in [pair, pair + 1] {
+            if let Some((key, stop)) = replayed(index, pc, sp, bp, tgid, generation) {
+                bump(Counter::StacksReplayed);
+                count_stop(stop);
+                return key;
+            }
         }
     }
+    let same_start = |index: u32| {
+        WALK_REPLAYS
+            .get(index)
+            .is_some_and(|entry| entry.pc == pc && entry.sp == sp && entry.tgid == tgid)
+    };
+    // The other path's entry is kept; otherwise either, by turns.
+    let replay = if same_start(pair) {
+        pair + 1
+    } else if same_start(pair + 1) {
+        pair
+    } else {
+        pair + (walks_started() & 1) as u32
+    };
     if let Some(entry) = WALK_REPLAYS.get_ptr_mut(replay) {
         // SAFETY: this CPU's own element; the walk logs its words from 0.
         unsafe {
@@ -930,6 +959,7 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
         _pad: 0,
         seal: 0x243F_6A88_85A3_08D3,
     };
+    let started = walk_started();
     if let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) {
         // SAFETY: this CPU's own element (see `step`).
         unsafe { (*scratch).len = 0 };
@@ -945,6 +975,11 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
             0,
         );
     }
+    if walks_started() != started {
+        // Another walk ran on this CPU meanwhile and took the scratch.
+        bump(Counter::StackOther);
+        return -EAGAIN;
+    }
     count_stop(walk.stop);
     if walk.stale != 0 {
         report_stale(tgid);
@@ -955,6 +990,31 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
         remember(&walk, pc, sp, bp, tgid, key);
     }
     key
+}
+
+const EAGAIN: i32 = 11;
+
+/// Counts a walk started on this CPU; returns the new count.
+#[inline(always)]
+fn walk_started() -> u64 {
+    let Some(count) = WALKS_STARTED.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: this CPU's own element; one aligned word.
+    unsafe {
+        let next = core::ptr::read_volatile(count).wrapping_add(1);
+        core::ptr::write_volatile(count, next);
+        next
+    }
+}
+
+/// The walks started on this CPU so far.
+#[inline(always)]
+fn walks_started() -> u64 {
+    // SAFETY: as in `walk_started`.
+    WALKS_STARTED
+        .get_ptr_mut(0)
+        .map_or(0, |count| unsafe { core::ptr::read_volatile(count) })
 }
 
 /// Counts why a walk ended (a complete walk counts nothing).
@@ -1092,19 +1152,18 @@ fn store(hash: u64, depth: u32) -> i32 {
     if depth == 0 {
         return -EFAULT;
     }
+    let key = (hash as u32) & 0x7fff_ffff;
     let last = LAST_STACK.get_ptr_mut(0);
     if let Some(last) = last {
-        // SAFETY: this CPU's own element (preemption is off).
-        let [last_hash, last_key] = unsafe { *last };
-        if last_hash == hash && last_key != 0 {
-            return (last_key - 1) as i32;
+        // SAFETY: this CPU's own element; one aligned word.
+        if hash != 0 && unsafe { core::ptr::read_volatile(last) } == hash {
+            return key as i32;
         }
     }
-    let key = (hash as u32) & 0x7fff_ffff;
     let found = stored(hash, key);
     if let (Some(last), true) = (last, found >= 0) {
         // SAFETY: as above.
-        unsafe { *last = [hash, u64::from(key) + 1] };
+        unsafe { core::ptr::write_volatile(last, hash) };
     }
     found
 }
