@@ -331,7 +331,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 if let Some(memory) = read_memory(pid) {
                     session.memory_last = Some(memory);
                 }
-                session.follow_execs();
+                session.follow_execs(&mut probes);
                 rescans += 1;
                 for gone in session.family.reap(&mut probes, &mut session.pipeline) {
                     session.python.forget(gone, &mut probes);
@@ -411,7 +411,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                     // still exist.
                     session.pipeline.refresh_space_now(exiting);
                     session.pipeline.drain(ring.get_mut(), &probes);
-                    session.follow_execs();
+                    session.follow_execs(&mut probes);
                     if exiting == pid {
                         if let Some(memory) = read_memory(pid) {
                             session.memory_last = Some(memory);
@@ -650,12 +650,17 @@ impl Session<'_> {
     /// the probes stay (they follow the process), the address map is re-read
     /// so new stacks are symbolized against the new image, and the report
     /// says so.
-    fn follow_execs(&mut self) {
+    fn follow_execs(&mut self, probes: &mut Probes) {
         let target = self.target.pid;
         for pid in self.family.running().collect::<Vec<_>>() {
             let Some((exe, was)) = self.family.follow_exec(pid, &mut self.pipeline) else {
                 continue;
             };
+            // The kernel's unwinder gets the new image's mappings now, not
+            // at the first stack that meets them.
+            if let Ok(mappings) = crate::probe::maps::read(pid) {
+                probes.update_unwind(pid, &mappings);
+            }
             let who = if pid == target {
                 "target pid"
             } else {
