@@ -309,7 +309,8 @@ pub enum Counter {
     StackFault = 1,
     /// Stack capture failed: the stack-trace map bucket was taken by another stack (`-EEXIST`).
     StackCollision = 2,
-    /// Stack capture failed: the stack-trace map was full (`-ENOMEM`) or another error.
+    /// Stack capture failed: the stack-trace map was full (`-ENOMEM`), the
+    /// walk was preempted by another on its CPU (`-EAGAIN`), or another error.
     StackOther = 3,
     /// The in-flight call table was full: a call could not be tracked and was lost.
     PendingFull = 4,
