@@ -153,7 +153,9 @@ pub enum EventKind {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WireEvent {
-    /// `bpf_ktime_get_ns()` at the event.
+    /// `bpf_ktime_get_ns()` (`CLOCK_MONOTONIC`) when the event was sent: at
+    /// the event, or for a held allocation when it left its [`HeldSlot`]
+    /// (0 while it is held there).
     pub ts_ns: u64,
     /// The block created or released.
     pub addr: u64,
@@ -243,7 +245,8 @@ pub const HELD_BUSY_USER: u64 = 1;
 /// address index) releases it before the thread's next allocation, the pair
 /// is settled in the kernel and never costs a ring-buffer record. Otherwise
 /// the thread's next held allocation sends it, or user space takes it once
-/// it is old (the array is memory-mapped by the loader).
+/// it is old (the array is memory-mapped by the loader). A held event is
+/// stamped when it leaves the slot, so a settled pair never reads the clock.
 ///
 /// `state` is the slot's lock and version: 0 free; [`held_state`] (even) an
 /// event held by that thread; odd: being written (by its thread) or taken

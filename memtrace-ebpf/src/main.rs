@@ -261,11 +261,23 @@ fn emit_now(event: WireEvent) {
     }
 }
 
+/// The monotonic clock of events (`CLOCK_MONOTONIC`).
+#[inline(always)]
+fn now_ns() -> u64 {
+    // SAFETY: reading the monotonic clock has no preconditions.
+    unsafe { bpf_ktime_get_ns() }
+}
+
 #[inline(always)]
 fn base_event(pid_tgid: u64, spec: u16, kind: EventKind) -> WireEvent {
+    stamped_event(pid_tgid, spec, kind, now_ns())
+}
+
+/// An event stamped `ts_ns` (0: stamped when it is sent).
+#[inline(always)]
+fn stamped_event(pid_tgid: u64, spec: u16, kind: EventKind, ts_ns: u64) -> WireEvent {
     WireEvent {
-        // SAFETY: reading the monotonic clock has no preconditions.
-        ts_ns: unsafe { bpf_ktime_get_ns() },
+        ts_ns,
         addr: 0,
         size: 0,
         aux: 0,
@@ -534,7 +546,9 @@ fn finish_call(
     } else {
         EventKind::Alloc
     };
-    let mut event = base_event(pid_tgid, spec.index, kind);
+    // Stamped when it is sent: a held allocation that is settled never
+    // reads the clock (see `held`).
+    let mut event = stamped_event(pid_tgid, spec.index, kind, 0);
     event.addr = addr;
     event.size = size;
     event.aux = if old_sampled { old } else { 0 };
@@ -564,6 +578,7 @@ fn finish_call(
         }
         held::forget_settled(event.tid);
     }
+    event.ts_ns = now_ns();
     emit(event);
 }
 

@@ -97,21 +97,30 @@ impl HeldTable {
         unsafe { AtomicU32::from_ptr(self.index.base.as_ptr().cast::<u32>().add(hint as usize)) }
     }
 
-    /// Takes every held event made at or before `before_ns` (monotonic
-    /// clock; `u64::MAX`: all of them) into `out`.
-    pub fn take(&self, before_ns: u64, out: &mut Vec<WireEvent>) {
+    /// Takes held events into `out`, each stamped with the time it was
+    /// taken (the kernel leaves a held event unstamped, see `Take`).
+    ///
+    /// The stamp is read after the slot's state showed the event held and
+    /// before the slot is taken: later than the allocation, and earlier than
+    /// any release that finds the slot taken (it reads the kernel's clock,
+    /// the same `CLOCK_MONOTONIC`, after it sees the slot taken).
+    pub fn take(&self, which: Take<'_>, out: &mut Vec<WireEvent>) {
+        let mut seen = match which {
+            Take::Unchanged(seen) => Some(seen),
+            Take::All => None,
+        };
         for index in 0..HELD_SLOTS {
             let state = self.state(index).load(Ordering::Acquire);
+            if let Some(seen) = seen.as_deref_mut() {
+                let before = std::mem::replace(&mut seen[index as usize], state);
+                if before != state {
+                    continue;
+                }
+            }
             if state == 0 || state & 1 != 0 {
                 continue;
             }
-            let slot = self.slot(index);
-            // SAFETY: an aligned word of the element; a torn read only makes
-            // the age test wrong for one scan.
-            let ts = unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*slot).event.ts_ns)) };
-            if ts > before_ns {
-                continue;
-            }
+            let taken_ns = crate::trace::monotonic_ns();
             if self
                 .state(index)
                 .compare_exchange(state, HELD_BUSY_USER, Ordering::AcqRel, Ordering::Relaxed)
@@ -122,7 +131,8 @@ impl HeldTable {
             }
             // SAFETY: the slot is locked by user space: its owner only writes
             // it after taking a free or even state.
-            let event = unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*slot).event)) };
+            let mut event =
+                unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*self.slot(index)).event)) };
             let _ = self.hint(held_hint(event.addr)).compare_exchange(
                 index + 1,
                 0,
@@ -131,9 +141,20 @@ impl HeldTable {
             );
             self.state(index).store(0, Ordering::Release);
             debug_assert_eq!(held_slot(event.tid), index);
+            event.ts_ns = taken_ns;
             out.push(event);
         }
     }
+}
+
+/// Which held events [`HeldTable::take`] takes.
+pub enum Take<'a> {
+    /// Those still held as the previous scan with the same `seen` found
+    /// them (one state word per slot, [`HELD_SLOTS`] of them, updated):
+    /// held for at least the time between the two scans.
+    Unchanged(&'a mut [u64]),
+    /// Every one.
+    All,
 }
 
 #[cfg(test)]
@@ -184,26 +205,39 @@ mod tests {
     }
 
     #[test]
-    fn takes_only_events_held_long_enough_and_frees_their_slot_and_index_entry() {
+    fn takes_only_events_held_since_the_last_scan_stamped_when_taken() {
         let slots = memfd(std::mem::size_of::<HeldSlot>() * HELD_SLOTS as usize);
         let index = memfd(4 * HELD_HINTS as usize);
         let table = HeldTable::map(slots.as_fd(), index.as_fd()).expect("mapped");
-        let old = hold(&table, event(11, 0x1000, 100), held_state(11, 1));
-        let young = hold(&table, event(12, 0x2000, 900), held_state(12, 1));
-        // Being written by its thread: never taken.
-        let busy = hold(&table, event(13, 0x3000, 50), held_state(13, 1) | 1);
-
+        let mut seen = vec![0; HELD_SLOTS as usize];
+        let old = hold(&table, event(11, 0x1000, 0), held_state(11, 1));
         let mut out = Vec::new();
-        table.take(500, &mut out);
-        assert_eq!(out, vec![event(11, 0x1000, 100)]);
+        table.take(Take::Unchanged(&mut seen), &mut out);
+        assert!(out.is_empty(), "first seen: not yet taken");
+
+        let young = hold(&table, event(12, 0x2000, 0), held_state(12, 1));
+        // Being written by its thread: never taken.
+        let busy = hold(&table, event(13, 0x3000, 0), held_state(13, 1) | 1);
+        let before = crate::trace::monotonic_ns();
+        table.take(Take::Unchanged(&mut seen), &mut out);
+        let after = crate::trace::monotonic_ns();
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].tid, out[0].addr), (11, 0x1000));
+        assert!((before..=after).contains(&out[0].ts_ns), "{}", out[0].ts_ns);
         assert_eq!(table.state(old).load(Ordering::Acquire), 0);
         assert_eq!(table.hint(held_hint(0x1000)).load(Ordering::Acquire), 0);
         assert_ne!(table.state(young).load(Ordering::Acquire), 0);
 
+        // Replaced by its thread since the last scan: not taken yet.
+        hold(&table, event(12, 0x2800, 0), held_state(12, 2));
         out.clear();
-        table.take(u64::MAX, &mut out);
-        assert_eq!(out, vec![event(12, 0x2000, 900)]);
-        assert_eq!(table.hint(held_hint(0x2000)).load(Ordering::Acquire), 0);
+        table.take(Take::Unchanged(&mut seen), &mut out);
+        assert!(out.is_empty());
+
+        table.take(Take::All, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].tid, out[0].addr), (12, 0x2800));
+        assert_eq!(table.hint(held_hint(0x2800)).load(Ordering::Acquire), 0);
         assert_eq!(table.state(busy).load(Ordering::Acquire) & 1, 1);
     }
 }

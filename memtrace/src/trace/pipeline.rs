@@ -7,17 +7,19 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use aya::maps::{MapData, RingBuf};
-use memtrace_common::WireEvent;
+use memtrace_common::{WireEvent, HELD_SLOTS};
 
 use crate::event::{self, Action, Event, StackRef};
 use crate::probe::maps::{self, AddressSpace};
 use crate::record::Recorder;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
+use crate::trace::held::Take;
 use crate::trace::loader::Probes;
 
-/// Allocations the kernel held this long are taken from it (see `held`):
-/// the live table is at most this much (one block per thread) behind.
+/// Allocations the kernel held from one scan of its held table to the
+/// next, this far apart, are taken from it (see `held`): the live table is
+/// at most twice this much (one block per thread) behind.
 const HELD_AGE: Duration = Duration::from_millis(50);
 
 /// Mappings are re-read at most this often when a stack has unknown frames.
@@ -60,6 +62,8 @@ pub struct Pipeline {
     /// When held allocations were last taken from the kernel.
     held_taken: Option<Instant>,
     held_buf: Vec<WireEvent>,
+    /// The held table's states at its previous scan (see `Take::Unchanged`).
+    held_seen: Vec<u64>,
 }
 
 impl Pipeline {
@@ -78,6 +82,7 @@ impl Pipeline {
             decode_errors: 0,
             held_taken: None,
             held_buf: Vec::new(),
+            held_seen: Vec::new(),
         }
     }
 
@@ -128,8 +133,7 @@ impl Pipeline {
         self.read_ring(ring, probes);
         if self.held_taken.is_none_or(|at| at.elapsed() >= HELD_AGE) {
             self.held_taken = Some(Instant::now());
-            let before = crate::trace::monotonic_ns().saturating_sub(HELD_AGE.as_nanos() as u64);
-            self.take_held(probes, before);
+            self.take_held(probes, false);
         }
     }
 
@@ -143,7 +147,7 @@ impl Pipeline {
 
     /// Takes every allocation the kernel holds.
     pub fn take_every_held(&mut self, probes: &Probes) {
-        self.take_held(probes, u64::MAX);
+        self.take_held(probes, true);
     }
 
     fn read_ring(&mut self, ring: &mut RingBuf<MapData>, probes: &Probes) {
@@ -161,16 +165,23 @@ impl Pipeline {
         }
     }
 
-    /// Applies the held allocations made at or before `before_ns`, oldest
-    /// first. They come late, after events of other threads made later; the
-    /// live table orders a block's events by time (see `LiveTable::apply`).
-    fn take_held(&mut self, probes: &Probes, before_ns: u64) {
+    /// Applies held allocations: every one (`all`), or those held since
+    /// the previous scan (at least [`HELD_AGE`]). They come late, after
+    /// events of other threads made later; they are stamped when taken,
+    /// and the live table orders a block's events by time (see
+    /// `LiveTable::apply`).
+    fn take_held(&mut self, probes: &Probes, all: bool) {
         let Some(held) = probes.held() else {
             return;
         };
         let mut events = std::mem::take(&mut self.held_buf);
-        held.take(before_ns, &mut events);
-        events.sort_unstable_by_key(|event| event.ts_ns);
+        if all {
+            held.take(Take::All, &mut events);
+        } else {
+            self.held_seen.resize(HELD_SLOTS as usize, 0);
+            held.take(Take::Unchanged(&mut self.held_seen), &mut events);
+        }
+        // Stamped as taken, one after another: already in time order.
         for wire in events.drain(..) {
             self.take(&wire, probes);
         }
