@@ -49,9 +49,10 @@ const CONTROL_HOLD: u32 = 2;
 
 #[map]
 static HELD: Array<HeldSlot> = Array::with_max_entries(HELD_SLOTS, BPF_F_MMAPABLE);
-/// Address hash to holding slot + 1 (0: none).
+/// Address hash to holding slot + 1 (0: none). A u64 per entry, as user
+/// space sees it: the elements of an array map are 8-byte aligned.
 #[map]
-static HELD_INDEX: Array<u32> = Array::with_max_entries(HELD_HINTS, BPF_F_MMAPABLE);
+static HELD_INDEX: Array<u64> = Array::with_max_entries(HELD_HINTS, BPF_F_MMAPABLE);
 
 #[inline(always)]
 fn enabled() -> bool {
@@ -66,26 +67,11 @@ fn load(word: *const u64) -> u64 {
 }
 
 #[inline(always)]
-fn load32(word: *const u32) -> u32 {
-    // SAFETY: as in `load`, for an aligned u32.
-    unsafe { read_volatile(word) }
-}
-
-#[inline(always)]
 fn swap(word: *mut u64, old: u64, new: u64) -> bool {
     // SAFETY: an aligned u64 of an array map element; BPF_CMPXCHG makes the
     // exchange atomic across CPUs (and against user space's, on the mapping).
     unsafe {
         atomic_cxchg::<u64, { AtomicOrdering::AcqRel }, { AtomicOrdering::Acquire }>(word, old, new)
-    }
-    .1
-}
-
-#[inline(always)]
-fn swap32(word: *mut u32, old: u32, new: u32) -> bool {
-    // SAFETY: as in `swap`, for an aligned u32.
-    unsafe {
-        atomic_cxchg::<u32, { AtomicOrdering::AcqRel }, { AtomicOrdering::Acquire }>(word, old, new)
     }
     .1
 }
@@ -101,9 +87,9 @@ fn publish(slot: *mut HeldSlot, state: u64) {
 
 /// Frees address-index entry `hint` if `holder` (slot + 1) has it.
 #[inline(always)]
-fn release_hint(hint: u32, holder: u32) {
+fn release_hint(hint: u32, holder: u64) {
     if let Some(entry) = HELD_INDEX.get_ptr_mut(hint) {
-        swap32(entry, holder, 0);
+        swap(entry, holder, 0);
     }
 }
 
@@ -126,7 +112,7 @@ pub fn hold(event: &WireEvent) -> bool {
         // Another thread's slot, or user space is taking this one.
         return false;
     }
-    let holder = index + 1;
+    let holder = u64::from(index) + 1;
     let hint = held_hint(event.addr);
     // SAFETY: the slot's event is only rewritten by its owner, this thread.
     let old_addr = unsafe { read_volatile(addr_of!((*slot).event.addr)) };
@@ -138,8 +124,8 @@ pub fn hold(event: &WireEvent) -> bool {
     let Some(entry) = HELD_INDEX.get_ptr_mut(hint) else {
         return false;
     };
-    let shared = old_hint == hint && load32(entry) == holder;
-    if !shared && !swap32(entry, 0, holder) {
+    let shared = old_hint == hint && load(entry) == holder;
+    if !shared && !swap(entry, 0, holder) {
         return false;
     }
     let version = (state as u32) >> 1;
@@ -212,7 +198,7 @@ pub fn settle(pid_tgid: u64, ptr: u64, spec: u16, release: bool) -> bool {
                 // User space took it this instant: the release is sent after it.
                 return false;
             }
-            release_hint(held_hint(ptr), index + 1);
+            release_hint(held_hint(ptr), u64::from(index) + 1);
             // SAFETY: the slot is free; these words are only a hint for this
             // thread's next release (a colliding thread clears them).
             unsafe {
@@ -259,11 +245,11 @@ fn settle_elsewhere(pid: u32, ptr: u64, own: u32) -> bool {
     let Some(entry) = HELD_INDEX.get_ptr_mut(hint) else {
         return false;
     };
-    let holder = load32(entry);
-    if holder == 0 || holder == own + 1 {
+    let holder = load(entry);
+    if holder == 0 || holder == u64::from(own) + 1 {
         return false;
     }
-    let Some(slot) = HELD.get_ptr_mut(holder - 1) else {
+    let Some(slot) = HELD.get_ptr_mut((holder - 1) as u32) else {
         return false;
     };
     // SAFETY: `slot` is an element of an array map.
@@ -283,7 +269,7 @@ fn settle_elsewhere(pid: u32, ptr: u64, own: u32) -> bool {
     if addr != ptr || owner != pid || !swap(state_word, state, 0) {
         return false;
     }
-    swap32(entry, holder, 0);
+    swap(entry, holder, 0);
     bump(Counter::SettledInKernel);
     true
 }

@@ -7,7 +7,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use memtrace_common::{
     held_hint, held_slot, HeldSlot, WireEvent, HELD_BUSY_USER, HELD_HINTS, HELD_SLOTS,
@@ -68,7 +68,7 @@ impl HeldTable {
     pub fn map(slots: BorrowedFd<'_>, index: BorrowedFd<'_>) -> io::Result<Self> {
         Ok(HeldTable {
             slots: Mapping::new(slots, std::mem::size_of::<HeldSlot>() * HELD_SLOTS as usize)?,
-            index: Mapping::new(index, std::mem::size_of::<u32>() * HELD_HINTS as usize)?,
+            index: Mapping::new(index, std::mem::size_of::<u64>() * HELD_HINTS as usize)?,
         })
     }
 
@@ -91,10 +91,12 @@ impl HeldTable {
         unsafe { AtomicU64::from_ptr(std::ptr::addr_of_mut!((*self.slot(index)).state)) }
     }
 
-    fn hint(&self, hint: u32) -> &AtomicU32 {
+    /// Address-index entry `hint`: a u64, since the elements of an array map
+    /// are 8-byte aligned whatever their size.
+    fn hint(&self, hint: u32) -> &AtomicU64 {
         debug_assert!(hint < HELD_HINTS);
-        // SAFETY: `hint` < HELD_HINTS: an aligned u32 inside the mapping.
-        unsafe { AtomicU32::from_ptr(self.index.base.as_ptr().cast::<u32>().add(hint as usize)) }
+        // SAFETY: `hint` < HELD_HINTS: an aligned u64 inside the mapping.
+        unsafe { AtomicU64::from_ptr(self.index.base.as_ptr().cast::<u64>().add(hint as usize)) }
     }
 
     /// Takes held events into `out`, each stamped with the time it was
@@ -134,7 +136,7 @@ impl HeldTable {
             let mut event =
                 unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*self.slot(index)).event)) };
             let _ = self.hint(held_hint(event.addr)).compare_exchange(
-                index + 1,
+                u64::from(index) + 1,
                 0,
                 Ordering::AcqRel,
                 Ordering::Relaxed,
@@ -199,7 +201,7 @@ mod tests {
         unsafe { (*table.slot(index)).event = event };
         table
             .hint(held_hint(event.addr))
-            .store(index + 1, Ordering::Release);
+            .store(u64::from(index) + 1, Ordering::Release);
         table.state(index).store(state, Ordering::Release);
         index
     }
@@ -207,7 +209,7 @@ mod tests {
     #[test]
     fn takes_only_events_held_since_the_last_scan_stamped_when_taken() {
         let slots = memfd(std::mem::size_of::<HeldSlot>() * HELD_SLOTS as usize);
-        let index = memfd(4 * HELD_HINTS as usize);
+        let index = memfd(8 * HELD_HINTS as usize);
         let table = HeldTable::map(slots.as_fd(), index.as_fd()).expect("mapped");
         let mut seen = vec![0; HELD_SLOTS as usize];
         let old = hold(&table, event(11, 0x1000, 0), held_state(11, 1));
