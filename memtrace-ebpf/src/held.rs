@@ -93,6 +93,19 @@ fn release_hint(hint: u32, holder: u64) {
     }
 }
 
+/// Frees address-index entry `hint` of the block this thread just settled
+/// from its own slot: a plain store, since no one else changes an entry
+/// that names a slot while it is in use (a claim needs the entry free, a
+/// release the slot's state, which the settle took).
+#[inline(always)]
+fn free_own_hint(hint: u32) {
+    if let Some(entry) = HELD_INDEX.get_ptr_mut(hint) {
+        // SAFETY: an aligned u64 of an array map element; an aligned store
+        // is atomic on every BPF JIT target.
+        unsafe { write_volatile(entry, 0) };
+    }
+}
+
 /// Holds `event`, a heap allocation of the current thread, instead of
 /// sending it; false when it cannot be held (the caller sends it).
 #[inline(never)]
@@ -198,7 +211,7 @@ pub fn settle(pid_tgid: u64, ptr: u64, spec: u16, release: bool) -> bool {
                 // User space took it this instant: the release is sent after it.
                 return false;
             }
-            release_hint(held_hint(ptr), u64::from(index) + 1);
+            free_own_hint(held_hint(ptr));
             // SAFETY: the slot is free; these words are only a hint for this
             // thread's next release (a colliding thread clears them).
             unsafe {

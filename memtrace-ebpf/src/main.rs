@@ -143,10 +143,11 @@ fn bump(counter: Counter) {
 }
 
 #[inline(always)]
-fn cookie_spec<C: EbpfContext>(ctx: &C) -> Option<ProbeSpec> {
+fn cookie_spec<C: EbpfContext>(ctx: &C) -> Option<&'static ProbeSpec> {
     // SAFETY: the helper only reads the attach cookie of the running program.
     let cookie = unsafe { aya_ebpf::helpers::bpf_get_attach_cookie(ctx.as_ptr()) };
-    SPECS.get(cookie as u32).copied()
+    // Read in place (a copy would spill every field to the stack).
+    SPECS.get(cookie as u32)
 }
 
 #[inline(always)]
@@ -310,7 +311,7 @@ fn on_enter(ctx: &ProbeContext) {
 
     let args = Args::read(ctx);
     if spec.ret == RetKind::Void as u8 {
-        release_now(&args, &spec, pid_tgid);
+        release_now(&args, spec, pid_tgid);
         return;
     }
     if spec.quirk == SpecQuirk::AnonMmap as u8 && args.get(3) & MAP_ANONYMOUS == 0 {
@@ -406,11 +407,16 @@ fn on_exit(ctx: &RetProbeContext) {
         debug!(ctx, "stale in-flight call dropped (spec {})", call.spec);
         return;
     }
-    let Some(spec) = SPECS.get(call.spec as u32).copied() else {
-        return;
+    let spec = if call.spec == exit_spec.index {
+        exit_spec
+    } else {
+        let Some(spec) = SPECS.get(call.spec as u32) else {
+            return;
+        };
+        spec
     };
     let ret: u64 = ctx.ret();
-    finish_call(ctx, &spec, &call, pid_tgid, ret);
+    finish_call(ctx, spec, &call, pid_tgid, ret);
 }
 
 /// Decides what a returned call did and emits its event.
