@@ -32,6 +32,11 @@ pub struct BenchArgs {
     /// Interleaved rounds per configuration (default 5; 2 with --quick).
     #[arg(long)]
     rounds: Option<usize>,
+    /// Interleaved rounds per configuration of the per-pair tables
+    /// (mallocbench, deepbench), whose ratios are the goals (default 9; 2
+    /// with --quick): short runs there are cheap and noisy.
+    #[arg(long)]
+    pair_rounds: Option<usize>,
     /// Where to write the report (relative to the workspace root).
     #[arg(long, default_value = "BENCHMARKS.md")]
     out: PathBuf,
@@ -54,6 +59,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let quick = args.quick;
     let rounds = args.rounds.unwrap_or(if quick { 2 } else { 5 }).max(1);
+    let pair_rounds = args.pair_rounds.unwrap_or(if quick { 2 } else { 9 }).max(1);
     let root = root();
     let memtrace = match &args.memtrace {
         Some(path) => path
@@ -90,6 +96,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         work,
         quick,
         rounds,
+        pair_rounds,
         has_allocators: help.contains("--allocators"),
         has_follow_forks: help.contains("--follow-forks"),
     };
@@ -99,9 +106,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let (bpftrace, memleak) = (&peers.bpftrace, &peers.memleak);
 
     let machine = machine(&env, &root, memleak);
-    eprintln!("xtask bench: malloc/free pairs ({rounds} rounds)");
+    eprintln!("xtask bench: malloc/free pairs ({pair_rounds} rounds)");
     let pairs = bench_pairs(&env, bpftrace, memleak);
-    eprintln!("xtask bench: deep stacks without frame pointers ({rounds} rounds)");
+    eprintln!("xtask bench: deep stacks without frame pointers ({pair_rounds} rounds)");
     let deep = unwind::bench_deep(&env);
     eprintln!("xtask bench: unwind tables of real objects");
     let tables = unwind::bench_tables(&env);
@@ -148,6 +155,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         machine,
         elapsed: started.elapsed(),
         rounds,
+        pair_rounds,
         pairs,
         deep,
         tables,
@@ -183,6 +191,8 @@ struct Env {
     work: PathBuf,
     quick: bool,
     rounds: usize,
+    /// Rounds of the per-pair tables.
+    pair_rounds: usize,
     has_allocators: bool,
     has_follow_forks: bool,
 }
@@ -1027,11 +1037,11 @@ fn bench_pairs(
     PairsResult { configs }
 }
 
-/// Runs every configuration `env.rounds` times, interleaved, on a
+/// Runs every configuration `env.pair_rounds` times, interleaved, on a
 /// mallocbench-like `program` (PAIRS WAIT LINGER, prints `ns_per_pair`),
 /// resizing each loop to about [`TARGET_LOOP_S`].
 fn run_rounds(env: &Env, program: &str, configs: &mut [PairConfig]) {
-    for round in 0..env.rounds {
+    for round in 0..env.pair_rounds {
         for config in configs.iter_mut() {
             if config.unavailable.is_some() {
                 continue;
@@ -1806,6 +1816,7 @@ struct Doc {
     machine: Machine,
     elapsed: Duration,
     rounds: usize,
+    pair_rounds: usize,
     pairs: PairsResult,
     deep: unwind::DeepResult,
     tables: Vec<unwind::TableRow>,
@@ -1930,10 +1941,11 @@ fn render(doc: &Doc) -> String {
     );
     let _ = writeln!(
         s,
-        "- Method: {} interleaved rounds per configuration (A B C A B C ...); each run starts the \
+        "- Method: {} interleaved rounds per configuration (A B C A B C ...; {} in the per-pair \
+         tables, mallocbench and deepbench, whose ratios are the goals); each run starts the \
          program, attaches the tracer, waits until it is attached, then times the loop alone with \
          CLOCK_MONOTONIC. Loops are resized after each run to take about {TARGET_LOOP_S} s.\n",
-        doc.rounds
+        doc.rounds, doc.pair_rounds
     );
 
     // Pairs.
