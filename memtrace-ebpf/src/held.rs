@@ -16,10 +16,10 @@
 //!
 //! A held event is stamped when it leaves the slot, not when it was made:
 //! a settled pair then never reads the clock (`--bpf-stats` here: the
-//! return probe of a settled `malloc` went from ~200 to ~130 ns), and the stamp still orders the
-//! block's events, since nothing else happens to a held block until it
-//! leaves (its release settles it). Its age is at most a scan or two of
-//! user space (about 0.1 s) short.
+//! return probe of a settled `malloc` went from ~200 to ~130 ns), and the
+//! stamp still orders the block's events, since nothing else happens to a
+//! held block until it leaves (its release settles it). Its age is at most
+//! a scan or two of user space (about 0.1 s) short.
 //!
 //! A slot's `state` is its lock and version, and every transition is a
 //! compare-and-swap: a release racing with a flush or with user space is
