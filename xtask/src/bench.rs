@@ -57,6 +57,11 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("cargo xtask bench attaches uprobes: run it as root");
     }
+    super::setup::ensure(if args.no_install {
+        super::setup::Need::BenchNoPeers
+    } else {
+        super::setup::Need::Bench
+    })?;
     let quick = args.quick;
     let rounds = args.rounds.unwrap_or(if quick { 2 } else { 5 }).max(1);
     let pair_rounds = args.pair_rounds.unwrap_or(if quick { 2 } else { 9 }).max(1);

@@ -1,7 +1,8 @@
 //! memtrace's build tasks: `cargo xtask build-ebpf | build | fixtures | test | demo | bench | soak`.
 //!
-//! Each task installs what it needs first (nightly rust-src, bpf-linker built
-//! against rustc's own LLVM) and is idempotent: cheap when already done.
+//! Each task installs what it needs first (the Debian packages setup.rs lists
+//! for it, nightly rust-src, bpf-linker built against rustc's own LLVM) and is
+//! idempotent: cheap when already done.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,6 +14,7 @@ mod bench;
 mod bench_allocators;
 mod bench_redis;
 mod bench_workloads;
+mod setup;
 mod soak;
 
 #[derive(Parser)]
@@ -70,7 +72,9 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::BuildEbpf => build_ebpf(),
         Task::Build => build_release(),
-        Task::Fixtures => fixtures().map(|_| ()),
+        Task::Fixtures => {
+            setup::ensure(setup::Need::Fixtures).and_then(|()| fixtures().map(|_| ()))
+        }
         Task::Test { args } => test(&args),
         Task::Demo => demo(),
         Task::Bench(args) => bench::bench(args),
@@ -88,6 +92,7 @@ fn single_section(task: &str) -> Result<(PathBuf, PathBuf)> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("cargo xtask {task} attaches uprobes: run it as root");
     }
+    setup::ensure(setup::Need::Bench)?;
     build_release()?;
     let root = root();
     let work = root.join("target/bench");
@@ -138,6 +143,7 @@ fn bench_allocators_only(rounds: usize) -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("cargo xtask bench-allocators attaches uprobes: run it as root");
     }
+    setup::ensure(setup::Need::Bench)?;
     build_release()?;
     let root = root();
     let fixtures = bench_fixtures()?;
@@ -288,16 +294,22 @@ fn bench_fixtures() -> Result<PathBuf> {
 
 /// Builds the fixtures; returns their directory.
 pub fn fixtures() -> Result<PathBuf> {
+    fixtures_target("all")
+}
+
+/// Builds one target of tests/fixtures/Makefile into target/fixtures.
+fn fixtures_target(target: &str) -> Result<PathBuf> {
     let out = root().join("target/fixtures");
     run(Command::new("make")
         .args(["-s", "-C"])
         .arg(root().join("tests/fixtures"))
         .arg(format!("OUT={}", out.display()))
-        .arg("all"))?;
+        .arg(target))?;
     Ok(out)
 }
 
 fn test(extra: &[String]) -> Result<()> {
+    setup::ensure(setup::Need::Test)?;
     build_ebpf()?;
     run(Command::new("cargo")
         .current_dir(root())
@@ -364,8 +376,10 @@ fn real_cudart() -> Result<PathBuf> {
 }
 
 fn demo() -> Result<()> {
+    setup::ensure(setup::Need::Demo)?;
     build_release()?;
-    let fixtures = fixtures()?;
+    // Only the program the demo runs (the rest need C++ and allocator headers).
+    let fixtures = fixtures_target("demo")?;
     let memtrace = root().join("target/release/memtrace");
     eprintln!("xtask: tracing the bundled demo (a request loop that leaks every 4th response)");
     run(Command::new(&memtrace)
