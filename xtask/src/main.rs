@@ -10,10 +10,9 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+use bench::Section;
+
 mod bench;
-mod bench_allocators;
-mod bench_redis;
-mod bench_workloads;
 mod setup;
 mod soak;
 
@@ -78,84 +77,17 @@ fn main() -> Result<()> {
         Task::Test { args } => test(&args),
         Task::Demo => demo(),
         Task::Bench(args) => bench::bench(args),
-        Task::BenchRedis { rounds, requests } => bench_redis_only(rounds, requests),
-        Task::BenchWorkloads { rounds } => bench_workloads_only(rounds),
-        Task::BenchAllocators { rounds } => bench_allocators_only(rounds),
+        Task::BenchRedis { rounds, requests } => {
+            bench::alias("bench-redis", Section::Redis, rounds, Some(requests))
+        }
+        Task::BenchWorkloads { rounds } => {
+            bench::alias("bench-workloads", Section::Workloads, rounds, None)
+        }
+        Task::BenchAllocators { rounds } => {
+            bench::alias("bench-allocators", Section::Allocators, rounds, None)
+        }
         Task::Soak(args) => soak::soak(args),
     }
-}
-
-/// What a bench section run alone needs: root, the release build, and
-/// (memtrace binary, work folder).
-fn single_section(task: &str) -> Result<(PathBuf, PathBuf)> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("cargo xtask {task} attaches uprobes: run it as root");
-    }
-    setup::ensure(setup::Need::Bench)?;
-    build_release()?;
-    let root = root();
-    let work = root.join("target/bench");
-    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-    Ok((root.join("target/release/memtrace"), work))
-}
-
-/// `cargo xtask bench-workloads`: the Python and C++ section alone, on the
-/// release build.
-fn bench_workloads_only(rounds: usize) -> Result<()> {
-    let (memtrace, work) = single_section("bench-workloads")?;
-    let peers = bench::Peers::find(false);
-    let fixtures = bench_fixtures()?;
-    print!(
-        "{}",
-        bench_workloads::section(&bench_workloads::WorkloadBench {
-            memtrace: &memtrace,
-            work: &work,
-            rounds: rounds.max(1),
-            peers: &peers,
-            cxxbench: &fixtures.join("bench/cxxbench"),
-        })
-    );
-    Ok(())
-}
-
-/// `cargo xtask bench-redis`: the redis section alone, on the release build.
-fn bench_redis_only(rounds: usize, requests: u64) -> Result<()> {
-    let (memtrace, work) = single_section("bench-redis")?;
-    let peers = bench::Peers::find(false);
-    print!(
-        "{}",
-        bench_redis::section(&bench_redis::RedisBench {
-            memtrace: &memtrace,
-            work: &work,
-            rounds: rounds.max(1),
-            requests,
-            peers: &peers,
-        })
-        .markdown
-    );
-    Ok(())
-}
-
-/// `cargo xtask bench-allocators`: that section alone, on the release build.
-fn bench_allocators_only(rounds: usize) -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("cargo xtask bench-allocators attaches uprobes: run it as root");
-    }
-    setup::ensure(setup::Need::Bench)?;
-    build_release()?;
-    let root = root();
-    let fixtures = bench_fixtures()?;
-    print!(
-        "{}",
-        bench_allocators::section(&bench_allocators::AllocatorBench {
-            memtrace: &root.join("target/release/memtrace"),
-            mallocbench: &fixtures.join("bench/mallocbench"),
-            rounds: rounds.max(1),
-        })
-    );
-    Ok(())
 }
 
 /// The workspace root (the parent of this crate).
@@ -278,18 +210,6 @@ fn build_release() -> Result<()> {
     run(Command::new("cargo")
         .current_dir(root())
         .args(["build", "--release", "-p", "memtrace"]))
-}
-
-/// Builds the bench programs (tests/fixtures/bench/bench.mk); returns the
-/// fixtures' directory.
-fn bench_fixtures() -> Result<PathBuf> {
-    let fixtures = root().join("target/fixtures");
-    run(Command::new("make")
-        .args(["-s", "-f"])
-        .arg(root().join("tests/fixtures/bench/bench.mk"))
-        .arg(format!("OUT={}", fixtures.display()))
-        .arg("bench"))?;
-    Ok(fixtures)
 }
 
 /// Builds the fixtures; returns their directory.

@@ -3,7 +3,8 @@
 //! loopback, with a fixed request count, untraced vs memtrace (default,
 //! `--stack-depth 0`, `--sample-rate 100`) vs bcc memleak vs bpftrace's
 //! empty probes, in interleaved rounds; the result is the traced / untraced
-//! throughput ratio. Also runnable alone: `cargo xtask bench-redis`.
+//! throughput ratio. Also runnable alone: `cargo xtask bench --section redis`
+//! (or `cargo xtask bench-redis`).
 
 use std::fmt::Write as _;
 use std::net::TcpListener;
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::bench::{attach_with, memtrace_flags, Peers, Tracer};
+use super::common::{attach_with, memtrace_flags, Peers, Tracer};
 
 /// How one configuration runs the server.
 enum Setup {

@@ -7,8 +7,8 @@
 //! Each untraced, memtrace default (DWARF native stacks plus Python frames
 //! read in the kernel), `--stacks fp`, `--stack-depth 0` (no stacks, no
 //! Python frames), `--sample-rate 100`, bcc memleak and bpftrace's empty
-//! probes, in interleaved rounds. Also runnable alone: `cargo xtask
-//! bench-python`.
+//! probes, in interleaved rounds. Also runnable alone: `cargo xtask bench
+//! --section workloads` (or `cargo xtask bench-workloads`, `bench-python`).
 
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Write};
@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result};
 
-use crate::bench::{attach_with, memtrace_flags, Peers, Tracer};
+use super::common::{attach_with, memtrace_flags, Peers, Tracer};
 
 /// Options of the section.
 pub struct WorkloadBench<'a> {

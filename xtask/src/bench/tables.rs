@@ -1,7 +1,6 @@
-//! Bench sections of the DWARF unwinder: the cost per pair on a 20-frame
-//! stack of code without frame pointers (DWARF against the frame-pointer walk
-//! and no stacks), and what building the unwind tables of real objects takes
-//! (`memtrace unwind-table`).
+//! Section "Unwind tables": what `memtrace unwind-table` builds for real
+//! objects of this machine (libc, libstdc++, Debian's static python3.11, a
+//! pyenv libpython, the nightly toolchain's libLLVM).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -9,93 +8,9 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use super::{
-    fmt_ns, fmt_ratio, lost_summary, median, memtrace_flags, min, one_line, Env, PairConfig,
-};
+use super::common::{one_line, Env};
 
-pub struct DeepResult {
-    configs: Vec<PairConfig>,
-}
-
-pub fn bench_deep(env: &Env) -> DeepResult {
-    let traced = 100_000;
-    let mut configs = vec![
-        PairConfig::new(
-            "placed floor",
-            "`memtrace --null-probes`".into(),
-            memtrace_flags(&["--null-probes"]),
-            traced,
-        ),
-        PairConfig::new(
-            "memtrace --stack-depth 0",
-            "`memtrace --stack-depth 0`".into(),
-            memtrace_flags(&["--stack-depth", "0"]),
-            traced,
-        ),
-        PairConfig::new(
-            "memtrace --stacks fp",
-            "`memtrace --stacks fp` (frame pointers: 1-2 frames here)".into(),
-            memtrace_flags(&["--stacks", "fp"]),
-            traced,
-        ),
-        PairConfig::new(
-            "memtrace default",
-            "`memtrace` (DWARF: the whole 20+ frames)".into(),
-            memtrace_flags(&[]),
-            traced,
-        ),
-    ];
-    super::run_rounds(env, "deepbench", &mut configs);
-    DeepResult { configs }
-}
-
-pub fn render_deep(deep: &DeepResult, s: &mut String) {
-    let by = |name: &str| {
-        deep.configs
-            .iter()
-            .find(|c| c.name == name)
-            .and_then(|c| median(&c.samples))
-    };
-    let placed = by("placed floor");
-    let _ = writeln!(s, "## Deep stacks without frame pointers\n");
-    let _ = writeln!(
-        s,
-        "`deepbench`: malloc(64)+free made 20 calls deep in `-O2 -fomit-frame-pointer` code \
-         (tests/fixtures/bench/deepbench.c), where frame pointers see one or two frames and \
-         the DWARF unwinder the whole stack. ns per pair; ratios use medians.\n"
-    );
-    let _ = writeln!(s, "| Configuration | How | Runs | Min ns/pair | Median ns/pair | x placed floor | Lost events |");
-    let _ = writeln!(s, "|---|---|---:|---:|---:|---:|---|");
-    for c in &deep.configs {
-        let med = median(&c.samples);
-        let _ = writeln!(
-            s,
-            "| {} | {} | {} | {} | {} | {} | {} |",
-            c.name,
-            c.how,
-            c.samples.len(),
-            fmt_ns(min(&c.samples)),
-            fmt_ns(med),
-            fmt_ratio(med, placed),
-            lost_summary(&c.reports)
-        );
-        for err in &c.errors {
-            let _ = writeln!(s, "\n- {}: a run failed: {}", c.name, one_line(err));
-        }
-    }
-    let _ = writeln!(
-        s,
-        "\n- DWARF default / `--stacks fp` here: {} (DWARF walks ~22 frames, fp stops after 1-2)",
-        fmt_ratio(by("memtrace default"), by("memtrace --stacks fp"))
-    );
-    let _ = writeln!(
-        s,
-        "- DWARF default / `--stack-depth 0` here: {}\n",
-        fmt_ratio(by("memtrace default"), by("memtrace --stack-depth 0"))
-    );
-}
-
-pub struct TableRow {
+pub(super) struct TableRow {
     name: String,
     line: Result<Value, String>,
 }
@@ -133,7 +48,7 @@ fn objects() -> Vec<(String, Option<PathBuf>)> {
     ]
 }
 
-pub fn bench_tables(env: &Env) -> Vec<TableRow> {
+pub(super) fn bench(env: &Env) -> Vec<TableRow> {
     objects()
         .into_iter()
         .map(|(name, path)| {
@@ -154,7 +69,7 @@ pub fn bench_tables(env: &Env) -> Vec<TableRow> {
         .collect()
 }
 
-pub fn render_tables(rows: &[TableRow], s: &mut String) {
+pub(super) fn render(rows: &[TableRow], s: &mut String) {
     let _ = writeln!(s, "## Unwind tables\n");
     let _ = writeln!(
         s,

@@ -3,7 +3,8 @@
 //! tcmalloc and mimalloc preloaded — untraced, traced with probes placed on
 //! emulated instructions (memtrace's default), and traced with every probe at
 //! its function's entry (`--entry-probes`, what a tracer without placement
-//! pays). Also runnable alone: `cargo xtask bench-allocators`.
+//! pays). Also runnable alone: `cargo xtask bench --section
+//! allocators` (or `cargo xtask bench-allocators`).
 
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Write};
