@@ -467,6 +467,9 @@ pub struct PyStack {
     pub len: u32,
     /// 1: the stack was deeper than [`PY_MAX_DEPTH`].
     pub truncated: u32,
+    /// The 64-bit hash of the first `len` frames (frames past `len` are
+    /// stale): tells two stacks apart whose 32-bit keys collide.
+    pub hash: u64,
 }
 
 /// Error for an integer that names no variant.
@@ -517,7 +520,7 @@ try_from_u8!(SpecQuirk {
 
 const _: () = assert!(core::mem::size_of::<WireEvent>() == 56);
 const _: () = assert!(core::mem::size_of::<PyProc>() == 40);
-const _: () = assert!(core::mem::size_of::<PyStack>() == PY_MAX_DEPTH * 16 + 8);
+const _: () = assert!(core::mem::size_of::<PyStack>() == PY_MAX_DEPTH * 16 + 16);
 const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 24);
 const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);

@@ -136,9 +136,15 @@ pub fn task_new(ctx: RawTracePointContext) -> i32 {
 #[inline(always)]
 fn bump(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
-        // SAFETY: the slot is this CPU's own element of a per-CPU array, and the
-        // program runs with preemption disabled, so no one else writes it now.
-        unsafe { *slot += 1 };
+        // SAFETY: the slot is this CPU's own element of a per-CPU array. A
+        // uprobe program runs with migration, not preemption, disabled, so
+        // another program on this CPU can interrupt it: the add is atomic
+        // (BPF_ATOMIC add without fetch, which every supported kernel has).
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                slot, 1,
+            )
+        };
     }
 }
 

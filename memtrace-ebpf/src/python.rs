@@ -27,9 +27,7 @@
 
 use aya_ebpf::{
     cty::c_void,
-    helpers::{
-        bpf_get_current_task, bpf_probe_read_kernel, bpf_probe_read_user, generated::bpf_loop,
-    },
+    helpers::{bpf_get_current_task, bpf_probe_read_kernel, bpf_probe_read_user},
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
@@ -47,6 +45,18 @@ static PY_TSTATES: LruHashMap<u64, u64> = LruHashMap::with_max_entries(16384, 0)
 /// Scratch space for the stack being read (too large for the BPF stack).
 #[map]
 static PY_SCRATCH: PerCpuArray<PyStack> = PerCpuArray::with_max_entries(1, 0);
+/// The thread-list walk's state, per CPU (kept off the BPF stack: see
+/// `WALK_STATE` in `unwind`). Only the return probe reads Python stacks.
+#[map]
+static PY_THREAD_WALK: PerCpuArray<ThreadWalk> = PerCpuArray::with_max_entries(1, 0);
+/// The frame walk's state, per CPU.
+#[map]
+static PY_FRAME_WALK: PerCpuArray<FrameWalk> = PerCpuArray::with_max_entries(1, 0);
+/// Python stacks read on this CPU: a read that sees the count changed when
+/// it ends was preempted by another on its CPU (whose state it shares) and
+/// is counted as failed (`py_read_fault`), never stored.
+#[map]
+static PY_READS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 const BPF_NOEXIST: u64 = 1;
 const EEXIST: i32 = 17;
@@ -59,7 +69,7 @@ fn read_u64(addr: u64) -> Result<u64, ()> {
 
 /// State of the thread-list walk (a `bpf_loop` callback context).
 #[repr(C)]
-struct ThreadWalk {
+pub struct ThreadWalk {
     tstate: u64,
     tid: u64,
     found: u64,
@@ -71,10 +81,12 @@ struct ThreadWalk {
 }
 
 /// One step of the thread-list walk: 1 stops the loop.
-extern "C" fn thread_step(_index: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: bpf_loop passes back the pointer given to it: a ThreadWalk on
-    // the calling program's stack, alive for the whole loop.
-    let walk = unsafe { &mut *(ctx as *mut ThreadWalk) };
+extern "C" fn thread_step(_index: u64, _ctx: *mut c_void) -> i64 {
+    let Some(walk) = PY_THREAD_WALK.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's own element, set by `thread_state` before the loop.
+    let walk = unsafe { &mut *walk };
     if walk.tstate == 0 {
         return 1;
     }
@@ -130,33 +142,30 @@ fn thread_state(pid_tgid: u64, proc: &PyProc) -> Result<u64, Counter> {
     }
     let head =
         read_u64(interp + u64::from(proc.interp_threads_head)).map_err(|_| Counter::PyReadFault)?;
-    let mut walk = ThreadWalk {
-        tstate: head,
-        tid,
-        found: 0,
-        native,
-        next: u64::from(proc.tstate_next),
-        error: 0,
-        _pad: 0,
-    };
-    // SAFETY: the callback and its context follow bpf_loop's contract
-    // (a static function; a context pointer to this stack frame).
+    let walk = PY_THREAD_WALK.get_ptr_mut(0).ok_or(Counter::PyReadFault)?;
+    // SAFETY: this CPU's own element; the loop below is synchronous.
     unsafe {
-        bpf_loop(
-            PY_MAX_THREADS,
-            thread_step as *mut c_void,
-            &mut walk as *mut ThreadWalk as *mut c_void,
-            0,
-        )
-    };
-    if walk.error != 0 {
+        *walk = ThreadWalk {
+            tstate: head,
+            tid,
+            found: 0,
+            native,
+            next: u64::from(proc.tstate_next),
+            error: 0,
+            _pad: 0,
+        };
+    }
+    crate::unwind::run_loop(PY_MAX_THREADS, thread_step);
+    // SAFETY: as above.
+    let (error, found) = unsafe { ((*walk).error, (*walk).found) };
+    if error != 0 {
         return Err(Counter::PyReadFault);
     }
-    if walk.found == 0 {
+    if found == 0 {
         return Err(Counter::PyNoThreadState);
     }
-    let _ = PY_TSTATES.insert(&pid_tgid, &walk.found, 0);
-    Ok(walk.found)
+    let _ = PY_TSTATES.insert(&pid_tgid, &found, 0);
+    Ok(found)
 }
 
 /// The Python stack of the current thread, stored in `PY_STACKS`: its key,
@@ -169,12 +178,27 @@ pub fn python_stack_id(pid_tgid: u64) -> u32 {
     {
         return 0;
     }
+    memtrace_python_stack(pid_tgid)
+}
+
+/// [`python_stack_id`]'s reading, as a global BPF function: the verifier
+/// checks it once, apart from every path of the return probe that reaches
+/// it, and its frame holds nothing but spills (its state is per CPU).
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn memtrace_python_stack(pid_tgid: u64) -> u32 {
     let tgid = (pid_tgid >> 32) as u32;
-    // SAFETY: the value is copied out at once.
-    let Some(proc) = (unsafe { PY_PROCS.get(&tgid) }).copied() else {
+    // SAFETY: the value is only read, while the map holds it.
+    let Some(proc) = (unsafe { PY_PROCS.get(&tgid) }) else {
         return 0;
     };
-    match read_stack(pid_tgid, &proc) {
+    let started = bump_reads();
+    let result = read_stack(pid_tgid, proc);
+    if reads() != started {
+        crate::bump(Counter::PyReadFault);
+        return 0;
+    }
+    match result {
         Ok(id) => id,
         Err(counter) => {
             crate::bump(counter);
@@ -183,9 +207,32 @@ pub fn python_stack_id(pid_tgid: u64) -> u32 {
     }
 }
 
+/// Counts a Python stack read started on this CPU; returns the new count.
+#[inline(always)]
+fn bump_reads() -> u64 {
+    let Some(count) = PY_READS.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: this CPU's own element; one aligned word.
+    unsafe {
+        let next = core::ptr::read_volatile(count).wrapping_add(1);
+        core::ptr::write_volatile(count, next);
+        next
+    }
+}
+
+/// The Python stack reads started on this CPU so far.
+#[inline(always)]
+fn reads() -> u64 {
+    // SAFETY: as in `bump_reads`.
+    PY_READS
+        .get_ptr_mut(0)
+        .map_or(0, |count| unsafe { core::ptr::read_volatile(count) })
+}
+
 /// State of the frame walk (a `bpf_loop` callback context).
 #[repr(C)]
-struct FrameWalk {
+pub struct FrameWalk {
     frame: u64,
     hash: u64,
     len: u64,
@@ -200,9 +247,12 @@ struct FrameWalk {
 
 /// One step of the frame walk: reads one frame into the scratch stack; 1
 /// stops the loop (end of the chain, full, or a fault).
-extern "C" fn frame_step(_index: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: as in thread_step, for a FrameWalk.
-    let walk = unsafe { &mut *(ctx as *mut FrameWalk) };
+extern "C" fn frame_step(_index: u64, _ctx: *mut c_void) -> i64 {
+    let Some(walk) = PY_FRAME_WALK.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's own element, set by `read_stack` before the loop.
+    let walk = unsafe { &mut *walk };
     if walk.frame == 0 {
         return 1;
     }
@@ -260,7 +310,10 @@ fn read_stack(pid_tgid: u64, proc: &PyProc) -> Result<u32, Counter> {
     if proc.cframe_frame != PY_OFF_NONE && frame != 0 {
         frame = read_u64(frame + u64::from(proc.cframe_frame)).map_err(|_| Counter::PyReadFault)?;
     }
-    let mut walk = FrameWalk {
+    let walk = PY_FRAME_WALK.get_ptr_mut(0).ok_or(Counter::PyReadFault)?;
+    // SAFETY: this CPU's own element; the loop below is synchronous.
+    let walk = unsafe { &mut *walk };
+    *walk = FrameWalk {
         frame,
         hash: 0xcbf2_9ce4_8422_2325,
         len: 0,
@@ -272,16 +325,8 @@ fn read_stack(pid_tgid: u64, proc: &PyProc) -> Result<u32, Counter> {
         error: 0,
         _pad: 0,
     };
-    // SAFETY: as in thread_state. Shim frames take loop rounds too, hence
-    // the margin over PY_MAX_DEPTH.
-    unsafe {
-        bpf_loop(
-            (PY_MAX_DEPTH * 2) as u32,
-            frame_step as *mut c_void,
-            &mut walk as *mut FrameWalk as *mut c_void,
-            0,
-        )
-    };
+    // Shim frames take loop rounds too, hence the margin over PY_MAX_DEPTH.
+    crate::unwind::run_loop((PY_MAX_DEPTH * 2) as u32, frame_step);
     if walk.error != 0 {
         return Err(if walk.error == Counter::PyStackMapFull as u32 + 1 {
             Counter::PyStackMapFull
@@ -302,23 +347,19 @@ fn read_stack(pid_tgid: u64, proc: &PyProc) -> Result<u32, Counter> {
         crate::bump(Counter::PyTruncated);
     }
     stack.len = len as u32;
-    // Clear what a deeper earlier stack left behind, so equal stacks are equal bytes.
-    for i in 0..PY_MAX_DEPTH {
-        if i >= len {
-            if let Some(slot) = stack.frames.get_mut(i) {
-                slot.code = 0;
-                slot.instr = 0;
-            }
-        }
-    }
+    // Frames past `len` are left as they are: user space reads `len`
+    // frames, and equal stacks are told apart by their full hash (unrolled
+    // loops over every frame cost the verifier more than the rest of the
+    // reader).
     let hash = walk.hash;
+    stack.hash = hash;
     let mut id = ((hash >> 32) ^ hash) as u32 ^ (len as u32);
     if id == 0 {
         id = 1;
     }
     // SAFETY: the stored stack is only compared, while the map keeps it.
     if let Some(stored) = unsafe { PY_STACKS.get(&id) } {
-        return if same_stack(stored, stack) {
+        return if stored.hash == hash && stored.len == stack.len {
             Ok(id)
         } else {
             Err(Counter::PyHashCollision)
@@ -330,19 +371,4 @@ fn read_stack(pid_tgid: u64, proc: &PyProc) -> Result<u32, Counter> {
         Err(err) if err == -EEXIST => Ok(id),
         Err(_) => Err(Counter::PyStackMapFull),
     }
-}
-
-#[inline(always)]
-fn same_stack(a: &PyStack, b: &PyStack) -> bool {
-    if a.len != b.len {
-        return false;
-    }
-    for i in 0..PY_MAX_DEPTH {
-        if let (Some(x), Some(y)) = (a.frames.get(i), b.frames.get(i)) {
-            if x.code != y.code || x.instr != y.instr {
-                return false;
-            }
-        }
-    }
-    true
 }

@@ -98,6 +98,22 @@ static PC_CACHE: Array<PcCacheEntry> = Array::with_max_entries(PC_CACHE_ENTRIES,
 #[map]
 static WALK_SCRATCH: PerCpuArray<DwarfStack> = PerCpuArray::with_max_entries(1, 0);
 
+/// The running walk's registers and bookkeeping, per CPU. Kept out of the
+/// BPF stack: a program, the walk function and a `bpf_loop` callback share
+/// one 512-byte stack on kernels without private BPF stacks (all below
+/// 6.13), and values loaded from a map are not tracked by the verifier, so
+/// frames of one walk collapse into one state. Only the return probe walks,
+/// so no other program type shares it; a walk preempted by another on its
+/// CPU is detected by `WALKS_STARTED`.
+#[map]
+static WALK_STATE: PerCpuArray<Walk> = PerCpuArray::with_max_entries(1, 0);
+/// The binary searches' state (mapping and row searches), per CPU.
+#[map]
+static SEARCH_STATE: PerCpuArray<Search> = PerCpuArray::with_max_entries(1, 0);
+/// A replay check's and a remembered span's state, per CPU.
+#[map]
+static REPLAY_STATE: PerCpuArray<ReplayState> = PerCpuArray::with_max_entries(1, 0);
+
 /// This CPU's last stack stored or found in `DWARF_STACKS`, by its 64-bit
 /// hash (0: none); its key is the hash's low 31 bits. Entries are never
 /// removed or rewritten there, so a stack with the same hash has that key
@@ -192,9 +208,10 @@ const SIGCTX_RBP: u64 = MCONTEXT + 80;
 const SIGCTX_RSP: u64 = MCONTEXT + 120;
 const SIGCTX_RIP: u64 = MCONTEXT + 128;
 
-/// The walk's registers and bookkeeping, shared with the per-frame callback.
+/// The walk's registers and bookkeeping, shared with the per-frame callback
+/// (in `WALK_STATE`).
 #[repr(C)]
-struct Walk {
+pub struct Walk {
     pc: u64,
     sp: u64,
     bp: u64,
@@ -210,9 +227,14 @@ struct Walk {
     generation: u32,
     /// The `WALK_REPLAYS` element this walk logs its reads into.
     replay: u32,
-    _pad: u32,
+    /// The traced process.
+    tgid: u32,
     /// [`seal`] of the words read so far.
     seal: u64,
+    /// The registers the walk started from.
+    start_pc: u64,
+    start_sp: u64,
+    start_bp: u64,
 }
 
 /// One PC cache entry: `value` is the mapping list's generation (high half)
@@ -303,6 +325,26 @@ fn opaque(value: u32) -> u32 {
     unsafe { core::ptr::read_volatile(&value) }
 }
 
+/// A `bpf_loop` callback: its state lives in a per-CPU map, so it takes no
+/// context.
+type LoopStep = extern "C" fn(u64, *mut core::ffi::c_void) -> i64;
+
+/// Runs `step` up to `rounds` times with a null context (the state is in a
+/// per-CPU map, never on the BPF stack).
+#[inline(always)]
+pub(crate) fn run_loop(rounds: u32, step: LoopStep) {
+    // SAFETY: `step` is a static function of this program; bpf_loop accepts a
+    // null callback context.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(
+            rounds,
+            step as *mut core::ffi::c_void,
+            core::ptr::null_mut(),
+            0,
+        );
+    }
+}
+
 #[inline(always)]
 fn read_u64(addr: u64) -> Option<u64> {
     // SAFETY: bpf_probe_read_user validates the user address and fails cleanly.
@@ -319,7 +361,7 @@ fn read_pair(addr: u64) -> Option<[u64; 2]> {
 /// A binary search's state, shared with its `bpf_loop` callback (a loop
 /// the verifier would otherwise unroll, multiplying its states).
 #[repr(C)]
-struct Search {
+pub struct Search {
     lo: u32,
     hi: u32,
     /// The value searched for (a PC or a file offset).
@@ -331,10 +373,12 @@ struct Search {
 
 /// One step of the mapping search: `lo` ends as one past the last mapping
 /// with `start <= key`.
-extern "C" fn mapping_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: `ctx` is the `Search` on `find_mapping`'s stack, alive during
-    // the synchronous bpf_loop call.
-    let search = unsafe { &mut *(ctx as *mut Search) };
+extern "C" fn mapping_step(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
+    let Some(search) = SEARCH_STATE.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's own element, set by `find_mapping` before the loop.
+    let search = unsafe { &mut *search };
     if search.lo >= search.hi {
         return 1;
     }
@@ -397,33 +441,33 @@ fn untrampolined(slot: u64, ra: u64) -> Option<u64> {
 #[inline(always)]
 fn find_mapping(slot: u32, pc: u64) -> Option<MapEntry> {
     let len = PROC_MAPS.get(slot)?.len.min(MAX_MAPPINGS as u32);
-    let mut search = Search {
-        lo: 0,
-        hi: len,
-        key: pc,
-        slot,
-        _pad: 0,
-    };
-    // SAFETY: the callback is a static function of this program and `search`
-    // outlives the call.
+    let search = SEARCH_STATE.get_ptr_mut(0)?;
+    // SAFETY: this CPU's own element; the loop below is synchronous.
     unsafe {
-        aya_ebpf::helpers::generated::bpf_loop(
-            MAPPING_SEARCH_STEPS + 1,
-            mapping_step as *mut core::ffi::c_void,
-            &mut search as *mut Search as *mut core::ffi::c_void,
-            0,
-        );
+        *search = Search {
+            lo: 0,
+            hi: len,
+            key: pc,
+            slot,
+            _pad: 0,
+        };
     }
+    run_loop(MAPPING_SEARCH_STEPS + 1, mapping_step);
     let maps = PROC_MAPS.get(slot)?;
-    let index = opaque(search.lo.checked_sub(1)?);
+    // SAFETY: as above.
+    let lo = unsafe { (*search).lo };
+    let index = opaque(lo.checked_sub(1)?);
     let entry = maps.entries.get(index as usize)?;
     (pc < entry.end).then_some(*entry)
 }
 
 /// One step of the row search: `lo` ends as the last row with `pc <= key`.
-extern "C" fn row_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: `ctx` is the `Search` on `find_rule`'s stack (see `mapping_step`).
-    let search = unsafe { &mut *(ctx as *mut Search) };
+extern "C" fn row_step(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
+    let Some(search) = SEARCH_STATE.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's own element, set by `find_rule` before the loop.
+    let search = unsafe { &mut *search };
     if search.hi <= search.lo + 1 {
         return 1;
     }
@@ -478,23 +522,20 @@ fn find_rule(table: u32, offset: u64) -> Option<UnwindRule> {
         info.row_start + info.row_count
     };
     // The page's last row at or before the offset; its first row is at 0.
-    let mut search = Search {
-        lo: first,
-        hi: end,
-        key: offset & ((1 << PAGE_SHIFT) - 1),
-        slot: 0,
-        _pad: 0,
-    };
-    // SAFETY: as in `find_mapping`.
+    let search = SEARCH_STATE.get_ptr_mut(0)?;
+    // SAFETY: this CPU's own element; the loop below is synchronous.
     unsafe {
-        aya_ebpf::helpers::generated::bpf_loop(
-            ROW_SEARCH_STEPS + 1,
-            row_step as *mut core::ffi::c_void,
-            &mut search as *mut Search as *mut core::ffi::c_void,
-            0,
-        );
+        *search = Search {
+            lo: first,
+            hi: end,
+            key: offset & ((1 << PAGE_SHIFT) - 1),
+            slot: 0,
+            _pad: 0,
+        };
     }
-    let row = row_at(search.lo)?;
+    run_loop(ROW_SEARCH_STEPS + 1, row_step);
+    // SAFETY: as above.
+    let row = row_at(unsafe { (*search).lo })?;
     rule_at(info.rule_start + u32::from(row.rule))
 }
 
@@ -608,20 +649,26 @@ fn replay_index(pc: u64, sp: u64) -> u32 {
     ((pc ^ sp.rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 59) as u32 % REPLAY_ENTRIES
 }
 
-/// A replay's state, shared with its `bpf_loop` callback.
+/// The state of a replay check ([`replay_word`]) or of a remembered walk's
+/// span ([`span_word`]), shared with their `bpf_loop` callbacks.
 #[repr(C)]
-struct ReplayCheck {
+pub struct ReplayState {
+    /// The `WALK_REPLAYS` element.
     index: u32,
     mismatch: u32,
+    /// The span's start (a check: the copy's first address).
     lo: u64,
+    hi: u64,
     seal: u64,
 }
 
 /// `bpf_loop` callback: compares logged word `i` with the stack now.
-extern "C" fn replay_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: `ctx` is the `ReplayCheck` on `replayed`'s stack, alive during
-    // the synchronous bpf_loop call.
-    let check = unsafe { &mut *(ctx as *mut ReplayCheck) };
+extern "C" fn replay_word(i: u64, _ctx: *mut core::ffi::c_void) -> i64 {
+    let Some(check) = REPLAY_STATE.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's own element, set by `replayed` before the loop.
+    let check = unsafe { &mut *check };
     let (Some(entry), Some(span)) = (WALK_REPLAYS.get(check.index), REPLAY_SPANS.get(0)) else {
         check.mismatch = 1;
         return 1;
@@ -671,12 +718,17 @@ fn replayed(
     let span = unsafe { &mut *span };
     let seq = span.seq.wrapping_add(1);
     span.seq = seq;
-    let mut check = ReplayCheck {
-        index,
-        mismatch: 0,
-        lo,
-        seal: 0x243F_6A88_85A3_08D3,
-    };
+    let check = REPLAY_STATE.get_ptr_mut(0)?;
+    // SAFETY: this CPU's own element; the loop below is synchronous.
+    unsafe {
+        *check = ReplayState {
+            index,
+            mismatch: 0,
+            lo,
+            hi: 0,
+            seal: 0x243F_6A88_85A3_08D3,
+        };
+    }
     if count > 0 {
         let bytes = opaque(entry.bytes);
         if bytes == 0 || bytes > REPLAY_SPAN {
@@ -694,19 +746,11 @@ fn replayed(
         if failed != 0 {
             return None;
         }
-        // SAFETY: the callback is a static function of this program and
-        // `check` outlives the call.
-        unsafe {
-            aya_ebpf::helpers::generated::bpf_loop(
-                count.min(REPLAY_WORDS as u32),
-                replay_word as *mut core::ffi::c_void,
-                &mut check as *mut ReplayCheck as *mut core::ffi::c_void,
-                0,
-            );
-        }
+        run_loop(count.min(REPLAY_WORDS as u32), replay_word);
     }
-    if check.mismatch != 0 || span.seq != seq || seal_header(check.seal, entry, key, stop) != sealed
-    {
+    // SAFETY: as above.
+    let (mismatch, checked) = unsafe { ((*check).mismatch, (*check).seal) };
+    if mismatch != 0 || span.seq != seq || seal_header(checked, entry, key, stop) != sealed {
         return None;
     }
     Some((key, stop))
@@ -866,10 +910,13 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
 }
 
 /// `bpf_loop` callback: one frame.
-extern "C" fn frame_callback(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: `ctx` is the `Walk` on `capture`'s stack, passed to bpf_loop,
-    // which calls back synchronously while that frame is alive.
-    let walk = unsafe { &mut *(ctx as *mut Walk) };
+extern "C" fn frame_callback(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
+    let Some(walk) = WALK_STATE.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's own element, set by `memtrace_walk_stack` before
+    // the loop.
+    let walk = unsafe { &mut *walk };
     let Some(log) = WALK_REPLAYS.get_ptr_mut(walk.replay) else {
         walk.stop = BAD_RULE;
         return 1;
@@ -897,9 +944,19 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
 /// Walks the user stack from the registers of a return probe. A global BPF
 /// function: the verifier checks it once, on its own, instead of once per
 /// path of `call_exit` that reaches it.
+///
+/// Its own frame is kept small, since every call chain under it (this
+/// function, [`frame_callback`], a search step) shares one 512-byte stack
+/// with the return probe on kernels without private BPF stacks: the replay
+/// and the end of the walk are global functions of their own, and all state
+/// lives in `WALK_STATE`.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
+    let started = walk_started();
+    let Some(state) = WALK_STATE.get_ptr_mut(0) else {
+        return -EAGAIN;
+    };
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     let slot = match process_slot(tgid) {
         Some(slot) => slot,
@@ -909,13 +966,67 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
         }
     };
     let generation = PROC_MAPS.get(slot).map_or(0, |maps| maps.generation);
+    // SAFETY: this CPU's own element (see `WALK_STATE`).
+    unsafe {
+        *state = Walk {
+            pc,
+            sp,
+            bp,
+            hash: 0xcbf2_9ce4_8422_2325,
+            slot,
+            stop: RUNNING,
+            exact: 0,
+            stale: 0,
+            generation,
+            replay: 0,
+            tgid,
+            seal: 0x243F_6A88_85A3_08D3,
+            start_pc: pc,
+            start_sp: sp,
+            start_bp: bp,
+        };
+    }
+    let replayed = memtrace_walk_replay(started);
+    if replayed != NOT_REPLAYED {
+        return replayed;
+    }
+    if let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) {
+        // SAFETY: this CPU's own element (see `step`).
+        unsafe { (*scratch).len = 0 };
+    }
+    let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
+    run_loop(depth, frame_callback);
+    memtrace_walk_finish(started)
+}
+
+/// [`memtrace_walk_replay`]: no remembered walk answers these registers.
+const NOT_REPLAYED: i32 = i32::MIN;
+
+/// Answers the walk set up in `WALK_STATE` from a remembered one when every
+/// stack word it read still holds its value (the stack key, or a negative
+/// errno); otherwise picks the `WALK_REPLAYS` element the walk logs into and
+/// returns [`NOT_REPLAYED`]. `started`: this CPU's walk count at the start.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn memtrace_walk_replay(started: u64) -> i32 {
+    let Some(state) = WALK_STATE.get_ptr_mut(0) else {
+        return -EAGAIN;
+    };
+    // SAFETY: this CPU's own element (see `WALK_STATE`).
+    let walk = unsafe { &mut *state };
+    let (pc, sp, bp, tgid) = (walk.start_pc, walk.start_sp, walk.start_bp, walk.tgid);
     // Two entries per start PC and SP: two call paths that reach the same
     // call site at the same depth (an event loop dispatching to handlers of
     // one frame size) each keep theirs.
     let pair = replay_index(pc, sp) & !1;
-    if slot != NO_SLOT {
+    if walk.slot != NO_SLOT {
+        let generation = walk.generation;
         for index in [pair, pair + 1] {
             if let Some((key, stop)) = replayed(index, pc, sp, bp, tgid, generation) {
+                if walks_started() != started {
+                    bump(Counter::StackOther);
+                    return -EAGAIN;
+                }
                 bump(Counter::StacksReplayed);
                 count_stop(stop);
                 return key;
@@ -933,7 +1044,7 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
     } else if same_start(pair + 1) {
         pair
     } else {
-        pair + (walks_started() & 1) as u32
+        pair + (started & 1) as u32
     };
     if let Some(entry) = WALK_REPLAYS.get_ptr_mut(replay) {
         // SAFETY: this CPU's own element; the walk logs its words from 0.
@@ -945,49 +1056,33 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
             (*entry).bp_pending = 0;
         }
     }
-    let mut walk = Walk {
-        pc,
-        sp,
-        bp,
-        hash: 0xcbf2_9ce4_8422_2325,
-        slot,
-        stop: RUNNING,
-        exact: 0,
-        stale: 0,
-        generation,
-        replay,
-        _pad: 0,
-        seal: 0x243F_6A88_85A3_08D3,
-    };
-    let started = walk_started();
-    if let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) {
-        // SAFETY: this CPU's own element (see `step`).
-        unsafe { (*scratch).len = 0 };
-    }
-    let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
-    // SAFETY: the callback is a static function of this program and `walk`
-    // outlives the call.
-    unsafe {
-        aya_ebpf::helpers::generated::bpf_loop(
-            depth,
-            frame_callback as *mut core::ffi::c_void,
-            &mut walk as *mut Walk as *mut core::ffi::c_void,
-            0,
-        );
-    }
+    walk.replay = replay;
+    NOT_REPLAYED
+}
+
+/// Ends the walk in `WALK_STATE`: counts why it stopped, stores its stack
+/// and remembers it for replay. Returns the stack key or a negative errno.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn memtrace_walk_finish(started: u64) -> i32 {
     if walks_started() != started {
         // Another walk ran on this CPU meanwhile and took the scratch.
         bump(Counter::StackOther);
         return -EAGAIN;
     }
+    let Some(state) = WALK_STATE.get_ptr_mut(0) else {
+        return -EAGAIN;
+    };
+    // SAFETY: this CPU's own element (see `WALK_STATE`).
+    let walk = unsafe { &*state };
     count_stop(walk.stop);
     if walk.stale != 0 {
-        report_stale(tgid);
+        report_stale(walk.tgid);
     }
     let frames = WALK_SCRATCH.get(0).map_or(0, |scratch| scratch.len);
     let key = store(walk.hash, frames);
-    if key >= 0 && slot != NO_SLOT && walk.stale == 0 {
-        remember(&walk, pc, sp, bp, tgid, key);
+    if key >= 0 && walk.slot != NO_SLOT && walk.stale == 0 {
+        remember(walk, key);
     }
     key
 }
@@ -1030,21 +1125,14 @@ fn count_stop(stop: u32) {
     }
 }
 
-/// The lowest and highest address of a walk's logged words, found by
-/// [`span_word`].
-#[repr(C)]
-struct Span {
-    index: u32,
-    _pad: u32,
-    lo: u64,
-    hi: u64,
-}
-
-/// `bpf_loop` callback: widens the span by logged word `i`.
-extern "C" fn span_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: `ctx` is the `Span` on `remember`'s stack, alive during the
-    // synchronous bpf_loop call.
-    let span = unsafe { &mut *(ctx as *mut Span) };
+/// `bpf_loop` callback: widens the span (`lo`, `hi` of [`ReplayState`]) by
+/// logged word `i`.
+extern "C" fn span_word(i: u64, _ctx: *mut core::ffi::c_void) -> i64 {
+    let Some(span) = REPLAY_STATE.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's own element, set by `remember` before the loop.
+    let span = unsafe { &mut *span };
     let Some(entry) = WALK_REPLAYS.get(span.index) else {
         return 1;
     };
@@ -1060,7 +1148,8 @@ extern "C" fn span_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
 /// `WALK_REPLAYS` element as it read them; this seals them with the start
 /// registers (`walk` itself holds the final ones) and the answer.
 #[inline(always)]
-fn remember(walk: &Walk, pc: u64, sp: u64, bp: u64, tgid: u32, key: i32) {
+fn remember(walk: &Walk, key: i32) {
+    let (pc, sp, bp, tgid) = (walk.start_pc, walk.start_sp, walk.start_bp, walk.tgid);
     if walk.stop == FAULT || walk.stop == BAD_RULE {
         return;
     }
@@ -1076,27 +1165,27 @@ fn remember(walk: &Walk, pc: u64, sp: u64, bp: u64, tgid: u32, key: i32) {
     let (lo, bytes) = if logged == 0 {
         (0, 0)
     } else {
-        let mut span = Span {
-            index: walk.replay,
-            _pad: 0,
-            lo: u64::MAX,
-            hi: 0,
+        let Some(span) = REPLAY_STATE.get_ptr_mut(0) else {
+            return;
         };
-        // SAFETY: the callback is a static function of this program and
-        // `span` outlives the call.
+        // SAFETY: this CPU's own element; the loop below is synchronous.
         unsafe {
-            aya_ebpf::helpers::generated::bpf_loop(
-                logged,
-                span_word as *mut core::ffi::c_void,
-                &mut span as *mut Span as *mut core::ffi::c_void,
-                0,
-            );
+            *span = ReplayState {
+                index: walk.replay,
+                mismatch: 0,
+                lo: u64::MAX,
+                hi: 0,
+                seal: 0,
+            };
         }
-        let bytes = span.hi.wrapping_sub(span.lo).wrapping_add(8);
-        if span.hi < span.lo || bytes > u64::from(REPLAY_SPAN) {
+        run_loop(logged, span_word);
+        // SAFETY: as above.
+        let (span_lo, span_hi) = unsafe { ((*span).lo, (*span).hi) };
+        let bytes = span_hi.wrapping_sub(span_lo).wrapping_add(8);
+        if span_hi < span_lo || bytes > u64::from(REPLAY_SPAN) {
             return;
         }
-        (span.lo, bytes as u32)
+        (span_lo, bytes as u32)
     };
     // SAFETY: as above.
     let entry = unsafe { &mut *entry };

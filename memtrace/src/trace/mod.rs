@@ -422,6 +422,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 ChildEvent::Mapped { pid: mapped, ack } => {
                     if let Ok(mappings) = crate::probe::maps::read(mapped) {
                         probes.update_unwind(mapped, &mappings);
+                        session.pipeline.observe_mappings(mapped, &mappings);
                     }
                     let _ = ack.send(());
                 }
@@ -660,6 +661,7 @@ impl Session<'_> {
             // at the first stack that meets them.
             if let Ok(mappings) = crate::probe::maps::read(pid) {
                 probes.update_unwind(pid, &mappings);
+                self.pipeline.observe_mappings(pid, &mappings);
             }
             let who = if pid == target {
                 "target pid"
@@ -718,6 +720,7 @@ impl Session<'_> {
         for pid in std::mem::take(&mut self.pipeline.stale_maps) {
             if let Ok(mappings) = crate::probe::maps::read(pid) {
                 probes.update_unwind(pid, &mappings);
+                self.pipeline.observe_mappings(pid, &mappings);
             }
         }
         self.family

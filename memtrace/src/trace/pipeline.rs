@@ -309,6 +309,18 @@ impl Pipeline {
         }
     }
 
+    /// Takes mappings of `pid` just read for the kernel's unwinder: the
+    /// stacks the unwinder walks through them must be symbolized against
+    /// them too, even when the process is gone (or the rate-limited
+    /// re-read skipped) by the time its events are read.
+    pub fn observe_mappings(&mut self, pid: u32, mappings: &[maps::Mapping]) {
+        let process = self.spaces.entry(pid).or_default();
+        process.space = AddressSpace::new(mappings.to_vec());
+        process.read_at = Some(Instant::now());
+        process.exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+        self.renormalize(pid);
+    }
+
     /// Starts a child with its own mappings, or its parent's when it cannot
     /// be read (gone already): a forked child has its parent's layout until
     /// it execs.
