@@ -7,8 +7,8 @@ use serde::Serialize;
 
 use crate::analysis::history::{History, SiteKey};
 use crate::analysis::{
-    classify, classify_trend, survived_intervals, suspicion_rank, BlockFacts, Pattern,
-    Suppressions, Trend, TrendVerdict,
+    accumulation_rate, classify, classify_trend, survived_intervals, suspicion_rank, BlockFacts,
+    Pattern, Suppressions, Trend, TrendVerdict,
 };
 use crate::event::StackRef;
 use crate::probe::catalog::{Allocator, Memory};
@@ -343,6 +343,17 @@ struct SiteAcc {
     blocks: Vec<(f64, u64)>,
 }
 
+/// A site judged: its key, blocks, trend, pattern, whether the allocator
+/// made it for itself, and how fast its live blocks piled up (`new` sites).
+type Judged = (
+    SiteKey,
+    SiteAcc,
+    TrendVerdict,
+    Option<Pattern>,
+    bool,
+    Option<f64>,
+);
+
 /// Builds the report, symbolizing the frames of the sites shown.
 pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let spec = |index: u16| input.specs.get(usize::from(index));
@@ -435,7 +446,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let programs: BTreeSet<&str> = std::iter::once(input.target.exe.as_str())
         .chain(input.processes.iter().map(|p| p.exe.as_str()))
         .collect();
-    let mut judged: Vec<(SiteKey, SiteAcc, TrendVerdict, Option<Pattern>, bool)> = sites
+    let mut judged: Vec<Judged> = sites
         .into_iter()
         .map(|(key, acc)| {
             let series = input.history.map_or(&[][..], |h| h.series(&key));
@@ -450,14 +461,18 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             // Python frames name who asked, whatever native code allocated.
             let internal = key.3 == 0
                 && allocated_inside_allocator(key.2, input.stacks, &acc.modules, &programs);
-            (key, acc, verdict, pattern, internal)
+            let accumulation = (verdict.trend == Trend::New)
+                .then(|| accumulation_rate(&acc.blocks, trace_s))
+                .flatten();
+            (key, acc, verdict, pattern, internal, accumulation)
         })
         .collect();
     judged.sort_by(|a, b| {
-        suspicion_rank(a.2.trend, a.2.growth_bytes_per_s, a.1.live_bytes, a.4)
+        suspicion_rank(a.2.trend, a.2.growth_bytes_per_s, a.5, a.1.live_bytes, a.4)
             .cmp(&suspicion_rank(
                 b.2.trend,
                 b.2.growth_bytes_per_s,
+                b.5,
                 b.1.live_bytes,
                 b.4,
             ))
@@ -481,7 +496,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let sites = judged
         .into_iter()
         .map(
-            |((allocator, memory, stack, py), acc, verdict, pattern, internal)| {
+            |((allocator, memory, stack, py), acc, verdict, pattern, internal, _)| {
                 let (frames, stack_note) = site_frames(stack, input.stacks, depth, &symbols);
                 let frames = crate::interp::python::merge::merge(
                     frames,

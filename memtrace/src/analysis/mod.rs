@@ -25,7 +25,7 @@ use std::hash::Hash;
 pub use pattern::{classify, Pattern};
 pub use rank::suspicion_rank;
 pub use suppress::{BlockFacts, Suppressions};
-pub use trend::{classify_trend, survived_intervals, Trend, TrendVerdict};
+pub use trend::{accumulation_rate, classify_trend, survived_intervals, Trend, TrendVerdict};
 
 /// Most points kept per site; beyond that, the resolution is halved. 512
 /// points (20 KiB a site) are plenty for a robust trend; the 30-minute soak

@@ -1,8 +1,14 @@
 //! What kind of leak a site's live blocks look like, from their
 //! `(alloc time, size)` list and the site's trend:
 //!
-//! - `per-iteration`: equal-size blocks made at a regular period (a temporary
-//!   buffer never freed inside a loop);
+//! - `per-iteration`: equal-size blocks made at a steady rate (a temporary
+//!   buffer never freed inside a loop, one per request). Judged first on the
+//!   exact cadence of bursts (several buffers per iteration), then, when
+//!   stamps are jittered, on a regular grid: a block's stamp may come up to
+//!   a period, or a scan of the kernel's held table
+//!   ([`PER_ITERATION_STAMP_SLACK_S`]), after its allocation (a held block
+//!   is stamped when it leaves the hold), which splits and merges bursts
+//!   whatever the block size;
 //! - `small-accumulating`: many small blocks piling up (fragments left by
 //!   split/concat paths);
 //! - `large-once`: one or very few large, old blocks that are not growing (a
@@ -18,7 +24,7 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use super::trend::Trend;
-use crate::stats::median;
+use crate::stats::{median, theil_sen};
 
 /// Fewest blocks of the dominant size for `per-iteration`.
 pub const PER_ITERATION_MIN_BLOCKS: usize = 4;
@@ -33,6 +39,18 @@ pub const PER_ITERATION_MAX_PERIOD_CV: f64 = 0.5;
 pub const BURST_SPLIT_FRACTION: f64 = 0.2;
 /// Share of the bursts that must hold the typical (median) number of blocks.
 pub const PER_ITERATION_MIN_CONSISTENT_BURSTS: f64 = 0.75;
+/// Fewest blocks for the steady-grid judgment (the fallback when bursts are
+/// not exact): with fewer, random arrivals fit a grid too often.
+pub const PER_ITERATION_MIN_GRID_BLOCKS: usize = 16;
+/// How far a block's stamp may sit from the steady grid, in periods.
+pub const PER_ITERATION_MAX_GRID_DEVIATION: f64 = 1.0;
+/// How late a block's stamp may be besides, seconds: a block the kernel held
+/// is stamped when user space takes it, a scan or two (about 0.1 s) after it
+/// was made, later when user space was busy.
+pub const PER_ITERATION_STAMP_SLACK_S: f64 = 0.25;
+/// The grid's allowed deviation must be at most this fraction of the active
+/// span (otherwise any handful of blocks fits it).
+pub const PER_ITERATION_MAX_GRID_SPAN_FRACTION: f64 = 0.25;
 /// The blocks must keep coming: from the first block, they must cover at
 /// least this fraction of the remaining trace (a pool made in a tight loop at
 /// startup does not).
@@ -145,7 +163,13 @@ fn per_iteration(blocks: &[(f64, u64)], trend: Trend, trace_duration_s: f64) -> 
     if last - first < PER_ITERATION_MIN_ACTIVE_FRACTION * (trace_duration_s - first) {
         return None;
     }
+    exact_bursts(&times, size).or_else(|| steady_grid(&times, size))
+}
 
+/// Bursts (one per iteration) at a regular cadence, each of the same number
+/// of blocks; `times` sorted, at least one.
+fn exact_bursts(times: &[f64], size: u64) -> Option<Pattern> {
+    let first = *times.first()?;
     // Group into bursts (one per iteration), then judge the burst cadence.
     let gaps: Vec<f64> = times.windows(2).map(|w| w[1] - w[0]).collect();
     let mut sorted = gaps.clone();
@@ -180,11 +204,46 @@ fn per_iteration(blocks: &[(f64, u64)], trend: Trend, trace_duration_s: f64) -> 
     if (consistent as f64) < PER_ITERATION_MIN_CONSISTENT_BURSTS * sizes.len() as f64 {
         return None;
     }
-    let period_s = median(&mut periods.clone());
+    // The mean period (first to last burst): stamps quantized to user
+    // space's scans make the median of single periods a multiple of the
+    // scan interval, not the iteration's.
+    let period_s = mean;
     let per_burst = per_burst as u64;
     Some(Pattern::PerIteration {
         period_ms: period_s * 1000.0,
         bytes_per_period: size.saturating_mul(per_burst),
+    })
+}
+
+/// One block per step of a steady grid, each stamped within
+/// [`PER_ITERATION_MAX_GRID_DEVIATION`] periods (or
+/// [`PER_ITERATION_STAMP_SLACK_S`]) of it: a steady rate whose stamps were
+/// jittered, split or merged. The grid's step is the Theil–Sen slope of the
+/// stamps over their rank; `times` sorted.
+fn steady_grid(times: &[f64], size: u64) -> Option<Pattern> {
+    if times.len() < PER_ITERATION_MIN_GRID_BLOCKS {
+        return None;
+    }
+    let ranked: Vec<(f64, f64)> = times
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| (i as f64, t))
+        .collect();
+    let (period_s, start) = theil_sen(&ranked);
+    if !period_s.is_finite() || period_s <= 0.0 {
+        return None;
+    }
+    let span = times.last()? - times.first()?;
+    let allowed = PER_ITERATION_MAX_GRID_DEVIATION * period_s + PER_ITERATION_STAMP_SLACK_S;
+    if allowed > PER_ITERATION_MAX_GRID_SPAN_FRACTION * span {
+        return None;
+    }
+    let on_grid = ranked
+        .iter()
+        .all(|&(i, t)| (t - (start + period_s * i)).abs() <= allowed);
+    on_grid.then_some(Pattern::PerIteration {
+        period_ms: period_s * 1000.0,
+        bytes_per_period: size,
     })
 }
 
@@ -263,6 +322,119 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Stamps as the kernel's held table gives them: a block leaves the
+    /// hold when user space takes it, at its second scan after the
+    /// allocation, or earlier when its thread allocates again (`pushed`: a
+    /// loop in one thread; not in a pool whose threads take turns). Scans
+    /// every 60 ms, and every 20th waits `stall_s` (user space busy): the
+    /// blocks made meanwhile are taken together.
+    fn held_stamps(allocs: &[f64], pushed: bool, stall_s: f64) -> Vec<f64> {
+        let end = allocs.last().copied().unwrap_or(0.0) + 1.0;
+        let mut scans = Vec::new();
+        let mut t = 0.0;
+        while t < end {
+            scans.push(t);
+            t += if scans.len() % 20 == 0 { stall_s } else { 0.06 };
+        }
+        allocs
+            .iter()
+            .enumerate()
+            .map(|(i, &made)| {
+                let taken = scans.iter().filter(|&&s| s > made).nth(1).copied();
+                let next = allocs.get(i + 1).copied().filter(|_| pushed);
+                match (taken, next) {
+                    (Some(a), Some(b)) => a.min(b),
+                    (Some(a), None) | (None, Some(a)) => a,
+                    (None, None) => end,
+                }
+            })
+            .collect()
+    }
+
+    fn per_iteration_of(blocks: &[(f64, u64)], trace_s: f64) -> (f64, u64) {
+        match classify(blocks, Trend::Growing, trace_s, 0) {
+            Some(Pattern::PerIteration {
+                period_ms,
+                bytes_per_period,
+            }) => (period_ms, bytes_per_period),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_steady_leak_stamped_late_is_per_iteration_whatever_its_size() {
+        // One block every 100 ms for 10 s. In a pool whose threads take
+        // turns, each block waits in the kernel's hold for user space's
+        // scans; with user space busy for 0.3 s now and then, several blocks
+        // get one stamp: the bursts are no longer equal, nor evenly spaced
+        // (this lost `per-iteration` once held blocks were stamped when
+        // taken). The rate is steady: it is per-iteration, at any size.
+        let allocs: Vec<f64> = (0..100).map(|i| 0.05 + 0.1 * f64::from(i)).collect();
+        for (pushed, stall_s) in [(false, 0.3), (false, 0.06), (true, 0.3), (true, 0.06)] {
+            let stamps = held_stamps(&allocs, pushed, stall_s);
+            for size in [16, 512, 4096, 65_536, 1 << 20] {
+                let blocks: Vec<(f64, u64)> = stamps.iter().map(|&t| (t, size)).collect();
+                let (period_ms, bytes) = per_iteration_of(&blocks, 10.2);
+                assert!(
+                    (90.0..=110.0).contains(&period_ms),
+                    "pushed {pushed}, stall {stall_s}, {size} B: {period_ms} ms"
+                );
+                assert_eq!(bytes, size);
+            }
+        }
+    }
+
+    #[test]
+    fn the_demos_leak_is_per_iteration_and_its_cache_has_no_pattern() {
+        // leaky_demo 400: 256 B kept every 4th request of ~5 ms, pushed out
+        // of the hold by the next request's allocation; 16 x 4096 at start.
+        let leak: Vec<(f64, u64)> = (0..100)
+            .map(|i| (0.003 + 0.0202 * f64::from(i) + 0.0051, 256))
+            .collect();
+        let (period_ms, bytes) = per_iteration_of(&leak, 2.1);
+        assert!((19.0..=22.0).contains(&period_ms), "{period_ms}");
+        assert_eq!(bytes, 256);
+        let cache: Vec<(f64, u64)> = (0..16)
+            .map(|i| (0.002 + 0.000_01 * f64::from(i), 4096))
+            .collect();
+        for trend in [Trend::New, Trend::Stable] {
+            assert_eq!(classify(&cache, trend, 2.1, 90_000), None);
+        }
+    }
+
+    #[test]
+    fn random_arrivals_of_one_size_are_not_per_iteration() {
+        // Exponential gaps (a Poisson process), mean 0.5 s, for 60 s.
+        for seed in 1..=20 {
+            let mut rng = Lcg(seed);
+            let mut t = 0.0;
+            let blocks: Vec<(f64, u64)> = (0..120)
+                .map(|_| {
+                    let u = (rng.below(1_000_000) as f64 + 0.5) / 1_000_000.0;
+                    t += -0.5 * u.ln();
+                    (t, 256)
+                })
+                .collect();
+            let end = t + 0.1;
+            assert!(
+                !matches!(
+                    classify(&blocks, Trend::Growing, end, 0),
+                    Some(Pattern::PerIteration { .. })
+                ),
+                "seed {seed}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_64mib_block_stays_large_once_next_to_a_steady_leak() {
+        let blocks = [(0.05, 64 << 20)];
+        assert_eq!(
+            classify(&blocks, Trend::Stable, 10.2, (64 << 20) + 409_600),
+            Some(Pattern::LargeOnce)
+        );
     }
 
     #[test]

@@ -1,7 +1,13 @@
 //! Ordering sites by how suspicious they are: growing sites first (fastest
-//! growth first), then new, stable and shrinking sites (most live bytes
+//! growth first), then new sites whose live blocks piled up steadily through
+//! the trace (fastest first: too few intervals to judge, but the blocks say
+//! they grow), then other new, stable and shrinking sites (most live bytes
 //! first within each); within a class, sites the allocator's own library
 //! allocated for itself (thread stacks, arenas, stdio buffers) come last.
+//!
+//! So a flat site never outranks a growing one, whatever their bytes: a
+//! cache made once at start-up and a site leaking every request, both still
+//! `new` in a short trace, rank the leak first.
 
 use std::cmp::Ordering;
 
@@ -13,33 +19,34 @@ use super::trend::Trend;
 pub struct SuspicionRank {
     class: u8,
     internal: bool,
-    /// Growth rate (growing sites only; 0 otherwise), finite.
+    /// Growth rate (growing and accumulating new sites only; 0 otherwise),
+    /// finite.
     rate: f64,
     live_bytes: u64,
 }
 
-/// The sort key of a site; see [`SuspicionRank`].
+/// The sort key of a site; see [`SuspicionRank`]. `accumulation_bytes_per_s`:
+/// how fast its live blocks piled up (see
+/// [`super::trend::accumulation_rate`]), used for a `new` site only.
 pub fn suspicion_rank(
     trend: Trend,
     growth_bytes_per_s: f64,
+    accumulation_bytes_per_s: Option<f64>,
     live_bytes: u64,
     internal: bool,
 ) -> SuspicionRank {
-    let class = match trend {
-        Trend::Growing => 0,
-        Trend::New => 1,
-        Trend::Stable => 2,
-        Trend::Shrinking => 3,
-    };
-    let rate = if trend == Trend::Growing && growth_bytes_per_s.is_finite() {
-        growth_bytes_per_s
-    } else {
-        0.0
+    let accumulating = accumulation_bytes_per_s.filter(|r| r.is_finite() && *r > 0.0);
+    let (class, rate) = match (trend, accumulating) {
+        (Trend::Growing, _) => (0, growth_bytes_per_s),
+        (Trend::New, Some(rate)) => (1, rate),
+        (Trend::New, None) => (2, 0.0),
+        (Trend::Stable, _) => (3, 0.0),
+        (Trend::Shrinking, _) => (4, 0.0),
     };
     SuspicionRank {
         class,
         internal,
-        rate,
+        rate: if rate.is_finite() { rate } else { 0.0 },
         live_bytes,
     }
 }
@@ -71,6 +78,7 @@ impl Eq for SuspicionRank {}
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::analysis::trend::accumulation_rate;
 
     #[test]
     fn growing_by_rate_then_new_stable_shrinking_by_bytes() {
@@ -84,7 +92,9 @@ mod tests {
             ("growing-nan", Trend::Growing, f64::NAN, 5),
             ("shrinking-small", Trend::Shrinking, -1.0, 1),
         ];
-        sites.sort_by_key(|&(_, trend, rate, bytes)| suspicion_rank(trend, rate, bytes, false));
+        sites.sort_by_key(|&(_, trend, rate, bytes)| {
+            suspicion_rank(trend, rate, None, bytes, false)
+        });
         let names: Vec<&str> = sites.iter().map(|s| s.0).collect();
         assert_eq!(
             names,
@@ -104,21 +114,87 @@ mod tests {
     #[test]
     fn equal_keys_compare_equal() {
         assert_eq!(
-            suspicion_rank(Trend::Stable, 5.0, 10, false),
-            suspicion_rank(Trend::Stable, -7.0, 10, false)
+            suspicion_rank(Trend::Stable, 5.0, None, 10, false),
+            suspicion_rank(Trend::Stable, -7.0, None, 10, false)
         );
         assert!(
-            suspicion_rank(Trend::Growing, 1.0, 0, false)
-                < suspicion_rank(Trend::New, 0.0, u64::MAX, false)
+            suspicion_rank(Trend::Growing, 1.0, None, 0, false)
+                < suspicion_rank(Trend::New, 0.0, None, u64::MAX, false)
         );
         // Allocator-internal sites last within their class, not below it.
         assert!(
-            suspicion_rank(Trend::Stable, 0.0, 1, false)
-                < suspicion_rank(Trend::Stable, 0.0, 1 << 30, true)
+            suspicion_rank(Trend::Stable, 0.0, None, 1, false)
+                < suspicion_rank(Trend::Stable, 0.0, None, 1 << 30, true)
         );
         assert!(
-            suspicion_rank(Trend::Growing, 1.0, 1, true)
-                < suspicion_rank(Trend::Stable, 0.0, 1 << 30, false)
+            suspicion_rank(Trend::Growing, 1.0, None, 1, true)
+                < suspicion_rank(Trend::Stable, 0.0, None, 1 << 30, false)
         );
+    }
+
+    /// `(alloc t_s, size)` of `count` blocks of `size`, one every `every_s`
+    /// from `from_s`.
+    fn steady(count: usize, size: u64, from_s: f64, every_s: f64) -> Vec<(f64, u64)> {
+        (0..count)
+            .map(|i| (from_s + every_s * i as f64, size))
+            .collect()
+    }
+
+    /// The site's rank as the report computes it from its blocks.
+    fn rank_of(blocks: &[(f64, u64)], trend: Trend, trace_s: f64) -> SuspicionRank {
+        let bytes = blocks.iter().map(|b| b.1).sum();
+        suspicion_rank(trend, 0.0, accumulation_rate(blocks, trace_s), bytes, false)
+    }
+
+    #[test]
+    fn the_demos_leak_outranks_its_cache_while_both_are_new() {
+        // leaky_demo 400: warm_cache keeps 16 x 4096 made at start;
+        // format_response leaks 256 B every 4th request of ~5 ms (100
+        // blocks over ~2 s). Two intervals: both still `new`.
+        let trace_s = 2.1;
+        let cache = steady(16, 4096, 0.002, 0.000_01);
+        let leak = steady(100, 256, 0.025, 0.0202);
+        assert!(accumulation_rate(&cache, trace_s).is_none());
+        let rate = accumulation_rate(&leak, trace_s).expect("the leak accumulates");
+        assert!((10_000.0..16_000.0).contains(&rate), "{rate}");
+        assert!(rank_of(&leak, Trend::New, trace_s) < rank_of(&cache, Trend::New, trace_s));
+        // Judged (three intervals): growing against stable, the same order.
+        assert!(rank_of(&leak, Trend::Growing, trace_s) < rank_of(&cache, Trend::Stable, trace_s));
+        // The cache never outranks the leak, even at ten times its bytes.
+        let big_cache = steady(160, 4096, 0.002, 0.000_01);
+        assert!(rank_of(&leak, Trend::New, trace_s) < rank_of(&big_cache, Trend::New, trace_s));
+        assert!(rank_of(&leak, Trend::New, trace_s) < rank_of(&big_cache, Trend::Stable, trace_s));
+    }
+
+    #[test]
+    fn accumulating_new_sites_rank_between_growing_and_other_new_ones() {
+        let growing = suspicion_rank(Trend::Growing, 1.0, None, 1, false);
+        let accumulating = suspicion_rank(Trend::New, 0.0, Some(100.0), 1, false);
+        let faster = suspicion_rank(Trend::New, 0.0, Some(1000.0), 1, false);
+        let flat_new = suspicion_rank(Trend::New, 0.0, None, 1 << 30, false);
+        let stable = suspicion_rank(Trend::Stable, 0.0, Some(5000.0), 1 << 30, false);
+        assert!(growing < faster && faster < accumulating);
+        assert!(accumulating < flat_new && flat_new < stable);
+        // Non-finite or non-positive rates are no evidence.
+        for rate in [f64::NAN, f64::INFINITY, 0.0, -5.0] {
+            assert_eq!(
+                suspicion_rank(Trend::New, 0.0, Some(rate), 7, false),
+                suspicion_rank(Trend::New, 0.0, None, 7, false)
+            );
+        }
+    }
+
+    #[test]
+    fn a_late_burst_or_a_churning_cache_is_not_accumulating() {
+        // 64 blocks all made in the last tenth of a 10 s trace (a cache
+        // whose older entries were replaced): no steady pile-up.
+        let late = steady(64, 1024, 9.0, 0.01);
+        assert!(accumulation_rate(&late, 10.0).is_none());
+        // A leak that started halfway and kept going is.
+        let half = steady(50, 1024, 5.0, 0.1);
+        assert!(accumulation_rate(&half, 10.0).is_some());
+        assert!(accumulation_rate(&[], 10.0).is_none());
+        assert!(accumulation_rate(&half, 0.0).is_none());
+        assert!(accumulation_rate(&half, f64::NAN).is_none());
     }
 }

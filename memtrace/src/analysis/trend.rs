@@ -1,7 +1,9 @@
 //! Trend of one allocation site's live bytes over the trace intervals:
 //! `growing` (a leak candidate), `stable` (pools, caches, resident weights),
 //! `shrinking`, or `new` (too few intervals to judge), with a robust growth
-//! rate (Theil–Sen slope). Also how many interval ends a block survived.
+//! rate (Theil–Sen slope). Also how many interval ends a block survived,
+//! and, for a site with too few intervals to judge, whether its live blocks
+//! piled up through the trace ([`accumulation_rate`]).
 //!
 //! Pure functions; the thresholds are the constants below.
 
@@ -127,6 +129,53 @@ pub fn classify_trend(series: &[(f64, f64)], warmup: usize) -> TrendVerdict {
     } else {
         verdict(Trend::Stable)
     }
+}
+
+/// Points of the survivor curve [`accumulation_rate`] judges.
+pub const ACCUMULATION_POINTS: usize = 8;
+
+/// How fast a site's live blocks piled up, bytes per second, when they did
+/// so steadily through the trace: its survivor curve (the bytes of the
+/// blocks still live that had been made by each time), sampled at
+/// [`ACCUMULATION_POINTS`] even times over `0..=trace_duration_s`, is judged
+/// as a series would be ([`classify_trend`]). `None` when the curve is not
+/// growing: blocks made at start-up and kept (a cache, a pool) give a flat
+/// curve, a churning cache's survivors are all recent (a late jump the
+/// robust slope ignores). Only the live blocks are seen, so this tells a
+/// site with too few intervals apart, not a judged one (whose freed blocks
+/// the intervals saw). `blocks`: `(alloc t_s, size)`, times on the trace's
+/// clock; non-finite times are ignored, later ones count at the end.
+pub fn accumulation_rate(blocks: &[(f64, u64)], trace_duration_s: f64) -> Option<f64> {
+    if !trace_duration_s.is_finite() || trace_duration_s <= 0.0 {
+        return None;
+    }
+    let mut made: Vec<(f64, u64)> = blocks
+        .iter()
+        .copied()
+        .filter(|(t, _)| t.is_finite())
+        .collect();
+    made.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let step = trace_duration_s / (ACCUMULATION_POINTS - 1) as f64;
+    let mut curve = Vec::with_capacity(ACCUMULATION_POINTS);
+    let (mut next, mut bytes) = (0, 0u64);
+    for k in 0..ACCUMULATION_POINTS {
+        let t = if k + 1 == ACCUMULATION_POINTS {
+            f64::INFINITY
+        } else {
+            step * k as f64
+        };
+        while let Some(&(at, size)) = made.get(next) {
+            if at > t {
+                break;
+            }
+            bytes = bytes.saturating_add(size);
+            next += 1;
+        }
+        curve.push((step * k as f64, bytes as f64));
+    }
+    let verdict = classify_trend(&curve, 0);
+    (verdict.trend == Trend::Growing && verdict.growth_bytes_per_s > 0.0)
+        .then_some(verdict.growth_bytes_per_s)
 }
 
 /// How many interval ends a block allocated at `oldest_alloc_t_s` was live
