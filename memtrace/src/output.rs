@@ -1,10 +1,13 @@
 //! Where reports go: stdout, or a file created 0600 and written whole (to a
 //! temporary name, then renamed), so a partial file never pretends to be a
-//! report. Interim reports always go to stdout.
+//! report. Interim reports always go to stdout. A device, FIFO, socket or
+//! symbolic link given as the file is written in place instead
+//! ([`write_whole`], which `memtrace monitor`'s writers share).
 
 use std::fs::OpenOptions;
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::cli::Format;
@@ -20,14 +23,9 @@ pub struct Output {
 impl Output {
     /// Checks up front that the output file can be written.
     pub fn open(path: Option<&Path>, format: Format) -> Result<Self, Failure> {
-        if let Some(path) = path.filter(|p| writes_through(p)) {
-            open_through(path)
+        if let Some(path) = path {
+            check_writable(path, REPORT_MODE)
                 .map_err(|err| Failure::usage(format!("cannot write {}: {err}", path.display())))?;
-        } else if let Some(path) = path {
-            let probe = temp_path(path);
-            create(&probe)
-                .map_err(|err| Failure::usage(format!("cannot write {}: {err}", path.display())))?;
-            let _ = std::fs::remove_file(&probe);
         }
         Ok(Output {
             path: path.map(Path::to_path_buf),
@@ -49,39 +47,92 @@ impl Output {
                 self.sink.write(report, false, &mut out)?;
                 out.flush()?;
             }
-            Some(path) if writes_through(path) => {
-                let mut out = open_through(path).map_err(|err| {
-                    Failure::runtime(format!("cannot write {}: {err}", path.display()))
-                })?;
-                self.sink.write(report, false, &mut out)?;
-                out.flush()?;
-            }
             Some(path) => {
-                let temp = temp_path(path);
-                let mut file = create(&temp).map_err(|err| {
-                    Failure::runtime(format!("cannot write {}: {err}", path.display()))
-                })?;
-                self.sink.write(report, false, &mut file)?;
-                file.sync_all()?;
-                std::fs::rename(&temp, path).map_err(|err| {
-                    Failure::runtime(format!("cannot write {}: {err}", path.display()))
-                })?;
+                write_whole(path, REPORT_MODE, |out| self.sink.write(report, false, out)).map_err(
+                    |err| Failure::runtime(format!("cannot write {}: {err}", path.display())),
+                )?;
             }
         }
         Ok(())
     }
 }
 
+/// Reports may name code and data of the traced process: created 0600.
+const REPORT_MODE: u32 = 0o600;
+
 /// Whether `path` is written in place rather than replaced by a renamed
 /// temporary file: a device, FIFO or socket (`/dev/null`, `/dev/stdout`'s
 /// target), or a symbolic link — replacing those would put a regular file
 /// where the device or link was.
-fn writes_through(path: &Path) -> bool {
+pub fn writes_through(path: &Path) -> bool {
     match std::fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_symlink() => true,
         Ok(meta) => !meta.file_type().is_file(),
         Err(_) => false,
     }
+}
+
+/// Checks up front, without writing anything to it, that `path` can be
+/// written by [`write_whole`]: a FIFO is checked for write permission only
+/// (opening it would wait for a reader, and closing it would give that
+/// reader an end of file), another in-place path is opened for writing
+/// without truncation, and a regular path gets a temporary file created
+/// (`mode`) and removed next to it.
+pub fn check_writable(path: &Path, mode: u32) -> std::io::Result<()> {
+    if writes_through(path) {
+        let is_fifo = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo());
+        if is_fifo {
+            let name = std::ffi::CString::new(path.as_os_str().as_bytes())
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+            // SAFETY: `name` is a valid C string for the call's duration.
+            if unsafe { libc::access(name.as_ptr(), libc::W_OK) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            return Ok(());
+        }
+        // A link to nothing yet: its target is created, as the write would.
+        return OpenOptions::new()
+            .write(true)
+            .create(true)
+            .mode(mode)
+            .open(path)
+            .map(drop);
+    }
+    let probe = temp_path(path);
+    create(&probe, mode)?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Writes a whole file at `path` with `write`: in place (truncated) when
+/// [`writes_through`] says so; otherwise to a temporary name next to it
+/// (created with `mode`), synced, then renamed over `path`, so a partial
+/// file never pretends to be complete (the temporary file is removed when
+/// `write` fails).
+pub fn write_whole<E: From<std::io::Error>>(
+    path: &Path,
+    mode: u32,
+    write: impl FnOnce(&mut dyn Write) -> Result<(), E>,
+) -> Result<(), E> {
+    if writes_through(path) {
+        let mut out = open_through(path)?;
+        write(&mut out)?;
+        out.flush()?;
+        return Ok(());
+    }
+    let temp = temp_path(path);
+    let written = (|| {
+        let mut file = create(&temp, mode)?;
+        write(&mut file)?;
+        file.flush()?;
+        file.sync_all()?;
+        std::fs::rename(&temp, path)?;
+        Ok(())
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    written
 }
 
 fn open_through(path: &Path) -> std::io::Result<std::fs::File> {
@@ -94,12 +145,12 @@ fn temp_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-fn create(path: &Path) -> std::io::Result<std::fs::File> {
+fn create(path: &Path, mode: u32) -> std::io::Result<std::fs::File> {
     OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
-        .mode(0o600)
+        .mode(mode)
         .open(path)
 }
 

@@ -26,20 +26,14 @@ pub struct Judged<'a> {
     pub fail_on: &'a [Gate],
 }
 
-/// Writes the page to `path` (whole: a temporary name, then renamed).
+/// Writes the page to `path` (whole: a temporary name, then renamed; in
+/// place to a device, FIFO or through a symbolic link).
 pub fn write(path: &Path, rec: &Recording, judged: &Judged<'_>) -> Result<(), MonitorError> {
-    let err = |reason: String| MonitorError::Write {
+    let text = page(rec, judged).map_err(|reason| MonitorError::Write {
         path: path.to_path_buf(),
         reason,
-    };
-    let text = page(rec, judged).map_err(err)?;
-    let mut temp = path.as_os_str().to_os_string();
-    temp.push(format!(".memtrace-{}.tmp", std::process::id()));
-    std::fs::write(&temp, text).map_err(|e| err(e.to_string()))?;
-    std::fs::rename(&temp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&temp);
-        err(e.to_string())
-    })
+    })?;
+    super::store::write_text(path, &text)
 }
 
 fn value(v: Option<f64>, unit: Unit) -> String {

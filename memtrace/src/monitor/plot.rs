@@ -8,6 +8,7 @@
 //! `*Sans*.ttf` under /usr/share/fonts. Without one the curves are drawn
 //! without text (a note says so).
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -317,22 +318,54 @@ pub fn plot(
     let rows = panels.len().div_ceil(COLUMNS).max(1) as u32;
     let size = (PANEL_W * COLUMNS as u32, PANEL_H * rows);
     let text = font_ready();
-    match kind {
-        PlotKind::Svg => draw_all(
-            SVGBackend::new(path, size).into_drawing_area(),
-            &panels,
-            text,
-        ),
-        PlotKind::Png => draw_all(
-            BitMapBackend::new(path, size).into_drawing_area(),
-            &panels,
-            text,
-        ),
-    }
-    .map_err(err)?;
+    // Drawn in memory (a PNG in a private temporary file: the encoder
+    // writes files only), then written whole, or in place to a device, FIFO
+    // or through a symbolic link, as every output is.
+    let bytes = match kind {
+        PlotKind::Svg => {
+            let mut svg = String::new();
+            draw_all(
+                SVGBackend::with_string(&mut svg, size).into_drawing_area(),
+                &panels,
+                text,
+            )
+            .map_err(err)?;
+            svg.into_bytes()
+        }
+        PlotKind::Png => {
+            // A fresh directory only this user can enter (created, never
+            // reused: nobody can plant a link at the file's name).
+            let dir = std::env::temp_dir().join(format!(
+                "memtrace-plot-{}-{}",
+                std::process::id(),
+                PNG_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ));
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .map_err(|e| err(format!("{}: {e}", dir.display())))?;
+            let temp = dir.join("plot.png");
+            let drawn = draw_all(
+                BitMapBackend::new(&temp, size).into_drawing_area(),
+                &panels,
+                text,
+            )
+            .and_then(|()| std::fs::read(&temp).map_err(|e| e.to_string()));
+            let _ = std::fs::remove_dir_all(&dir);
+            drawn.map_err(err)?
+        }
+    };
+    crate::output::write_whole(path, super::store::FILE_MODE, |out| out.write_all(&bytes))
+        .map_err(|e| MonitorError::Write {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
     Ok((!text)
         .then(|| "no TrueType font found (set MEMTRACE_FONT): plot drawn without text".into()))
 }
+
+/// Tells apart the temporary PNG files of one process.
+static PNG_SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 #[cfg(test)]
 mod tests {

@@ -105,19 +105,23 @@ fn read_err(path: &Path, reason: impl ToString) -> MonitorError {
     }
 }
 
-/// Checks at start-up that `path` can be created, so a long run does not
-/// fail at its end.
+/// Mode of the files the monitor creates (recordings, plots, pages: no
+/// secrets, shared as soak-test artifacts).
+pub const FILE_MODE: u32 = 0o644;
+
+/// Checks at start-up that `path` can be written, so a long run does not
+/// fail at its end; nothing is written to it (a FIFO is not opened, see
+/// [`crate::output::check_writable`]).
 pub fn probe_writable(path: &Path) -> Result<(), MonitorError> {
-    let existed = path.exists();
-    fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .map_err(|e| write_err(path, e))?;
-    if !existed {
-        let _ = fs::remove_file(path);
-    }
-    Ok(())
+    crate::output::check_writable(path, FILE_MODE).map_err(|e| write_err(path, e))
+}
+
+/// Writes `text` to `path` whole, or in place to a device, FIFO or through
+/// a symbolic link, as the tracer's `--output` does
+/// ([`crate::output::write_whole`]).
+pub fn write_text(path: &Path, text: &str) -> Result<(), MonitorError> {
+    crate::output::write_whole(path, FILE_MODE, |out| out.write_all(text.as_bytes()))
+        .map_err(|e| write_err(path, e))
 }
 
 /// Writes `rec` (plus verdicts and release check for JSON) to `path`.
@@ -145,7 +149,7 @@ pub fn save(
         }
         FileKind::Csv => to_csv(rec).map_err(|e| write_err(path, e))?,
     };
-    fs::write(path, text).map_err(|e| write_err(path, e))
+    write_text(path, &text)
 }
 
 fn to_csv(rec: &Recording) -> Result<String, String> {
@@ -279,6 +283,8 @@ fn load_csv(path: &Path, text: &str) -> Result<Recording, MonitorError> {
 mod tests {
     use super::*;
     use crate::monitor::testutil::TempDir;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::FileTypeExt;
 
     fn sample() -> Recording {
         let mut rec = Recording::new(Meta {
@@ -328,5 +334,121 @@ mod tests {
         assert!(load(&bad).is_err());
         assert!(load(&dir.path().join("missing.csv")).is_err());
         assert!(save(Path::new("/nonexistent-dir/x.json"), &sample(), &[], None).is_err());
+    }
+
+    /// Every writer of `memtrace monitor`, writing `sample()` to `path`:
+    /// (name, result).
+    fn write_each(path: &Path, kind: &str) -> Result<(), MonitorError> {
+        let rec = sample();
+        match kind {
+            "csv" | "json" => save(path, &rec, &[], None),
+            "svg" | "png" => crate::monitor::plot::plot(path, &rec, &[]).map(drop),
+            "html" => {
+                let judged = crate::monitor::html::Judged {
+                    verdicts: &[],
+                    release: None,
+                    failures: &[],
+                    fail_on: &[],
+                };
+                crate::monitor::html::write(path, &rec, &judged)
+            }
+            other => panic!("{other}"),
+        }
+    }
+
+    const KINDS: [&str; 5] = ["csv", "json", "svg", "png", "html"];
+
+    #[test]
+    fn writers_keep_dev_null_a_device() {
+        let null = Path::new("/dev/null");
+        for kind in KINDS {
+            // The extension picks the format; /dev/null has none, so each
+            // writer is reached through a link named for its format.
+            let dir = TempDir::new();
+            let link = dir.path().join(format!("out.{kind}"));
+            std::os::unix::fs::symlink(null, &link).expect("symlink");
+            probe_writable(&link).expect("probe");
+            write_each(&link, kind).unwrap_or_else(|e| panic!("{kind}: {e}"));
+            let meta = fs::metadata(null).expect("/dev/null");
+            assert!(
+                meta.file_type().is_char_device(),
+                "{kind}: /dev/null stays a device"
+            );
+            assert!(
+                fs::symlink_metadata(&link).expect("link").is_symlink(),
+                "{kind}"
+            );
+        }
+        // The text writer itself, straight at the device.
+        probe_writable(null).expect("probe /dev/null");
+        write_text(null, "x").expect("write /dev/null");
+        assert!(fs::metadata(null)
+            .expect("/dev/null")
+            .file_type()
+            .is_char_device());
+    }
+
+    #[test]
+    fn writers_feed_a_fifo_read_by_a_thread() {
+        for kind in KINDS {
+            let dir = TempDir::new();
+            let fifo = dir.path().join(format!("out.{kind}"));
+            let name = std::ffi::CString::new(fifo.as_os_str().as_bytes()).expect("path");
+            // SAFETY: `name` is a valid C string.
+            assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0, "mkfifo");
+            // Checking it neither blocks (no reader yet) nor writes.
+            probe_writable(&fifo).expect("probe");
+            let reader = {
+                let fifo = fifo.clone();
+                std::thread::spawn(move || fs::read(&fifo).expect("read fifo"))
+            };
+            write_each(&fifo, kind).unwrap_or_else(|e| panic!("{kind}: {e}"));
+            let bytes = reader.join().expect("reader");
+            assert!(!bytes.is_empty(), "{kind}: the reader got the file");
+            let meta = fs::symlink_metadata(&fifo).expect("fifo");
+            assert!(meta.file_type().is_fifo(), "{kind}: still a FIFO");
+            match kind {
+                "csv" => assert!(bytes.starts_with(b"# memtrace-monitor/1 "), "{kind}"),
+                "json" => assert!(bytes.starts_with(b"{"), "{kind}"),
+                "png" => assert!(bytes.starts_with(b"\x89PNG"), "{kind}"),
+                _ => assert!(bytes.starts_with(b"<"), "{kind}"),
+            }
+        }
+    }
+
+    #[test]
+    fn writers_write_through_a_symlink_and_keep_it() {
+        for kind in KINDS {
+            let dir = TempDir::new();
+            let target = dir.path().join(format!("real.{kind}"));
+            let link = dir.path().join(format!("link.{kind}"));
+            fs::write(&target, "old").expect("target");
+            std::os::unix::fs::symlink(&target, &link).expect("symlink");
+            probe_writable(&link).expect("probe");
+            write_each(&link, kind).unwrap_or_else(|e| panic!("{kind}: {e}"));
+            let meta = fs::symlink_metadata(&link).expect("link");
+            assert!(
+                meta.file_type().is_symlink(),
+                "{kind}: the link stays a link"
+            );
+            let written = fs::read(&target).expect("target");
+            assert!(
+                written.len() > 3 && written != b"old",
+                "{kind}: target written"
+            );
+            // Nothing left next to them.
+            let names: Vec<_> = fs::read_dir(dir.path())
+                .expect("dir")
+                .filter_map(|e| e.ok().map(|e| e.file_name()))
+                .collect();
+            assert_eq!(names.len(), 2, "{kind}: {names:?}");
+        }
+        // A regular file is replaced whole, and stays a regular file.
+        let dir = TempDir::new();
+        let plain = dir.path().join("plain.csv");
+        fs::write(&plain, "old").expect("plain");
+        save(&plain, &sample(), &[], None).expect("save");
+        assert!(fs::symlink_metadata(&plain).expect("plain").is_file());
+        assert!(load(&plain).is_ok());
     }
 }
