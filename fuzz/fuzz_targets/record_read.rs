@@ -57,7 +57,11 @@ fuzz_target!(|data: &[u8]| {
             Item::Event { event, domain } => {
                 assert_eq!(domains.get(usize::from(event.spec)), Some(&domain));
             }
-            Item::Stack { .. } | Item::Snapshot { .. } | Item::End { .. } | Item::Footer(_) => {}
+            Item::Stack { .. }
+            | Item::PyStack { .. }
+            | Item::Snapshot { .. }
+            | Item::End { .. }
+            | Item::Footer(_) => {}
         }
     }
 });

@@ -1,6 +1,7 @@
 //! Record and replay: `--record FILE` writes the event stream and what is
 //! needed to analyse it later (probe specs, stacks already normalized to
-//! (module, file offset), interval marks, final counters) as JSON Lines;
+//! (module, file offset), Python stacks as resolved while the target ran,
+//! the interpreters found, interval marks, final counters) as JSON Lines;
 //! `memtrace report FILE` replays it through the same live table, history and
 //! report builder, offline, without root, after the target is gone.
 //!
@@ -19,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::analysis::history::History;
 use crate::analysis::Suppressions;
 use crate::error::Failure;
+use crate::interp::python::resolve::PyFrame;
 use crate::probe::catalog::Allocator;
 use crate::probe::maps::{AddressSpace, FileAddr};
 use crate::probe::SpecEntry;
@@ -57,6 +59,9 @@ struct Footer {
     /// memtrace's own BPF cost (`--bpf-stats`; absent otherwise and in older records).
     #[serde(default)]
     bpf_programs: Vec<crate::report::ProgramCost>,
+    /// The Python interpreters found (absent in records of older versions).
+    #[serde(default)]
+    python: Vec<crate::interp::python::Interpreter>,
 }
 
 /// Writes a record file as the trace goes.
@@ -137,9 +142,24 @@ impl Recorder {
         self.line(&Line::Stack { id, frames });
     }
 
+    /// A Python stack, resolved (see `PyStacks::learn`), before the first
+    /// event naming it.
+    pub fn py_stack(&mut self, id: u32, frames: &[PyFrame], truncated: bool) {
+        let frames = frames
+            .iter()
+            .map(|f| (f.name.clone(), f.file.clone(), f.line))
+            .collect();
+        self.line(&Line::PyStack {
+            id,
+            frames,
+            truncated,
+        });
+    }
+
     pub fn event(&mut self, wire: &WireEvent) {
         self.line(&Line::Event {
             e: format::event_fields(wire),
+            py: wire.py_stack,
         });
     }
 
@@ -183,6 +203,7 @@ impl Recorder {
             attach_failures: report.attach_failures.clone(),
             unwind: report.unwind.clone(),
             bpf_programs: report.bpf_programs.clone(),
+            python: report.python.clone(),
         }));
         let flushed = self.out.flush();
         match self.failed.take() {
@@ -275,6 +296,20 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                         .collect(),
                 );
             }
+            Item::PyStack {
+                id,
+                frames,
+                truncated,
+            } => {
+                let frames = frames
+                    .into_iter()
+                    .map(|(name, file, line)| PyFrame { name, file, line })
+                    .collect();
+                stacks.python.insert(id, frames);
+                if truncated {
+                    stacks.python.mark_truncated(id);
+                }
+            }
             Item::Event { event, domain } => {
                 last_ts = last_ts.max(event.ts_ns);
                 table.apply(&event, domain);
@@ -291,6 +326,9 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         )));
     };
     let mut notes = Vec::new();
+    for interpreter in footer.as_ref().map_or(&[][..], |f| f.python.as_slice()) {
+        stacks.python.set_interpreter(interpreter.clone(), None);
+    }
     let unwind = footer.as_ref().and_then(|f| f.unwind.clone());
     let bpf_programs = footer
         .as_ref()
@@ -322,6 +360,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
             attach_failures,
             unwind: _,
             bpf_programs: _,
+            python: _,
         }) => {
             notes.extend(recorded);
             let thread_names: HashMap<u32, String> = thread_names.into_iter().collect();
@@ -462,13 +501,16 @@ mod tests {
             },
             Line::Event {
                 e: format::event_fields(&wire(2_000_000, 0x1000, 0)),
+                py: 0,
             },
             Line::Event {
                 e: format::event_fields(&wire(3_000_000, 0x2000, 0)),
+                py: 0,
             },
             Line::Snapshot { t_s: 0.5 },
             Line::Event {
                 e: format::event_fields(&wire(4_000_000, 0x2000, 1)),
+                py: 0,
             },
             Line::Footer(Footer {
                 duration_ms: 900,
@@ -487,6 +529,7 @@ mod tests {
                 attach_failures: Vec::new(),
                 unwind: None,
                 bpf_programs: Vec::new(),
+                python: Vec::new(),
             }),
         ];
         let mut text = String::new();
@@ -593,5 +636,226 @@ mod tests {
         std::fs::write(&file.0, bytes).expect("write");
         let report = replay(&file.0, options()).expect("a partial report");
         assert!(report.notes.iter().any(|n| n.contains("line 2")));
+    }
+
+    /// A trace as the live pipeline runs it (each event recorded before it
+    /// is applied, a stack's lines after the event that brought it), with
+    /// Python stacks (two ids resolving to the same frames, one cut by the
+    /// kernel), recorded to `path`; returns the live report.
+    fn trace_with_python(path: &Path) -> Report {
+        use crate::interp::python::Interpreter;
+        let started_ns = 1_000_000_000;
+        let target = TargetInfo {
+            pid: 7,
+            comm: "app.py".into(),
+            exe: "/nonexistent/python3".into(),
+        };
+        let mut recorder = Recorder::create(path, &target, started_ns).expect("creates");
+        let specs = [SpecEntry {
+            module: Some("/nonexistent/libc.so.6"),
+            function: "malloc",
+            allocator: Allocator::parse_builtin("libc").expect("libc"),
+            memory: crate::probe::catalog::Memory::Host,
+            domain: crate::probe::catalog::Domain::Heap,
+        }];
+        let mut table = LiveTable::new(usize::MAX);
+        let mut stacks = StackStore::default();
+        let mut history = History::default();
+        let interpreter = Interpreter {
+            pid: 7,
+            version: "3.12.1".into(),
+            object: "/nonexistent/libpython3.12.so".into(),
+            frames_read: true,
+            reason: None,
+            stacks: 3,
+            unresolved_frames: 0,
+        };
+        stacks.python.set_interpreter(interpreter, None);
+        let frame = |name: &str, file: &str, line| PyFrame {
+            name: name.into(),
+            file: Some(file.into()),
+            line: Some(line),
+        };
+        let py_frames = |id: u32| -> (Vec<PyFrame>, bool) {
+            match id {
+                0x11 | 0x12 => (
+                    vec![
+                        frame("Cache.put", "cache.py", 41),
+                        frame("<module>", "app.py", 9),
+                    ],
+                    false,
+                ),
+                _ => (
+                    vec![
+                        frame("handle", "server.py", 88),
+                        frame("? (code 0x1)", "?", 0),
+                    ],
+                    true,
+                ),
+            }
+        };
+        recorder.specs(&specs);
+        // (ms after start, address, size, kind (0 alloc, 1 free), stack, py)
+        let events: [(u64, u64, u64, u8, i32, u32); 9] = [
+            (100, 0x1000, 4096, 0, 1, 0x11),
+            (200, 0x2000, 4096, 0, 1, 0x11),
+            (300, 0x3000, 256, 0, 2, 0x13),
+            (450, 0x4000, 4096, 0, 1, 0x12),
+            (600, 0x5000, 64, 0, 2, 0),
+            (700, 0x3000, 0, 1, -1, 0),
+            (900, 0x6000, 256, 0, 2, 0x13),
+            (1100, 0x7000, 4096, 0, 1, 0x12),
+            (1400, 0x8000, 256, 0, 2, 0x13),
+        ];
+        let mut snapshots = [500u64, 1000, 1500].into_iter().peekable();
+        let snapshot = |t_ms: u64,
+                        recorder: &mut Recorder,
+                        history: &mut History,
+                        table: &LiveTable,
+                        stacks: &StackStore| {
+            let t_s = t_ms as f64 / 1000.0;
+            history.record(table, &specs, stacks, t_s);
+            recorder.snapshot(t_s);
+        };
+        for (ms, addr, size, kind, stack_id, py) in events {
+            while let Some(t) = snapshots.next_if(|&t| t <= ms) {
+                snapshot(t, &mut recorder, &mut history, &table, &stacks);
+            }
+            let wire = WireEvent {
+                ts_ns: started_ns + ms * 1_000_000,
+                addr,
+                size,
+                aux: 0,
+                pid: 7,
+                tid: 7,
+                stack_id,
+                spec: 0,
+                kind,
+                flags: 0,
+                py_stack: py,
+                _pad: 0,
+            };
+            recorder.event(&wire);
+            let event = crate::event::from_wire(&wire).expect("decodes");
+            if let Ok(id) = u32::try_from(stack_id) {
+                if !stacks.contains(id) {
+                    stacks.insert(
+                        id,
+                        &[0x40_1000 + u64::from(id), 0x40_2000],
+                        &AddressSpace::default(),
+                    );
+                    if let Some(frames) = stacks.get(id) {
+                        recorder.stack(id, frames);
+                    }
+                }
+            }
+            if py != 0 && !stacks.python.contains(py) {
+                let (frames, truncated) = py_frames(py);
+                stacks.python.insert(py, frames);
+                if truncated {
+                    stacks.python.mark_truncated(py);
+                }
+                let frames = stacks.python.frames(py).expect("inserted");
+                recorder.py_stack(py, frames, truncated);
+            }
+            table.apply(&event, specs[0].domain);
+        }
+        for t in snapshots {
+            snapshot(t, &mut recorder, &mut history, &table, &stacks);
+        }
+        let ended_ns = started_ns + 1_600_000_000;
+        table.close(ended_ns);
+        recorder.end(ended_ns);
+        let thread_names: HashMap<u32, String> = [(7, "python3".to_string())].into();
+        let input = report::ReportInput {
+            target,
+            duration_ms: 1600,
+            now_ns: ended_ns,
+            started_ns,
+            table: &table,
+            specs: &specs,
+            stacks: &stacks,
+            history: Some(&history),
+            suppressions: None,
+            thread_names: &thread_names,
+            kernel_counters: BTreeMap::from([("ringbuf_full".to_string(), 0)]),
+            libraries: Vec::new(),
+            missing_functions: Vec::new(),
+            settings: Settings {
+                top: 20,
+                stack_depth: 32,
+                sample_rate: 1,
+                ..Settings::default()
+            },
+            notes: vec!["recorded note".into()],
+            reconciliation: None,
+            processes: Vec::new(),
+            attach_failures: Vec::new(),
+        };
+        let mut symbolizer =
+            crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
+        let live = report::build(input, &mut symbolizer);
+        recorder
+            .finish(&live, ended_ns, &thread_names)
+            .expect("finishes");
+        live
+    }
+
+    fn rendered(report: &Report, format: crate::cli::Format) -> Vec<u8> {
+        let mut out = Vec::new();
+        crate::sink::for_format(format)
+            .write(report, false, &mut out)
+            .expect("renders");
+        out
+    }
+
+    #[test]
+    fn replay_reproduces_the_live_report_with_python_frames_byte_for_byte() {
+        let file = TempFile::new("python");
+        let live = trace_with_python(&file.0);
+        // The live report has Python frames to lose: merged sites, one cut.
+        let json = String::from_utf8(rendered(&live, crate::cli::Format::Json)).expect("utf-8");
+        assert!(
+            json.contains("Cache.put") && json.contains("server.py"),
+            "{json}"
+        );
+        assert!(json.contains("Python stack cut at"), "{json}");
+        let text = std::fs::read_to_string(&file.0).expect("record");
+        assert!(text.starts_with(r#"{"type":"header","format":"memtrace-record/2","#));
+        assert_eq!(text.matches(r#""type":"py_stack""#).count(), 3, "{text}");
+        let replayed = replay(&file.0, options()).expect("replays");
+        for format in [
+            crate::cli::Format::Text,
+            crate::cli::Format::Json,
+            crate::cli::Format::Folded,
+        ] {
+            let (a, b) = (rendered(&live, format), rendered(&replayed, format));
+            assert!(
+                a == b,
+                "{format:?} differs:\n--- live\n{}\n--- replay\n{}",
+                String::from_utf8_lossy(&a),
+                String::from_utf8_lossy(&b)
+            );
+        }
+    }
+
+    #[test]
+    fn a_version_1_record_still_replays_and_an_unknown_version_is_one_line() {
+        let file = TempFile::new("v1");
+        let v1 = record_text().replace("memtrace-record/2", "memtrace-record/1");
+        std::fs::write(&file.0, v1).expect("write");
+        let report = replay(&file.0, options()).expect("replays");
+        assert_eq!((report.events.allocs, report.events.frees), (2, 1));
+        assert!(report.python.is_empty());
+        let v9 = record_text().replace("memtrace-record/2", "memtrace-record/9");
+        std::fs::write(&file.0, v9).expect("write");
+        let Err(err) = replay(&file.0, options()) else {
+            panic!("version 9 replayed");
+        };
+        let err = err.to_string();
+        assert!(
+            err.contains("memtrace-record/9") && !err.contains('\n'),
+            "{err}"
+        );
     }
 }

@@ -12,7 +12,12 @@ use crate::event::{self, Event};
 use crate::probe::catalog::{Domain, Memory};
 use memtrace_common::WireEvent;
 
-pub const FORMAT: &str = "memtrace-record/1";
+/// The format written: version 2 adds Python stacks (`py_stack` lines and
+/// an event's `py`, the Python stack it was made under).
+pub const FORMAT: &str = "memtrace-record/2";
+/// Formats read: version 1 (no Python stacks) reads as version 2 without
+/// them.
+pub const FORMATS_READ: &[&str] = &["memtrace-record/1", FORMAT];
 
 /// One line of a record file (a JSON object tagged by `type`).
 // One line exists at a time while reading or writing: the footer's size does not matter.
@@ -42,8 +47,22 @@ pub enum Line<T, F> {
         /// (return address, module, file offset) per frame, innermost first.
         frames: Vec<(u64, Option<String>, Option<u64>)>,
     },
-    /// ts, addr, size, aux, pid, tid, stack_id, spec, kind, flags.
-    Event { e: [i64; 10] },
+    /// ts, addr, size, aux, pid, tid, stack_id, spec, kind, flags; `py`:
+    /// the kernel's id of the Python stack it was made under (absent: none).
+    Event {
+        e: [i64; 10],
+        #[serde(default, skip_serializing_if = "is_zero")]
+        py: u32,
+    },
+    /// A Python stack as resolved while the target ran (its code objects are
+    /// gone with it): (qualified name, file, line) per frame, innermost
+    /// first; `truncated` when the kernel cut it at its depth limit.
+    PyStack {
+        id: u32,
+        frames: Vec<(String, Option<String>, Option<u32>)>,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        truncated: bool,
+    },
     /// An interval snapshot was taken at `t_s` seconds.
     Snapshot { t_s: f64 },
     /// The trace ended at `ended_ns` (monotonic); the events after it only
@@ -72,6 +91,11 @@ pub enum Item<T, F> {
     Stack {
         id: u32,
         frames: Vec<(u64, Option<String>, Option<u64>)>,
+    },
+    PyStack {
+        id: u32,
+        frames: Vec<(String, Option<String>, Option<u32>)>,
+        truncated: bool,
     },
     /// A decoded event of a known spec, with that spec's domain.
     Event {
@@ -122,9 +146,10 @@ impl Reader {
                 target,
                 started_ns,
             } => {
-                if format != FORMAT {
+                if !FORMATS_READ.contains(&format.as_str()) {
                     return Err(Stop::Unreadable(format!(
-                        "unsupported record format '{format}' (expected {FORMAT})"
+                        "unsupported record format '{format}' (this memtrace reads {})",
+                        FORMATS_READ.join(" and ")
                     )));
                 }
                 self.header = true;
@@ -160,8 +185,17 @@ impl Reader {
                 }
             }
             Line::Stack { id, frames } => Item::Stack { id, frames },
-            Line::Event { e } => {
-                let event = event::from_wire(&wire_of(&e))
+            Line::PyStack {
+                id,
+                frames,
+                truncated,
+            } => Item::PyStack {
+                id,
+                frames,
+                truncated,
+            },
+            Line::Event { e, py } => {
+                let event = event::from_wire(&wire_of(&e, py))
                     .map_err(|_| Stop::Truncated(format!("line {number}: undecodable event")))?;
                 let Some(domain) = self.domains.get(usize::from(event.spec)).copied() else {
                     return Err(Stop::Truncated(format!(
@@ -179,9 +213,13 @@ impl Reader {
     }
 }
 
-/// The fields of an `event` line as the ring buffer carried them (each
-/// narrowed back to its wire width).
-pub fn wire_of(e: &[i64; 10]) -> WireEvent {
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// The fields of an `event` line, and its Python stack, as the ring buffer
+/// carried them (each narrowed back to its wire width).
+pub fn wire_of(e: &[i64; 10], py_stack: u32) -> WireEvent {
     WireEvent {
         ts_ns: e[0] as u64,
         addr: e[1] as u64,
@@ -193,8 +231,7 @@ pub fn wire_of(e: &[i64; 10]) -> WireEvent {
         spec: e[7] as u16,
         kind: e[8] as u8,
         flags: e[9] as u8,
-        // Recordings do not carry Python stacks.
-        py_stack: 0,
+        py_stack,
         _pad: 0,
     }
 }
@@ -233,7 +270,10 @@ mod tests {
         assert!(matches!(read, Err(Stop::Unreadable(m)) if m.contains("line 1 comes before")));
         let other = HEADER.replace("record/1", "record/9");
         let read: Read = Reader::default().line(1, &other);
-        assert!(matches!(read, Err(Stop::Unreadable(m)) if m.contains("record/9")));
+        assert!(
+            matches!(read, Err(Stop::Unreadable(ref m)) if m.contains("record/9") && !m.contains('\n')),
+            "{read:?}"
+        );
     }
 
     #[test]
@@ -303,7 +343,7 @@ mod tests {
             py_stack: 0,
             _pad: 0,
         };
-        let back = wire_of(&event_fields(&wire));
+        let back = wire_of(&event_fields(&wire), 0);
         assert_eq!(
             (
                 back.ts_ns,
@@ -324,5 +364,60 @@ mod tests {
                 0xff
             )
         );
+    }
+
+    #[test]
+    fn python_stacks_and_an_events_python_stack_are_read() {
+        let mut reader = Reader::default();
+        let v2 = HEADER.replace("record/1", "record/2");
+        let _: Read = reader.line(1, &v2);
+        let _: Read = reader.line(2, SPEC0);
+        let py = r#"{"type":"py_stack","id":7,"frames":[["handle","app.py",12],["<module>",null,null]],"truncated":true}"#;
+        let read: Read = reader.line(3, py);
+        let Ok(Some(Item::PyStack {
+            id,
+            frames,
+            truncated,
+        })) = read
+        else {
+            panic!("py_stack: {read:?}");
+        };
+        assert_eq!((id, truncated, frames.len()), (7, true, 2));
+        assert_eq!(
+            frames[0],
+            ("handle".into(), Some("app.py".into()), Some(12))
+        );
+        let event = r#"{"type":"event","e":[9,4096,16,0,1,1,-1,0,0,0],"py":7}"#;
+        let read: Read = reader.line(4, event);
+        let Ok(Some(Item::Event { event, .. })) = read else {
+            panic!("event: {read:?}");
+        };
+        assert_eq!(event.py_stack, 7);
+        // Written without `py` when there is none, and without `truncated`
+        // when it is not.
+        let line: Line<(), ()> = Line::Event { e: [0; 10], py: 0 };
+        let text = serde_json::to_string(&line).expect("serializes");
+        assert_eq!(text, r#"{"type":"event","e":[0,0,0,0,0,0,0,0,0,0]}"#);
+        let line: Line<(), ()> = Line::PyStack {
+            id: 1,
+            frames: Vec::new(),
+            truncated: false,
+        };
+        let text = serde_json::to_string(&line).expect("serializes");
+        assert_eq!(text, r#"{"type":"py_stack","id":1,"frames":[]}"#);
+    }
+
+    #[test]
+    fn version_1_records_read_without_python_stacks() {
+        let mut reader = Reader::default();
+        let read: Read = reader.line(1, HEADER);
+        assert!(matches!(read, Ok(Some(Item::Header { .. }))), "{read:?}");
+        let _: Read = reader.line(2, SPEC0);
+        let event = r#"{"type":"event","e":[9,4096,16,0,1,1,-1,0,0,0]}"#;
+        let read: Read = reader.line(3, event);
+        let Ok(Some(Item::Event { event, .. })) = read else {
+            panic!("event: {read:?}");
+        };
+        assert_eq!(event.py_stack, 0);
     }
 }

@@ -280,6 +280,12 @@ impl Pipeline {
             Ok(mem) => self.stacks.python.learn(pid, id, &raw, &mem),
             Err(err) => log::debug!("pid {pid}: cannot read its memory: {err}"),
         }
+        // The record keeps the frames: the code objects go with the target.
+        if let (Some(recorder), Some(frames)) =
+            (self.recorder.as_mut(), self.stacks.python.frames(id))
+        {
+            recorder.py_stack(id, frames, self.stacks.python.is_truncated(id));
+        }
     }
 
     /// Normalizes again, against a map just read, the stacks of `pid` that

@@ -19,13 +19,13 @@ pub mod resolve;
 use std::collections::{BTreeMap, HashMap};
 
 use memtrace_common::PyStack;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use layout::Layout;
 use resolve::{PyFrame, Resolver};
 
 /// What was found in one traced process, as the report shows it.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Interpreter {
     pub pid: u32,
     /// `3.12.1`, or `3.9` when only the minor version is known.
@@ -169,6 +169,11 @@ impl PyStacks {
 
     pub fn is_truncated(&self, id: u32) -> bool {
         self.truncated.contains(&id)
+    }
+
+    /// Marks `id` as cut by the kernel (replay: the record says so).
+    pub fn mark_truncated(&mut self, id: u32) {
+        self.truncated.insert(id);
     }
 
     /// Forgets what is cached of a process that is gone (its stacks stay).
