@@ -252,7 +252,7 @@ pub struct Site {
 }
 
 /// Whether a frame is machine code or a Python function.
-#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq, Hash)]
 #[serde(rename_all = "lowercase")]
 pub enum FrameKind {
     #[default]

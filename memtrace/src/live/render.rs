@@ -249,8 +249,29 @@ fn cell(column: Column, r: &super::state::Row) -> Cell<'static> {
             .style(Style::new().fg(Color::Cyan)),
         Column::Allocator => Cell::from(r.allocator.clone()),
         Column::Pattern => Cell::from(r.pattern.clone().unwrap_or_default()),
+        Column::Top if r.top_python => Cell::from(Line::from(vec![
+            py_tag(),
+            Span::raw(" "),
+            Span::styled(r.top.clone(), py_style()),
+        ])),
         Column::Top => Cell::from(r.top.clone()),
     }
+}
+
+/// The tag in front of a Python frame (its kind, for any terminal).
+fn py_tag() -> Span<'static> {
+    Span::styled(
+        "py",
+        Style::new()
+            .fg(Color::Black)
+            .bg(Color::Yellow)
+            .add_modifier(Modifier::BOLD),
+    )
+}
+
+/// The colour of a Python frame's text.
+fn py_style() -> Style {
+    Style::new().fg(Color::LightBlue)
 }
 
 fn sites_table(frame: &mut Frame<'_>, state: &mut State, area: Rect) {
@@ -309,7 +330,18 @@ fn stack_lines(state: &State) -> (String, Vec<Line<'static>>) {
         .stack
         .iter()
         .enumerate()
-        .map(|(i, frame)| Line::from(format!("#{i:<2} {frame}")))
+        .map(|(i, frame)| {
+            if row.stack_python.get(i).copied().unwrap_or(false) {
+                Line::from(vec![
+                    Span::raw(format!("#{i:<2} ")),
+                    py_tag(),
+                    Span::raw(" "),
+                    Span::styled(frame.clone(), py_style()),
+                ])
+            } else {
+                Line::from(format!("#{i:<2} {frame}"))
+            }
+        })
         .collect();
     if lines.is_empty() {
         lines.push(Line::from(
@@ -423,6 +455,61 @@ mod tests {
         assert!(text.contains("#1  main  app.c:7"), "{text}");
         assert!(text.contains("probing newly loaded"), "{text}");
         assert!(text.contains("sort: suspicion"), "{text}");
+    }
+
+    #[test]
+    fn python_frames_carry_a_py_tag_and_their_colour() {
+        let mut report = crate::sink::fixture::report();
+        let python = crate::report::Frame {
+            kind: crate::report::FrameKind::Python,
+            addr: String::new(),
+            symbol: Some("Cache.put".into()),
+            module: None,
+            file: Some("/srv/app/cache.py".into()),
+            line: Some(41),
+            offset: None,
+        };
+        report.sites[0].frames.insert(0, python);
+        let mut state = State::default();
+        state.update(&report);
+        let mut terminal = Terminal::new(TestBackend::new(140, 30)).expect("terminal");
+        terminal
+            .draw(|frame| draw(frame, &mut state, None))
+            .expect("draws");
+        let buffer = terminal.backend().buffer();
+        let lines: Vec<String> = (0..buffer.area.height)
+            .map(|y| {
+                (0..buffer.area.width)
+                    .map(|x| buffer[(x, y)].symbol())
+                    .collect()
+            })
+            .collect();
+        let find = |needle: &str| -> (u16, u16) {
+            lines
+                .iter()
+                .enumerate()
+                .find_map(|(y, l)| {
+                    l.find(needle)
+                        .map(|x| (l[..x].chars().count() as u16, y as u16))
+                })
+                .unwrap_or_else(|| panic!("{needle}:\n{}", lines.join("\n")))
+        };
+        // The stack pane: "#0  py Cache.put (cache.py:41)", native frames
+        // below as before.
+        let (x, y) = find("#0  py Cache.put (cache.py:41)");
+        let tag = &buffer[(x + 4, y)];
+        assert_eq!((tag.bg, tag.fg), (Color::Yellow, Color::Black));
+        assert_eq!(buffer[(x + 7, y)].fg, Color::LightBlue);
+        let (x, y) = find("#1  alloc_buffers  app.c:42");
+        assert_eq!(
+            buffer[(x + 4, y)].fg,
+            Color::Reset,
+            "native frames stay plain"
+        );
+        // The sites table's top frame too (the selected row's highlight
+        // covers its colours).
+        let (_, table_y) = find("py Cache.put");
+        assert!(table_y < y, "the sites table shows the py tag");
     }
 
     #[test]

@@ -49,8 +49,12 @@ pub struct Row {
     pub pattern: Option<String>,
     /// The function that called the allocator.
     pub top: String,
+    /// Whether that frame is a Python function.
+    pub top_python: bool,
     /// Every frame, one line each (`function  file:line  module+offset`).
     pub stack: Vec<String>,
+    /// Whether each frame of `stack` is a Python function (drawn apart).
+    pub stack_python: Vec<bool>,
     /// Why there is no stack, when there is none.
     pub note: Option<String>,
     /// Live bytes at each snapshot, oldest first.
@@ -413,6 +417,8 @@ fn rows_of(report: &Report) -> Vec<Row> {
                     .frames
                     .first()
                     .map_or_else(|| site.functions.join(","), frame_name),
+                top_python: site.frames.first().is_some_and(is_python),
+                stack_python: site.frames.iter().map(is_python).collect(),
                 stack: site
                     .frames
                     .iter()
@@ -435,6 +441,10 @@ fn rows_of(report: &Report) -> Vec<Row> {
             }
         })
         .collect()
+}
+
+fn is_python(frame: &crate::report::Frame) -> bool {
+    frame.kind == crate::report::FrameKind::Python
 }
 
 /// Live bytes as a one-line bar chart of `width` cells (block characters),

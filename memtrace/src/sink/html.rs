@@ -27,7 +27,7 @@ use serde::Serialize;
 use super::{
     frame_name, human_bytes, module_name, pattern_label, scaled, scaling_note, site_live, Sink,
 };
-use crate::report::{Frame, Report};
+use crate::report::{Frame, FrameKind, Report};
 
 /// Sites whose live-bytes history is embedded (for their detail chart).
 pub const HISTORY_SITES: usize = 200;
@@ -500,7 +500,8 @@ struct Data<'a> {
     sampled: bool,
     sample_rate: u32,
     duration_ms: u64,
-    /// `[name, module file name, file, line, addr, offset, module path]`.
+    /// `[name, module file name, file, line, addr, offset, module path,
+    /// kind]` (kind: `native` or `python`).
     frames: Vec<FrameData<'a>>,
     sites: Vec<SiteData<'a>>,
 }
@@ -513,6 +514,7 @@ type FrameData<'a> = (
     &'a str,
     Option<&'a str>,
     Option<&'a str>,
+    FrameKind,
 );
 
 #[derive(Serialize)]
@@ -539,6 +541,7 @@ struct SiteData<'a> {
 
 /// A frame's identity for sharing: every field.
 type FrameKey<'a> = (
+    FrameKind,
     &'a str,
     Option<&'a str>,
     Option<&'a str>,
@@ -558,6 +561,7 @@ fn data(report: &Report) -> std::io::Result<String> {
             .iter()
             .map(|frame: &Frame| {
                 let key = (
+                    frame.kind,
                     frame.addr.as_str(),
                     frame.symbol.as_deref(),
                     frame.module.as_deref(),
@@ -574,6 +578,7 @@ fn data(report: &Report) -> std::io::Result<String> {
                         frame.addr.as_str(),
                         frame.offset.as_deref(),
                         frame.module.as_deref(),
+                        frame.kind,
                     ));
                     frames.len() - 1
                 })
@@ -728,6 +733,46 @@ mod tests {
         assert_eq!(
             value["sites"][0]["history"],
             json!([[1000, 2048], [2000, 4096]])
+        );
+    }
+
+    #[test]
+    fn python_frames_are_marked_apart_from_native_ones() {
+        let mut report = fixture::report();
+        let native = report.sites[0].frames[0].clone();
+        let python = Frame {
+            kind: FrameKind::Python,
+            addr: String::new(),
+            symbol: Some("Cache.put".into()),
+            module: None,
+            file: Some("/srv/app/cache.py".into()),
+            line: Some(41),
+            offset: None,
+        };
+        // Same fields but the kind: two frames, not one shared.
+        let lookalike = Frame {
+            kind: FrameKind::Python,
+            ..native.clone()
+        };
+        report.sites[0].frames = vec![python, native, lookalike];
+        let html = render(&report);
+        let start = html.find("id=\"memtrace-data\">").expect("blob") + 19;
+        let end = html[start..].find("</script>").expect("end") + start;
+        let value: Value = serde_json::from_str(&html[start..end]).expect("JSON");
+        assert_eq!(value["sites"][0]["stack"], json!([0, 1, 2]));
+        assert_eq!(value["frames"][0][0], "Cache.put (cache.py:41)");
+        assert_eq!(value["frames"][0][7], "python");
+        assert_eq!(value["frames"][1][7], "native");
+        assert_eq!(value["frames"][2][7], "python");
+        // The script tags Python frames "py" and the style colours them.
+        assert!(
+            html.contains("tag.textContent = \"py\""),
+            "script tags py frames"
+        );
+        assert!(html.contains(".tag.py{"), "style for the py tag");
+        assert!(
+            html.contains("td.py,.stack tr.py td{color:"),
+            "style for py frames"
         );
     }
 

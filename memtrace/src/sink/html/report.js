@@ -34,6 +34,20 @@
   function where(f) {
     return f[2] ? f[2] + (f[3] ? ":" + f[3] : "") : "";
   }
+  function isPy(f) { return f[7] === "python"; }
+  // A Python frame's name cell: a "py" tag, then the name, in Python's colour.
+  function nameCell(tr, f, cls, title) {
+    var td = cell(tr, "", (cls ? cls + " " : "") + (isPy(f) ? "py" : "native"), title);
+    if (isPy(f)) {
+      var tag = document.createElement("span");
+      tag.className = "tag py";
+      tag.textContent = "py";
+      td.appendChild(tag);
+      td.appendChild(document.createTextNode(" "));
+    }
+    td.appendChild(document.createTextNode(f[0]));
+    return td;
+  }
   function haystack(site) {
     if (site._q === undefined) {
       var parts = [site.allocator, site.memory, site.functions.join(" ")];
@@ -100,7 +114,8 @@
       cell(tr, age(s.age), "num");
       cell(tr, s.pattern || "");
       var f = s.stack.length ? frames[s.stack[0]] : null;
-      cell(tr, topFrame(s), "frame", f ? where(f) : (s.note || ""));
+      if (f) nameCell(tr, f, "frame", where(f));
+      else cell(tr, topFrame(s), "frame", s.note || "");
       body.appendChild(tr);
     }
     rows.textContent = "";
@@ -181,8 +196,9 @@
       table.appendChild(head);
       s.stack.forEach(function (fi, depth) {
         var f = frames[fi], tr = document.createElement("tr");
+        if (isPy(f)) tr.className = "py";
         cell(tr, depth, "num");
-        cell(tr, f[0]);
+        nameCell(tr, f);
         cell(tr, where(f));
         cell(tr, f[1] || "", "", f[6] || "");
         cell(tr, f[5] || "");
