@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand};
 use bench::Section;
 
 mod bench;
+mod kernels;
 mod setup;
 mod soak;
 
@@ -65,6 +66,13 @@ enum Task {
     },
     /// Trace a steady workload for 30 minutes and judge memtrace's own memory.
     Soak(soak::SoakArgs),
+    /// Boot Debian kernels in QEMU and run the smoke suite in each (target/kernels/matrix.md).
+    TestKernels(kernels::TestArgs),
+    /// Boot one kernel of the matrix in QEMU and run a command line inside.
+    KernelRun(kernels::RunArgs),
+    /// Check a memtrace JSON report (run inside the kernel matrix).
+    #[command(hide = true)]
+    MatrixCheck(kernels::CheckArgs),
 }
 
 fn main() -> Result<()> {
@@ -87,6 +95,9 @@ fn main() -> Result<()> {
             bench::alias("bench-allocators", Section::Allocators, rounds, None)
         }
         Task::Soak(args) => soak::soak(args),
+        Task::TestKernels(args) => kernels::test_kernels(args),
+        Task::KernelRun(args) => kernels::kernel_run(args),
+        Task::MatrixCheck(args) => kernels::matrix_check(args),
     }
 }
 

@@ -1,0 +1,184 @@
+#!/bin/sh
+# The kernel-matrix smoke suite: runs in a QEMU guest (busybox sh, from /init) and
+# on the host (any POSIX sh). Prints one line per check:
+#   MATRIX <check> PASS|FAIL|SKIP <detail>
+# Environment (set by xtask/src/kernels.rs):
+#   MEMTRACE   the release memtrace binary
+#   FIXTURES   target/fixtures (C fixtures and stub GPU libraries)
+#   CHECK      the report checker: `CHECK matrix-check FILE ASSERTION...`
+#   PYTHON     a CPython interpreter (empty: the python check is skipped)
+#   PYSCRIPT   tests/kernel-matrix/leak.py
+#   WORK       a scratch directory
+#   CHECKS     checks to run (comma or space separated; empty: all)
+#   MATRIX_FULL=1  run default-mode checks even when the default mode failed to load
+#   MATRIX_TIMEOUT seconds per memtrace run (default 300)
+T=${MATRIX_TIMEOUT:-300}
+ALL="doctor launch fp depth0 pid dwarf python cuda forks"
+CHECKS=$(echo "${CHECKS:-$ALL}" | tr ',' ' ')
+mkdir -p "$WORK"
+# Set when the default mode failed before writing a report (a load failure).
+LOAD_FAIL=""
+
+wanted() {
+    for c in $CHECKS; do
+        [ "$c" = "$1" ] && return 0
+    done
+    return 1
+}
+
+# One result line; the detail is one line, pipes replaced (it ends up in Markdown).
+result() {
+    detail=$(printf '%s' "$3" | tr '\n|' ' /' | cut -c1-200)
+    echo "MATRIX $1 $2 $detail"
+}
+
+# The line of a memtrace stderr file that says why it failed: the last
+# error-looking line, else the last non-empty line.
+reason() {
+    line=$(grep -i -E 'error|fail|verifier|too large|invalid|denied|not permitted|unsupported|cannot' "$1" 2>/dev/null | tail -n 1)
+    [ -n "$line" ] || line=$(grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 1)
+    printf '%s' "$line" | sed 's/^[[:space:]]*//'
+}
+
+# mt NAME ARGS...: runs memtrace (stdin from /dev/null) with a timeout; its
+# stdout and stderr go to $WORK/NAME.out and $WORK/NAME.err, exit status in $RC.
+mt() {
+    name=$1
+    shift
+    timeout "$T" "$MEMTRACE" "$@" </dev/null >"$WORK/$name.out" 2>"$WORK/$name.err"
+    RC=$?
+}
+
+# judge CHECK JSON ASSERTION...: the verdict of a memtrace run from $RC, its
+# stderr and its JSON report.
+judge() {
+    check=$1
+    json=$2
+    shift 2
+    if [ "$RC" = 124 ] || [ "$RC" = 143 ]; then
+        result "$check" FAIL "timed out after ${T}s: $(reason "$WORK/$check.err")"
+        return 1
+    fi
+    if [ "$RC" != 0 ]; then
+        result "$check" FAIL "exit $RC: $(reason "$WORK/$check.err")"
+        [ -s "$json" ] || return 2
+        return 1
+    fi
+    if [ ! -s "$json" ]; then
+        result "$check" FAIL "no report written: $(reason "$WORK/$check.err")"
+        return 2
+    fi
+    verdict=$("$CHECK" matrix-check "$json" "$@" 2>&1)
+    if [ $? = 0 ]; then
+        result "$check" PASS "$verdict"
+    else
+        result "$check" FAIL "$verdict"
+        return 1
+    fi
+}
+
+# gated CHECK: true when CHECK runs the default mode and that mode failed to load.
+gated() {
+    if [ -n "$LOAD_FAIL" ] && [ "${MATRIX_FULL:-0}" != 1 ]; then
+        result "$1" FAIL "not tried, the default mode did not load (launch: $LOAD_FAIL)"
+        return 0
+    fi
+    return 1
+}
+
+LEAK_SITES="site:leak_a=4800/100 site:leak_b=10000/10 site:leak_calloc=1000/5 site:leak_memalign=768/3 site:realloc_chain=4096/1 site:leak_in_thread=4096/32 site:leak_mmap=131072/2"
+
+check_doctor() {
+    mt doctor doctor
+    if grep -q -i -E "unrecognized subcommand|unexpected argument|found argument" "$WORK/doctor.err"; then
+        result doctor SKIP "not run: memtrace has no doctor subcommand"
+    elif [ "$RC" = 0 ]; then
+        result doctor PASS "$(grep -v '^[[:space:]]*$' "$WORK/doctor.out" "$WORK/doctor.err" | tail -n 1 | sed 's/^[^:]*://')"
+    else
+        result doctor FAIL "exit $RC: $(reason "$WORK/doctor.err")"
+    fi
+}
+
+check_launch() {
+    mt launch --format json --top 500 --output "$WORK/launch.json" -- "$FIXTURES/leak_sites" 0 0
+    judge launch "$WORK/launch.json" $LEAK_SITES
+    if [ $? = 2 ]; then
+        LOAD_FAIL=$(reason "$WORK/launch.err" | cut -c1-120)
+    fi
+}
+
+check_fp() {
+    mt fp --stacks fp --format json --top 500 --output "$WORK/fp.json" -- "$FIXTURES/leak_sites" 0 0
+    judge fp "$WORK/fp.json" $LEAK_SITES
+}
+
+check_depth0() {
+    mt depth0 --stack-depth 0 --format json --top 500 --output "$WORK/depth0.json" -- "$FIXTURES/leak_sites" 0 0
+    judge depth0 "$WORK/depth0.json" nostacks total:libc>=24760 total:mmap>=131072
+}
+
+# By pid: the fixture waits on a FIFO for its go line; memtrace attaches, says
+# it is tracing, the go line is sent; the trace ends when the fixture exits.
+check_pid() {
+    gated pid && return
+    rm -f "$WORK/go" "$WORK/pid.fix" "$WORK/pid.json"
+    mkfifo "$WORK/go"
+    exec 3<>"$WORK/go"
+    "$FIXTURES/leak_sites" 600 1 <"$WORK/go" >"$WORK/pid.fix" 2>&1 &
+    fixture=$!
+    i=0
+    while ! grep -q ready "$WORK/pid.fix" 2>/dev/null && [ $i -lt 60 ]; do
+        sleep 1
+        i=$((i + 1))
+    done
+    timeout "$T" "$MEMTRACE" --pid "$fixture" --format json --top 500 --output "$WORK/pid.json" \
+        </dev/null >"$WORK/pid.out" 2>"$WORK/pid.err" &
+    tracer=$!
+    i=0
+    while ! grep -q "memtrace: tracing" "$WORK/pid.err" 2>/dev/null && kill -0 "$tracer" 2>/dev/null && [ $i -lt "$T" ]; do
+        sleep 1
+        i=$((i + 1))
+    done
+    echo >&3
+    wait "$tracer"
+    RC=$?
+    exec 3>&-
+    kill "$fixture" 2>/dev/null
+    wait "$fixture" 2>/dev/null
+    judge pid "$WORK/pid.json" $LEAK_SITES
+}
+
+check_dwarf() {
+    gated dwarf && return
+    mt dwarf --format json --top 500 --output "$WORK/dwarf.json" -- "$FIXTURES/unwind_chain" chain @0
+    judge dwarf "$WORK/dwarf.json" site:lib_level3=15540/20 \
+        chain:lib_level3=lib_level3,lib_level2,lib_level1,lib_entry,outer3,outer2,outer1,main
+}
+
+check_python() {
+    if [ -z "$PYTHON" ] || [ ! -x "$PYTHON" ]; then
+        result python SKIP "not run: no pyenv CPython in this image"
+        return
+    fi
+    gated python && return
+    mt python --format json --top 200 --output "$WORK/python.json" -- "$PYTHON" -S "$PYSCRIPT"
+    judge python "$WORK/python.json" "py:render,handle,<module>>=1000000/10"
+}
+
+check_cuda() {
+    gated cuda && return
+    mt cuda --format json --top 100 --output "$WORK/cuda.json" -- "$FIXTURES/late_dlopen" 3 1
+    judge cuda "$WORK/cuda.json" site:late_leak=4194304/4
+}
+
+check_forks() {
+    gated forks && return
+    mt forks --follow-forks --format json --top 500 --output "$WORK/forks.json" -- "$FIXTURES/fork_leaks" 0 0
+    judge forks "$WORK/forks.json" site:parent_leak=3000/3 site:thread_leak=2000/4 \
+        site:child_leak=10000/5 site:grandchild_leak=21000/7 processes>=3
+}
+
+for c in $ALL; do
+    wanted "$c" && "check_$c"
+done
+exit 0
