@@ -28,7 +28,7 @@ wanted() {
 
 # One result line; the detail is one line, pipes replaced (it ends up in Markdown).
 result() {
-    detail=$(printf '%s' "$3" | tr '\n|' ' /' | cut -c1-200)
+    detail=$(printf '%s' "$3" | tr -s '\n\t|' '  /' | cut -c1-200)
     echo "MATRIX $1 $2 $detail"
 }
 
@@ -114,7 +114,7 @@ check_fp() {
 
 check_depth0() {
     mt depth0 --stack-depth 0 --format json --top 500 --output "$WORK/depth0.json" -- "$FIXTURES/leak_sites" 0 0
-    judge depth0 "$WORK/depth0.json" nostacks total:libc>=24760 total:mmap>=131072
+    judge depth0 "$WORK/depth0.json" nostacks "total:libc>=24760" "total:mmap>=131072"
 }
 
 # By pid: the fixture waits on a FIFO for its go line; memtrace attaches, says
@@ -175,7 +175,7 @@ check_forks() {
     gated forks && return
     mt forks --follow-forks --format json --top 500 --output "$WORK/forks.json" -- "$FIXTURES/fork_leaks" 0 0
     judge forks "$WORK/forks.json" site:parent_leak=3000/3 site:thread_leak=2000/4 \
-        site:child_leak=10000/5 site:grandchild_leak=21000/7 processes>=3
+        site:child_leak=10000/5 site:grandchild_leak=21000/7 "processes>=3"
 }
 
 for c in $ALL; do
