@@ -92,14 +92,25 @@ static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS,
 /// Flags set by user space; index 0: 1 once the trace is ending (its entry
 /// probes are being detached, so returns without an entry are expected);
 /// index 1: how many processes have a Python frame reader (0: skip it);
-/// index 2: 1 while heap allocations may be held (`held`).
+/// index 2: 1 while heap allocations may be held (`held`); index 3: 1 once
+/// the trace's window has closed: every program returns at once, so the
+/// report describes the state at that moment however long detaching takes.
 #[map]
 static CONTROL: Array<u32> = Array::with_max_entries(4, 0);
+
+/// Index in `CONTROL` of the closed-window flag.
+const CONTROL_CLOSED: u32 = 3;
+
+/// Whether the trace's window has closed (see `CONTROL`).
+#[inline(always)]
+fn window_closed() -> bool {
+    CONTROL.get(CONTROL_CLOSED).is_some_and(|&flag| flag != 0)
+}
 
 /// Entry of every probed function.
 #[uprobe]
 pub fn call_enter(ctx: ProbeContext) -> u32 {
-    if NULL_MODE.load() == 0 {
+    if NULL_MODE.load() == 0 && !window_closed() {
         on_enter(&ctx);
     }
     0
@@ -108,7 +119,7 @@ pub fn call_enter(ctx: ProbeContext) -> u32 {
 /// Return of every probed function that has a result to check.
 #[uretprobe]
 pub fn call_exit(ctx: RetProbeContext) -> u32 {
-    if NULL_MODE.load() == 0 {
+    if NULL_MODE.load() == 0 && !window_closed() {
         on_exit(&ctx);
     }
     0

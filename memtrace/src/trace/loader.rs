@@ -146,6 +146,9 @@ const CONTROL_PYTHON: u32 = 1;
 /// Index in `CONTROL`: 1 while the kernel may hold allocations (user space
 /// has the held table mapped).
 const CONTROL_HOLD: u32 = 2;
+/// Index in `CONTROL`: 1 once the trace's window has closed (every program
+/// returns at once).
+const CONTROL_CLOSED: u32 = 3;
 
 /// Maps the held table and lets the kernel hold allocations; `None` (and
 /// every allocation sent at once) when the table cannot be mapped.
@@ -641,6 +644,20 @@ impl Probes {
         }
         batches.push(exits);
         Detaching { batches }
+    }
+
+    /// Closes the trace's window in one step: from now on every program
+    /// returns at once, so nothing after this moment changes the report,
+    /// however long the probes take to detach. False when the flag could
+    /// not be set (the caller then ends the trace the slow way).
+    pub fn close_window(&mut self) -> bool {
+        match self.control.set(CONTROL_CLOSED, 1, 0) {
+            Ok(()) => true,
+            Err(err) => {
+                log::debug!("cannot close the trace's window: {err}");
+                false
+            }
+        }
     }
 
     /// Tells the kernel programs the trace is ending: a return whose entry

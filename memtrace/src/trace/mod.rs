@@ -58,6 +58,9 @@ const DRAIN_EVERY: Duration = Duration::from_millis(20);
 /// so blocks made just before the end and released just after are not
 /// reported live.
 const DETACH_GRACE: Duration = Duration::from_millis(50);
+/// How long a closed window waits for programs that read the flag just
+/// before it flipped (they run for microseconds).
+const WINDOW_SETTLE: Duration = Duration::from_millis(20);
 /// How often the Prometheus text is refreshed.
 const METRICS_EVERY: Duration = Duration::from_secs(2);
 
@@ -457,19 +460,32 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     drop(live);
     session.ended = Some((Instant::now(), monotonic_ns()));
     let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
-    session.pipeline.close(ended_ns);
-    let watched = session.family.running().next().is_some();
-    probes.mark_ending();
-    for stage in DetachStage::ORDER {
-        let detaching = probes.detach_stage(stage);
-        close_while_draining(detaching, &mut session, &mut ring, &probes).await;
-        if watched && stage != DetachStage::Releases {
-            tokio::time::sleep(DETACH_GRACE).await;
-            session.pipeline.drain(ring.get_mut(), &probes);
-        }
+    // The window closes in one step: the programs stop recording, what they
+    // sent is read and what the kernel holds is taken, and the report is
+    // the state at this moment. Detaching (seconds for many probes) comes
+    // after the report is written.
+    let closed = probes.close_window();
+    if closed {
+        // A program that read the flag just before it flipped finishes
+        // within microseconds.
+        tokio::time::sleep(WINDOW_SETTLE).await;
+        session.pipeline.drain_all(ring.get_mut(), &probes);
     }
-    let detaching = probes.detach();
-    close_while_draining(detaching, &mut session, &mut ring, &probes).await;
+    session.pipeline.close(ended_ns);
+    if !closed {
+        let watched = session.family.running().next().is_some();
+        probes.mark_ending();
+        for stage in DetachStage::ORDER {
+            let detaching = probes.detach_stage(stage);
+            close_while_draining(detaching, &mut session, &mut ring, &probes).await;
+            if watched && stage != DetachStage::Releases {
+                tokio::time::sleep(DETACH_GRACE).await;
+                session.pipeline.drain(ring.get_mut(), &probes);
+            }
+        }
+        let detaching = probes.detach();
+        close_while_draining(detaching, &mut session, &mut ring, &probes).await;
+    }
     session.snapshot(&probes);
     let report = session.report(&probes, &discovery);
     if let Some(tx) = &metrics {
@@ -480,6 +496,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         recorder.finish(&report, ended_ns, session.pipeline.thread_names())?;
     }
     output.finish(&report)?;
+    if closed {
+        // Nothing is recorded any more: the probes only need to go.
+        let detaching = probes.detach();
+        let _ = tokio::task::spawn_blocking(move || detaching.close()).await;
+    }
     Ok(())
 }
 
