@@ -32,6 +32,11 @@ pub enum Command {
     /// takes (rows, FDEs, build time, kernel bytes) as JSON lines, without
     /// loading anything: what `--stacks dwarf` would load for it.
     UnwindTable(UnwindTableArgs),
+    /// Check this kernel and these privileges: features found or missing,
+    /// a load test of every eBPF program in every stack mode, the stack
+    /// budget per call chain, and which modes will work (exit 0 when the
+    /// default mode loads).
+    Doctor(crate::kernel::doctor::DoctorArgs),
 }
 
 /// Options of `memtrace unwind-table FILE...`.

@@ -9,6 +9,7 @@ mod cli;
 mod error;
 mod event;
 mod interp;
+mod kernel;
 mod live;
 mod monitor;
 mod output;
@@ -44,6 +45,7 @@ fn main() -> ExitCode {
         Some(cli::Command::Monitor(args)) => monitor::run(*args),
         Some(cli::Command::Report(args)) => run_report(args),
         Some(cli::Command::UnwindTable(args)) => unwind::describe(&args.files),
+        Some(cli::Command::Doctor(args)) => kernel::doctor::run(&args),
         None => run_trace(cli.trace),
     };
     match result {

@@ -11,6 +11,7 @@ mod bad_input;
 mod core_host;
 mod forks;
 mod gpu;
+mod headroom;
 mod outputs;
 mod pairs;
 mod python;

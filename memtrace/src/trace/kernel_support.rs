@@ -17,6 +17,7 @@ use aya::programs::ProgramError;
 use aya::sys::SyscallError;
 
 use crate::error::Failure;
+use crate::kernel::verifier;
 
 /// The map the ring buffer lives in (see memtrace-ebpf).
 const RING_MAP: &str = "EVENTS";
@@ -67,6 +68,55 @@ fn load_failure_with(err: &(dyn Error + 'static), probed: Probed) -> Failure {
         Some(unsupported) => unsupported.into(),
         None => Failure::runtime(format!("cannot load the eBPF programs: {}", chain(err))),
     }
+}
+
+/// Turns a program's load error into the failure the user sees. A refused
+/// privilege and a missing kernel feature are as in [`load_failure`]; a
+/// verifier refusal becomes one line (see `kernel::verifier`): the program,
+/// the stack mode (`mode`), the limit it hit, what to try (`alternatives`,
+/// asked only when another stack mode may help: the flags that load here),
+/// and the file the whole log was saved to.
+pub fn program_load_failure(
+    program: &str,
+    mode: &str,
+    err: &ProgramError,
+    alternatives: impl FnOnce() -> Vec<&'static str>,
+) -> Failure {
+    let ProgramError::LoadError {
+        io_error,
+        verifier_log,
+    } = err
+    else {
+        return load_failure(err);
+    };
+    if io_error.raw_os_error() == Some(libc::EPERM) {
+        return load_failure(err);
+    }
+    verifier_failure(program, mode, &verifier_log.to_string(), alternatives)
+}
+
+/// [`program_load_failure`] on the verifier's log.
+fn verifier_failure(
+    program: &str,
+    mode: &str,
+    log: &str,
+    alternatives: impl FnOnce() -> Vec<&'static str>,
+) -> Failure {
+    let reason = verifier::classify(log);
+    let others = if reason.depends_on_mode() {
+        alternatives()
+    } else {
+        Vec::new()
+    };
+    let saved = verifier::save_log(program, log);
+    let lines = log.lines().count();
+    Failure::runtime(verifier::one_line(
+        program,
+        mode,
+        &reason,
+        &others,
+        saved.as_deref().map(|path| (path, lines)),
+    ))
 }
 
 /// The missing kernel feature behind a load error, if that is what it is.
@@ -261,6 +311,47 @@ mod tests {
             call,
             io_error: os(errno),
         })
+    }
+
+    #[test]
+    fn verifier_refusal_is_one_line_naming_the_limit_and_the_log() {
+        let mut log = String::new();
+        for i in 0..2000 {
+            log.push_str(&format!("{i}: (bf) r1 = r6\n"));
+        }
+        log.push_str("combined stack size of 3 calls is 608. Too large\nprocessed 15063 insns (limit 1000000)\n");
+        let program = format!("unit_test_{}", std::process::id());
+        let failure = verifier_failure(&program, "--stacks dwarf", &log, || vec!["--stacks fp"]);
+        assert_eq!(failure.code, EXIT_RUNTIME);
+        let line = failure.message;
+        assert!(!line.contains('\n'), "{line}");
+        assert!(line.contains(&program), "{line}");
+        assert!(
+            line.contains("combined stack size of 3 calls is 608 B (limit 512)"),
+            "{line}"
+        );
+        assert!(line.contains("--stacks fp loads on this kernel"), "{line}");
+        let path = verifier::log_path(&program, std::process::id());
+        assert!(line.contains(&path.display().to_string()), "{line}");
+        let saved = std::fs::read_to_string(&path).unwrap_or_default();
+        assert_eq!(saved.lines().count(), 2002);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn missing_atomics_do_not_ask_for_other_modes() {
+        let program = format!("unit_test_atomics_{}", std::process::id());
+        let failure = verifier_failure(
+            &program,
+            "--stacks fp",
+            "BPF_STX uses reserved fields\n",
+            || panic!("no other mode helps without atomics"),
+        );
+        assert!(failure
+            .message
+            .contains("the kernel lacks BPF atomics, 5.12+"));
+        assert!(failure.message.contains("memtrace doctor"));
+        let _ = std::fs::remove_file(verifier::log_path(&program, std::process::id()));
     }
 
     #[test]

@@ -137,6 +137,8 @@ pub struct Probes {
     python_pids: std::collections::BTreeSet<u32>,
     /// The kernel's held allocations, mapped (`None`: none are held).
     held: Option<HeldTable>,
+    /// The settings it was loaded with (for a later program's load failure).
+    options: LoadOptions,
 }
 
 /// Index in `CONTROL`: 1 once the trace is ending.
@@ -222,51 +224,16 @@ impl Probes {
         if pid == 0 {
             return Err(Failure::usage("pid 0 is not a process").into());
         }
-        let depth = options.stack_depth.min(MAX_FRAMES as u32);
-        let null_mode: u32 = options.null_mode.into();
-        // Outside DWARF mode the unwinder's big maps shrink to one element.
-        let unwind_capacity = if options.stack_mode == STACK_MODE_DWARF {
-            options.unwind
-        } else {
-            crate::unwind::kernel::Capacity::minimal()
-        };
-        let offsets = crate::btf::uprobe_offsets().unwrap_or_else(|| {
-            log::warn!("no uprobe structures in the kernel's BTF: stacks through functions with return probes end there");
-            crate::btf::UprobeOffsets::default()
-        });
-        let mut ebpf = EbpfLoader::new()
-            .override_global("OFF_UTASK", &offsets.task_utask, true)
-            .override_global(
-                "OFF_RETURN_INSTANCES",
-                &offsets.utask_return_instances,
-                true,
-            )
-            .override_global("OFF_RI_STACK", &offsets.ri_stack, true)
-            .override_global("OFF_RI_ORIG", &offsets.ri_orig_ret_vaddr, true)
-            .override_global("OFF_RI_NEXT", &offsets.ri_next, true)
-            .override_global("STACK_MODE", &options.stack_mode, true)
-            .override_global("MAX_DEPTH", &depth, true)
-            .override_global("SAMPLE_RATE", &options.sample_rate, true)
-            .override_global("MIN_SIZE", &options.min_size, true)
-            .override_global("MAX_SIZE", &options.max_size, true)
-            .override_global("NULL_MODE", &null_mode, true)
-            .override_global("WAKEUP_BYTES", &options.wakeup_bytes, true)
-            .map_max_entries("EVENTS", options.ring_bytes)
-            .map_max_entries("STACKS", options.stack_entries.max(1))
-            .map_max_entries("DWARF_STACKS", options.stack_entries.max(1))
-            .map_max_entries("UNWIND_ROWS", unwind_capacity.row_chunks)
-            .map_max_entries("UNWIND_PAGES", unwind_capacity.page_chunks)
-            .map_max_entries("UNWIND_RULES", unwind_capacity.rule_chunks)
-            .map_max_entries("PROC_MAPS", unwind_capacity.processes)
-            .map_max_entries("PROC_SLOTS", unwind_capacity.processes)
-            .load(EBPF_OBJECT)
-            .map_err(|err| load_failure(&err))?;
+        let unwind_capacity = unwind_capacity(options);
+        let mut ebpf = open(options).map_err(|err| load_failure(&err))?;
         for name in [ENTER, EXIT] {
             let program: &mut UProbe = ebpf
                 .program_mut(name)
                 .with_context(|| format!("program {name} missing from the eBPF object"))?
                 .try_into()?;
-            program.load().map_err(|err| load_failure(&err))?;
+            program
+                .load()
+                .map_err(|err| program_load_failure(name, options, &err))?;
             if let Some(insns) = program
                 .info()
                 .ok()
@@ -305,6 +272,7 @@ impl Probes {
             None
         };
         Ok(Probes {
+            options: *options,
             held,
             control,
             python_pids: std::collections::BTreeSet::new(),
@@ -512,7 +480,9 @@ impl Probes {
             .program_mut(FORKS)
             .with_context(|| format!("program {FORKS} missing from the eBPF object"))?
             .try_into()?;
-        program.load().map_err(|err| load_failure(&err))?;
+        program
+            .load()
+            .map_err(|err| program_load_failure(FORKS, &self.options, &err))?;
         program
             .attach("task_newtask")
             .context("cannot attach to the task_newtask tracepoint")?;
@@ -784,4 +754,142 @@ fn drop_concurrently<T: Send>(links: Vec<T>) {
 /// kernel features get their own, see [`kernel_support::load_failure`]).
 fn load_failure(err: &(dyn std::error::Error + 'static)) -> anyhow::Error {
     kernel_support::load_failure(err).into()
+}
+
+/// The embedded eBPF object (empty when built without it).
+pub fn object() -> &'static [u8] {
+    EBPF_OBJECT
+}
+
+/// The unwinder's map sizes: outside DWARF mode its big maps shrink to one element.
+fn unwind_capacity(options: &LoadOptions) -> crate::unwind::kernel::Capacity {
+    if options.stack_mode == STACK_MODE_DWARF {
+        options.unwind
+    } else {
+        crate::unwind::kernel::Capacity::minimal()
+    }
+}
+
+/// Creates the maps of the embedded object with `options`' load-time
+/// settings; no program is loaded yet.
+fn open(options: &LoadOptions) -> Result<Ebpf, aya::EbpfError> {
+    let depth = options.stack_depth.min(MAX_FRAMES as u32);
+    let null_mode: u32 = options.null_mode.into();
+    let unwind_capacity = unwind_capacity(options);
+    let offsets = crate::btf::uprobe_offsets().unwrap_or_else(|| {
+        log::warn!("no uprobe structures in the kernel's BTF: stacks through functions with return probes end there");
+        crate::btf::UprobeOffsets::default()
+    });
+    EbpfLoader::new()
+        .override_global("OFF_UTASK", &offsets.task_utask, true)
+        .override_global(
+            "OFF_RETURN_INSTANCES",
+            &offsets.utask_return_instances,
+            true,
+        )
+        .override_global("OFF_RI_STACK", &offsets.ri_stack, true)
+        .override_global("OFF_RI_ORIG", &offsets.ri_orig_ret_vaddr, true)
+        .override_global("OFF_RI_NEXT", &offsets.ri_next, true)
+        .override_global("STACK_MODE", &options.stack_mode, true)
+        .override_global("MAX_DEPTH", &depth, true)
+        .override_global("SAMPLE_RATE", &options.sample_rate, true)
+        .override_global("MIN_SIZE", &options.min_size, true)
+        .override_global("MAX_SIZE", &options.max_size, true)
+        .override_global("NULL_MODE", &null_mode, true)
+        .override_global("WAKEUP_BYTES", &options.wakeup_bytes, true)
+        .map_max_entries("EVENTS", options.ring_bytes)
+        .map_max_entries("STACKS", options.stack_entries.max(1))
+        .map_max_entries("DWARF_STACKS", options.stack_entries.max(1))
+        .map_max_entries("UNWIND_ROWS", unwind_capacity.row_chunks)
+        .map_max_entries("UNWIND_PAGES", unwind_capacity.page_chunks)
+        .map_max_entries("UNWIND_RULES", unwind_capacity.rule_chunks)
+        .map_max_entries("PROC_MAPS", unwind_capacity.processes)
+        .map_max_entries("PROC_SLOTS", unwind_capacity.processes)
+        .load(EBPF_OBJECT)
+}
+
+/// The flags that select a stack mode, for messages.
+pub fn mode_flags(options: &LoadOptions) -> &'static str {
+    match options.stack_mode {
+        STACK_MODE_DWARF => "--stacks dwarf",
+        memtrace_common::unwind::STACK_MODE_FP => "--stacks fp",
+        _ => "--stack-depth 0",
+    }
+}
+
+/// `options` in the cheaper stack modes, for trying what loads instead.
+fn cheaper_modes(options: &LoadOptions) -> Vec<LoadOptions> {
+    use memtrace_common::unwind::{STACK_MODE_FP, STACK_MODE_NONE};
+    let fp = LoadOptions {
+        stack_mode: STACK_MODE_FP,
+        ..*options
+    };
+    let none = LoadOptions {
+        stack_mode: STACK_MODE_NONE,
+        stack_depth: 0,
+        ..*options
+    };
+    match options.stack_mode {
+        STACK_MODE_DWARF => vec![fp, none],
+        STACK_MODE_FP => vec![none],
+        _ => Vec::new(),
+    }
+}
+
+/// A program's load failure as one line (see [`kernel_support::program_load_failure`]);
+/// when the verifier refused it for size or stack, the cheaper stack modes
+/// that load on this kernel are named.
+fn program_load_failure(
+    name: &str,
+    options: &LoadOptions,
+    err: &aya::programs::ProgramError,
+) -> anyhow::Error {
+    kernel_support::program_load_failure(name, mode_flags(options), err, || {
+        cheaper_modes(options)
+            .iter()
+            .filter(|cheaper| {
+                load_test(cheaper).is_ok_and(|programs| {
+                    programs
+                        .iter()
+                        .all(|p| p.name == FORKS || p.outcome.is_ok())
+                })
+            })
+            .map(mode_flags)
+            .collect()
+    })
+    .into()
+}
+
+fn verified_insns(info: Option<aya::programs::ProgramInfo>) -> Option<u32> {
+    info.and_then(|info| info.verified_instruction_count())
+}
+
+/// One program's load in [`load_test`].
+pub struct ProgramLoad {
+    pub name: &'static str,
+    /// The verifier's processed-instruction count (kernels from 5.16 report
+    /// it), or why the program was refused.
+    pub outcome: Result<Option<u32>, aya::programs::ProgramError>,
+}
+
+/// Loads the embedded object with `options` and each of its programs
+/// (`call_enter`, `call_exit`, `task_new`), attaching nothing; everything is
+/// unloaded on return. An error: the maps could not be created.
+pub fn load_test(options: &LoadOptions) -> Result<Vec<ProgramLoad>, aya::EbpfError> {
+    let mut ebpf = open(options)?;
+    let mut results = Vec::new();
+    for name in [ENTER, EXIT, FORKS] {
+        let outcome = match ebpf.program_mut(name) {
+            None => Err(aya::programs::ProgramError::NotLoaded),
+            Some(aya::programs::Program::UProbe(program)) => {
+                program.load().map(|()| verified_insns(program.info().ok()))
+            }
+            Some(aya::programs::Program::RawTracePoint(program)) => {
+                program.load().map(|()| verified_insns(program.info().ok()))
+            }
+            Some(_) => Err(aya::programs::ProgramError::UnexpectedProgramType),
+        };
+        results.push(ProgramLoad { name, outcome });
+    }
+    Ok(results)
 }

@@ -1,0 +1,618 @@
+//! `memtrace doctor [--format text|json]`: what this kernel and this process
+//! allow, on one screen, and whether memtrace's eBPF programs load here.
+//!
+//! It probes the kernel's features ([`super::features`]), reads the
+//! privileges, loads the embedded eBPF object once per stack mode (default
+//! `--stacks dwarf`, `--stacks fp`, `--stack-depth 0`) and each of its
+//! programs in it (`call_enter`, `call_exit`, `task_new`; nothing is
+//! attached), computes the object's stack budget per call chain
+//! ([`super::stack_budget`]) and says which modes will work. Exit 0 when the
+//! default mode's programs load, 1 otherwise.
+//!
+//! JSON (`--format json`), one object; keys are stable:
+//! - `schema`: 1
+//! - `kernel`: `release` (`uname -r`), `version` (`"6.18.44"` or null), `arch`
+//! - `features[]`: `key` (`btf`, `uprobe_pmu`, `ring_buffer`, `global_data`,
+//!   `atomics_fetch`, `bpf_loop`, `perf_link`, `attach_cookie`,
+//!   `raw_tracepoint`, `task_storage`, `uprobe_multi`, `uretprobe_syscall`),
+//!   `presence` (`found` | `missing` | `unknown`), `since` (mainline release),
+//!   `describe`, `detail` (how it was found out)
+//! - `privileges`: `euid`, `cap_eff` (hex), `cap_bpf`, `cap_perfmon`,
+//!   `cap_sys_ptrace`, `cap_sys_admin`, `perf_event_paranoid`,
+//!   `unprivileged_bpf_disabled`, `lockdown` (null when unknown), `can_trace`
+//! - `load_tests[]`: `mode` (`default` | `stacks_fp` | `stack_depth_0`),
+//!   `flags`, `skipped` (why it was not run, or null), `maps_error` (the
+//!   object's maps could not be created, or null), `programs[]`: `program`,
+//!   `loaded`, `verified_insns` (the verifier's processed-instruction count,
+//!   null before 5.16 or on failure), `error` (one line, or null), `log`
+//!   (the file holding the verifier's whole log, or null)
+//! - `stack_budget`: `limit` (512), `goal` (448), `rounding` (32), `frames`
+//!   (function -> deepest stack byte), `chains[]`: `functions` (program
+//!   first), `frames` (rounded), `bytes`; or null with `stack_budget_error`
+//! - `modes[]`: `mode` (`default`, `stacks_fp`, `stack_depth_0`, `settling`,
+//!   `python_frames`, `follow_forks`), `flags`, `works` (true | false | null:
+//!   not known without the load test), `why[]` (what keeps it from working)
+//! - `default_loads`: whether the default mode's programs loaded (the exit code)
+
+use std::fmt::Write as _;
+use std::process::ExitCode;
+
+use memtrace_common::unwind::{STACK_MODE_DWARF, STACK_MODE_FP, STACK_MODE_NONE};
+use serde::Serialize;
+
+use super::features::{self, Feature, FeatureCheck, Features, Mode, Presence, Privileges};
+use super::stack_budget::{self, Budget};
+use super::verifier;
+use crate::trace::loader::{self, LoadOptions};
+
+/// Output of `memtrace doctor`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DoctorFormat {
+    Text,
+    Json,
+}
+
+/// Options of `memtrace doctor`.
+#[derive(Debug, clap::Args)]
+pub struct DoctorArgs {
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t = DoctorFormat::Text)]
+    pub format: DoctorFormat,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Kernel {
+    release: String,
+    version: Option<String>,
+    arch: String,
+}
+
+/// One program's result in one mode.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ProgramReport {
+    pub program: String,
+    pub loaded: bool,
+    pub verified_insns: Option<u32>,
+    pub error: Option<String>,
+    pub log: Option<String>,
+}
+
+/// One stack mode's load test.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModeLoad {
+    pub mode: &'static str,
+    pub flags: &'static str,
+    pub skipped: Option<String>,
+    pub maps_error: Option<String>,
+    pub programs: Vec<ProgramReport>,
+}
+
+impl ModeLoad {
+    /// Whether `programs` all loaded (`None`: the test did not run).
+    fn loaded(&self, programs: &[&str]) -> Option<bool> {
+        if self.skipped.is_some() {
+            return None;
+        }
+        if self.maps_error.is_some() {
+            return Some(false);
+        }
+        Some(
+            programs
+                .iter()
+                .all(|name| self.programs.iter().any(|p| p.program == *name && p.loaded)),
+        )
+    }
+
+    /// What failed, one line each.
+    fn failures(&self, programs: &[&str]) -> Vec<String> {
+        if let Some(err) = &self.maps_error {
+            return vec![format!("{}: maps: {err}", self.flags)];
+        }
+        self.programs
+            .iter()
+            .filter(|p| programs.contains(&p.program.as_str()) && !p.loaded)
+            .map(|p| {
+                format!(
+                    "{} {}: {}",
+                    self.flags,
+                    p.program,
+                    p.error.as_deref().unwrap_or("failed")
+                )
+            })
+            .collect()
+    }
+}
+
+/// Whether one mode will work, and what keeps it from working.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModeVerdict {
+    pub mode: &'static str,
+    pub flags: &'static str,
+    pub works: Option<bool>,
+    pub why: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Report {
+    schema: u32,
+    kernel: Kernel,
+    features: Vec<FeatureCheck>,
+    privileges: Privileges,
+    load_tests: Vec<ModeLoad>,
+    stack_budget: Option<Budget>,
+    stack_budget_error: Option<String>,
+    modes: Vec<ModeVerdict>,
+    default_loads: bool,
+}
+
+const ENTRY_PROGRAMS: [&str; 2] = ["call_enter", "call_exit"];
+const ALL_PROGRAMS: [&str; 3] = ["call_enter", "call_exit", "task_new"];
+
+/// The three stack modes a load test covers: key, flags, settings.
+fn stack_modes() -> [(&'static str, LoadOptions); 3] {
+    let default = LoadOptions {
+        stack_mode: STACK_MODE_DWARF,
+        stack_depth: 32,
+        // As the tracer's defaults: 64 MiB of tables, 64 processes.
+        unwind: crate::unwind::kernel::Capacity::from_mib(64, 65),
+        sample_rate: 1,
+        min_size: 0,
+        max_size: u64::MAX,
+        null_mode: false,
+        ring_bytes: 8 << 20,
+        stack_entries: 16384,
+        wakeup_bytes: 64 << 10,
+        settle_in_kernel: true,
+    };
+    [
+        (Mode::Dwarf.key(), default),
+        (
+            Mode::FramePointers.key(),
+            LoadOptions {
+                stack_mode: STACK_MODE_FP,
+                ..default
+            },
+        ),
+        (
+            Mode::NoStacks.key(),
+            LoadOptions {
+                stack_mode: STACK_MODE_NONE,
+                stack_depth: 0,
+                ..default
+            },
+        ),
+    ]
+}
+
+/// Runs the load test of one mode.
+fn load_mode(key: &'static str, options: &LoadOptions, skip: Option<&str>) -> ModeLoad {
+    let flags = loader::mode_flags(options);
+    let mut result = ModeLoad {
+        mode: key,
+        flags,
+        skipped: skip.map(str::to_string),
+        maps_error: None,
+        programs: Vec::new(),
+    };
+    if skip.is_some() {
+        return result;
+    }
+    match loader::load_test(options) {
+        Err(err) => result.maps_error = Some(error_chain(&err)),
+        Ok(programs) => {
+            result.programs = programs
+                .into_iter()
+                .map(|program| match program.outcome {
+                    Ok(insns) => ProgramReport {
+                        program: program.name.to_string(),
+                        loaded: true,
+                        verified_insns: insns,
+                        error: None,
+                        log: None,
+                    },
+                    Err(err) => {
+                        let (error, log) = describe_failure(program.name, key, &err);
+                        ProgramReport {
+                            program: program.name.to_string(),
+                            loaded: false,
+                            verified_insns: None,
+                            error: Some(error),
+                            log,
+                        }
+                    }
+                })
+                .collect();
+        }
+    }
+    result
+}
+
+/// A program's load failure in one line, and where its verifier log went.
+fn describe_failure(
+    program: &str,
+    mode: &str,
+    err: &aya::programs::ProgramError,
+) -> (String, Option<String>) {
+    match err {
+        aya::programs::ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
+            let log = verifier_log.to_string();
+            let reason = verifier::classify(&log);
+            let saved = verifier::save_log(&format!("{program}-{mode}"), &log);
+            let text = match reason {
+                verifier::Reason::Empty => format!("refused: {io_error}"),
+                reason => reason.describe(),
+            };
+            (text, saved.map(|path| path.display().to_string()))
+        }
+        other => (error_chain(other), None),
+    }
+}
+
+fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = Vec::new();
+    let mut current = Some(err);
+    while let Some(e) = current {
+        let text = e.to_string();
+        if !parts.iter().any(|p: &String| p.contains(&text)) {
+            parts.push(text);
+        }
+        current = e.source();
+    }
+    // A verifier log never reaches here, but keep the line a line.
+    parts.join(": ").replace('\n', " ")
+}
+
+/// Which modes will work, from the features and the load tests (pure).
+pub fn verdicts(presence: impl Fn(Feature) -> Presence, loads: &[ModeLoad]) -> Vec<ModeVerdict> {
+    let load = |key: &str| loads.iter().find(|l| l.mode == key);
+    Mode::ALL
+        .iter()
+        .map(|&mode| {
+            let (test, programs): (Option<&ModeLoad>, &[&str]) = match mode {
+                Mode::Dwarf | Mode::Settling | Mode::PythonFrames => {
+                    (load(Mode::Dwarf.key()), &ENTRY_PROGRAMS)
+                }
+                Mode::FramePointers => (load(Mode::FramePointers.key()), &ENTRY_PROGRAMS),
+                Mode::NoStacks => (load(Mode::NoStacks.key()), &ENTRY_PROGRAMS),
+                Mode::FollowForks => (load(Mode::Dwarf.key()), &ALL_PROGRAMS),
+            };
+            let mut why: Vec<String> = mode
+                .missing(&presence)
+                .into_iter()
+                .map(|f| format!("no {} ({}+)", f.describe(), f.since()))
+                .collect();
+            let loaded = test.and_then(|t| t.loaded(programs));
+            if let (Some(false), Some(test)) = (loaded, test) {
+                why.extend(test.failures(programs));
+            }
+            let works = match loaded {
+                _ if !why.is_empty() => Some(false),
+                Some(true) => Some(true),
+                _ => None,
+            };
+            if works.is_none() {
+                if let Some(skipped) = test.and_then(|t| t.skipped.clone()) {
+                    why.push(format!("load test skipped: {skipped}"));
+                }
+            }
+            ModeVerdict {
+                mode: mode.key(),
+                flags: mode.flags(),
+                works,
+                why,
+            }
+        })
+        .collect()
+}
+
+/// Runs `memtrace doctor`.
+pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
+    let privileges = Privileges::read();
+    let features = features::probe(privileges.can_trace);
+    let object = loader::object();
+    let skip = if object.is_empty() {
+        Some("this memtrace was built without its eBPF object (`cargo xtask build-ebpf`)")
+    } else if !privileges.can_trace {
+        Some("needs root, or CAP_BPF and CAP_PERFMON")
+    } else {
+        None
+    };
+    let load_tests: Vec<ModeLoad> = stack_modes()
+        .iter()
+        .map(|(key, options)| load_mode(key, options, skip))
+        .collect();
+    let (stack_budget, stack_budget_error) = match stack_budget::of_object(object) {
+        Ok(budget) => (Some(budget), None),
+        Err(err) => (None, Some(err.to_string())),
+    };
+    let modes = verdicts(|f| features.presence(f), &load_tests);
+    let default_loads = load_tests
+        .iter()
+        .find(|l| l.mode == Mode::Dwarf.key())
+        .and_then(|l| l.loaded(&ENTRY_PROGRAMS))
+        .unwrap_or(false);
+    let report = Report {
+        schema: 1,
+        kernel: kernel_of(&features),
+        features: features.checks.clone(),
+        privileges,
+        load_tests,
+        stack_budget,
+        stack_budget_error,
+        modes,
+        default_loads,
+    };
+    let text = match args.format {
+        DoctorFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
+        DoctorFormat::Text => render_text(&report),
+    };
+    print!("{text}");
+    Ok(if default_loads {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(crate::error::EXIT_RUNTIME)
+    })
+}
+
+fn kernel_of(features: &Features) -> Kernel {
+    Kernel {
+        release: features.release.clone(),
+        version: features.version.map(|v| v.to_string()),
+        arch: features.arch.clone(),
+    }
+}
+
+fn yes(flag: bool) -> &'static str {
+    if flag {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+fn or_unknown<T: ToString>(value: &Option<T>) -> String {
+    value
+        .as_ref()
+        .map_or_else(|| "unknown".to_string(), ToString::to_string)
+}
+
+fn render_text(report: &Report) -> String {
+    let mut out = String::new();
+    let k = &report.kernel;
+    let _ = writeln!(out, "kernel      {} ({})", k.release, k.arch);
+    let _ = writeln!(out, "features");
+    for check in &report.features {
+        let _ = writeln!(
+            out,
+            "  {:<18} {:<8} {} [{}+]: {}",
+            check.key,
+            check.presence.word(),
+            check.describe,
+            check.since,
+            check.detail
+        );
+    }
+    let p = &report.privileges;
+    let _ = writeln!(
+        out,
+        "privileges  euid {}, CapEff {}: CAP_BPF {}, CAP_PERFMON {}, CAP_SYS_PTRACE {}, CAP_SYS_ADMIN {}",
+        p.euid,
+        p.cap_eff,
+        yes(p.cap_bpf),
+        yes(p.cap_perfmon),
+        yes(p.cap_sys_ptrace),
+        yes(p.cap_sys_admin)
+    );
+    let _ = writeln!(
+        out,
+        "            perf_event_paranoid {}, unprivileged_bpf_disabled {}, lockdown {}",
+        or_unknown(&p.perf_event_paranoid),
+        or_unknown(&p.unprivileged_bpf_disabled),
+        or_unknown(&p.lockdown)
+    );
+    if let Some(blocker) = p.blocker() {
+        let _ = writeln!(out, "            cannot trace: {blocker}");
+    }
+    let _ = writeln!(
+        out,
+        "load test   (verifier's processed instructions, limit {})",
+        verifier::INSN_LIMIT
+    );
+    for test in &report.load_tests {
+        if let Some(skipped) = &test.skipped {
+            let _ = writeln!(out, "  {:<16} skipped: {skipped}", test.flags);
+            continue;
+        }
+        if let Some(err) = &test.maps_error {
+            let _ = writeln!(out, "  {:<16} FAILED creating maps: {err}", test.flags);
+            continue;
+        }
+        let cells: Vec<String> = test
+            .programs
+            .iter()
+            .map(|p| match (p.loaded, p.verified_insns) {
+                (true, Some(insns)) => format!("{} ok {insns}", p.program),
+                (true, None) => format!("{} ok", p.program),
+                (false, _) => format!("{} FAILED", p.program),
+            })
+            .collect();
+        let _ = writeln!(out, "  {:<16} {}", test.flags, cells.join(", "));
+        for p in test.programs.iter().filter(|p| !p.loaded) {
+            let log = p
+                .log
+                .as_deref()
+                .map(|l| format!(" (log: {l})"))
+                .unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "  {:<16}   {}: {}{log}",
+                "",
+                p.program,
+                p.error.as_deref().unwrap_or("failed")
+            );
+        }
+    }
+    match (&report.stack_budget, &report.stack_budget_error) {
+        (Some(budget), _) => {
+            let _ = writeln!(
+                out,
+                "stack per chain (static upper bound, frames rounded to {} B; limit {} B, goal < {} B)",
+                budget.rounding, budget.limit, budget.goal
+            );
+            let mut shown = budget.worst_per_program();
+            for chain in budget.over_goal() {
+                if !shown.contains(&chain) {
+                    shown.push(chain);
+                }
+            }
+            shown.sort_by_key(|chain| std::cmp::Reverse(chain.bytes));
+            for chain in shown {
+                let mark = if chain.bytes >= budget.limit {
+                    "  OVER LIMIT"
+                } else if chain.bytes >= budget.goal {
+                    "  over goal"
+                } else {
+                    ""
+                };
+                let _ = writeln!(out, "  {}{mark}", chain.describe());
+            }
+        }
+        (None, Some(err)) => {
+            let _ = writeln!(out, "stack per chain: {err}");
+        }
+        (None, None) => {}
+    }
+    let _ = writeln!(out, "modes");
+    for mode in &report.modes {
+        let word = match mode.works {
+            Some(true) => "yes",
+            Some(false) => "NO",
+            None => "?",
+        };
+        let why = if mode.why.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", mode.why.join("; "))
+        };
+        let _ = writeln!(out, "  {word:<4} {:<14} {}{why}", mode.mode, mode.flags);
+    }
+    let _ = writeln!(
+        out,
+        "verdict     {}",
+        if report.default_loads {
+            "the default mode loads on this kernel"
+        } else {
+            "the default mode does NOT load on this kernel (exit 1)"
+        }
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn program(name: &str, loaded: bool) -> ProgramReport {
+        ProgramReport {
+            program: name.to_string(),
+            loaded,
+            verified_insns: loaded.then_some(1000),
+            error: (!loaded).then(|| "combined stack size of 3 calls is 608 B (limit 512)".into()),
+            log: None,
+        }
+    }
+
+    fn mode_load(key: &'static str, flags: &'static str, exit_loads: bool) -> ModeLoad {
+        ModeLoad {
+            mode: key,
+            flags,
+            skipped: None,
+            maps_error: None,
+            programs: vec![
+                program("call_enter", true),
+                program("call_exit", exit_loads),
+                program("task_new", true),
+            ],
+        }
+    }
+
+    #[test]
+    fn this_hosts_situation_fails_default_but_not_fp() {
+        let loads = [
+            mode_load("default", "--stacks dwarf", false),
+            mode_load("stacks_fp", "--stacks fp", true),
+            mode_load("stack_depth_0", "--stack-depth 0", true),
+        ];
+        let verdicts = verdicts(|_| Presence::Found, &loads);
+        let works: Vec<(&str, Option<bool>)> = verdicts.iter().map(|v| (v.mode, v.works)).collect();
+        assert_eq!(
+            works,
+            vec![
+                ("default", Some(false)),
+                ("stacks_fp", Some(true)),
+                ("stack_depth_0", Some(true)),
+                ("settling", Some(false)),
+                ("python_frames", Some(false)),
+                ("follow_forks", Some(false)),
+            ]
+        );
+        assert_eq!(
+            verdicts[0].why,
+            vec!["--stacks dwarf call_exit: combined stack size of 3 calls is 608 B (limit 512)"]
+        );
+    }
+
+    #[test]
+    fn missing_features_fail_modes_even_without_a_load_test() {
+        let skipped = ModeLoad {
+            mode: "default",
+            flags: "--stacks dwarf",
+            skipped: Some("needs root".into()),
+            maps_error: None,
+            programs: Vec::new(),
+        };
+        let presence = |f: Feature| {
+            if f == Feature::BpfLoop {
+                Presence::Missing
+            } else {
+                Presence::Unknown
+            }
+        };
+        let verdicts = verdicts(presence, &[skipped]);
+        assert_eq!(verdicts[0].works, Some(false));
+        assert!(verdicts[0].why[0].contains("bpf_loop helper (5.17+)"));
+        // fp needs no bpf_loop: unknown, and says why.
+        assert_eq!(verdicts[1].works, None);
+        let fp = &verdicts[1];
+        assert!(fp.why.is_empty(), "{:?}", fp.why);
+    }
+
+    #[test]
+    fn follow_forks_needs_the_fork_reporter() {
+        let mut load = mode_load("default", "--stacks dwarf", true);
+        load.programs[2].loaded = false;
+        let verdicts = verdicts(|_| Presence::Found, &[load]);
+        let by_key = |key: &str| verdicts.iter().find(|v| v.mode == key).cloned();
+        assert_eq!(by_key("default").and_then(|v| v.works), Some(true));
+        assert_eq!(by_key("follow_forks").and_then(|v| v.works), Some(false));
+    }
+
+    #[test]
+    fn maps_error_fails_the_mode() {
+        let load = ModeLoad {
+            mode: "default",
+            flags: "--stacks dwarf",
+            skipped: None,
+            maps_error: Some("creating map EVENTS: EINVAL".into()),
+            programs: Vec::new(),
+        };
+        assert_eq!(load.loaded(&ENTRY_PROGRAMS), Some(false));
+        assert_eq!(
+            load.failures(&ENTRY_PROGRAMS),
+            vec!["--stacks dwarf: maps: creating map EVENTS: EINVAL"]
+        );
+    }
+}
