@@ -8,6 +8,7 @@ mod accuracy;
 mod allocators;
 mod analysis;
 mod bad_input;
+mod counters;
 mod core_host;
 mod forks;
 mod gpu;
