@@ -80,7 +80,7 @@ judge() {
 # gated CHECK: true when CHECK runs the default mode and that mode failed to load.
 gated() {
     if [ -n "$LOAD_FAIL" ] && [ "${MATRIX_FULL:-0}" != 1 ]; then
-        result "$1" FAIL "not tried, the default mode did not load (launch: $LOAD_FAIL)"
+        result "$1" FAIL "not tried: the default mode did not load (see launch; MATRIX_FULL=1 or --full tries it)"
         return 0
     fi
     return 1
@@ -90,12 +90,14 @@ LEAK_SITES="site:leak_a=4800/100 site:leak_b=10000/10 site:leak_calloc=1000/5 si
 
 check_doctor() {
     mt doctor doctor
+    verdict=$(grep -E '^verdict' "$WORK/doctor.out" 2>/dev/null | sed 's/^verdict[[:space:]]*//' | tail -n 1)
+    [ -n "$verdict" ] || verdict=$(reason "$WORK/doctor.err")
     if grep -q -i -E "unrecognized subcommand|unexpected argument|found argument" "$WORK/doctor.err"; then
         result doctor SKIP "not run: memtrace has no doctor subcommand"
     elif [ "$RC" = 0 ]; then
-        result doctor PASS "$(grep -v '^[[:space:]]*$' "$WORK/doctor.out" "$WORK/doctor.err" | tail -n 1 | sed 's/^[^:]*://')"
+        result doctor PASS "$verdict"
     else
-        result doctor FAIL "exit $RC: $(reason "$WORK/doctor.err")"
+        result doctor FAIL "exit $RC: $verdict"
     fi
 }
 
@@ -103,7 +105,8 @@ check_launch() {
     mt launch --format json --top 500 --output "$WORK/launch.json" -- "$FIXTURES/leak_sites" 0 0
     judge launch "$WORK/launch.json" $LEAK_SITES
     if [ $? = 2 ]; then
-        LOAD_FAIL=$(reason "$WORK/launch.err" | cut -c1-120)
+        LOAD_FAIL=$(reason "$WORK/launch.err")
+        [ -n "$LOAD_FAIL" ] || LOAD_FAIL="exit $RC"
     fi
 }
 
