@@ -286,3 +286,105 @@ fn stripped_executable_with_its_own_allocator_gets_one_warning() {
         report["notes"]
     );
 }
+
+/// `cxx_forms`' sites: every `operator new` form paired with a delete form
+/// (called explicitly), then the new-expressions of a program (issue 26's
+/// mix), with each site's block size.
+const FORM_SITES: [(&str, &str, u64); 15] = [
+    ("form_new_delete", "new / delete", 104),
+    ("form_new_sized", "new / sized delete", 112),
+    ("form_array_delete", "new[] / delete[]", 120),
+    ("form_array_sized", "new[] / sized delete[]", 136),
+    ("form_nothrow", "nothrow new / nothrow delete", 144),
+    ("form_array_nothrow", "nothrow new[] / nothrow delete[]", 152),
+    ("form_aligned", "aligned new / aligned delete", 192),
+    ("form_aligned_sized", "aligned new / sized aligned delete", 256),
+    ("form_array_aligned", "aligned new[] / aligned delete[]", 384),
+    (
+        "form_array_aligned_sized",
+        "aligned new[] / sized aligned delete[]",
+        448,
+    ),
+    (
+        "form_aligned_nothrow",
+        "aligned nothrow new / aligned nothrow delete",
+        320,
+    ),
+    (
+        "form_array_aligned_nothrow",
+        "aligned nothrow new[] / aligned nothrow delete[]",
+        576,
+    ),
+    ("expr_node", "new Node (200 B) / delete", 200),
+    ("expr_chars", "new char[1000] / delete[]", 1000),
+    ("expr_wide", "new Wide (alignas 64) / delete", 192),
+];
+
+/// Every operator form exact under `allocator`: each site made 400 blocks
+/// and kept 100, and nothing else was allocated or released after "go", so
+/// the totals are exact too (an allocation missed or a release lost at any
+/// site shows in them even where live counts could balance out).
+fn check_forms(report: &Value, allocator: &str) {
+    let mut wrong = Vec::new();
+    for (site, form, size) in FORM_SITES {
+        let got = site_totals(report, site);
+        if got != (100 * size, 100) {
+            wrong.push(format!(
+                "{site} ({form}): {} live blocks, {} bytes (want 100, {})",
+                got.1,
+                got.0,
+                100 * size
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{allocator}:\n{}", wrong.join("\n"));
+    for (site, _, _) in FORM_SITES {
+        assert_eq!(allocator_of(report, site), allocator, "{site}");
+    }
+    let events = &report["events"];
+    assert_eq!(
+        (events["allocs"].as_u64(), events["frees"].as_u64()),
+        (Some(6000), Some(4500)),
+        "{allocator}: 15 sites x 400 allocations, 300 releases: {events}"
+    );
+    assert_nothing_counted_twice(report);
+}
+
+#[test]
+fn every_operator_form_exact_under_glibc() {
+    if !privileged() {
+        return;
+    }
+    let (report, _) = trace("cxx_forms", &[], &[]);
+    check_forms(&report, "libc");
+}
+
+#[test]
+fn every_operator_form_exact_under_preloaded_jemalloc() {
+    if !privileged() {
+        return;
+    }
+    let lib = library("libjemalloc.so.2");
+    let (report, _) = trace("cxx_forms", &[("LD_PRELOAD", &lib)], &[]);
+    check_forms(&report, "jemalloc");
+}
+
+#[test]
+fn every_operator_form_exact_under_preloaded_tcmalloc() {
+    if !privileged() {
+        return;
+    }
+    let lib = library("libtcmalloc.so.4");
+    let (report, _) = trace("cxx_forms", &[("LD_PRELOAD", &lib)], &[]);
+    check_forms(&report, "tcmalloc");
+}
+
+#[test]
+fn every_operator_form_exact_under_preloaded_mimalloc() {
+    if !privileged() {
+        return;
+    }
+    let lib = library("libmimalloc.so.2");
+    let (report, _) = trace("cxx_forms", &[("LD_PRELOAD", &lib)], &[]);
+    check_forms(&report, "mimalloc");
+}
