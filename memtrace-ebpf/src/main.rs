@@ -24,10 +24,36 @@
 #![no_main]
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
+// The `compat` object leaves out what needs `bpf_loop`, cookies or
+// compare-and-swap: the helpers only they use are dead there.
+#![cfg_attr(feature = "compat", allow(dead_code, unused_imports))]
 
+#[cfg(feature = "compat")]
+mod compat;
+#[cfg(not(feature = "compat"))]
 mod held;
 mod in_flight;
 mod python;
+
+/// Without compare-and-swap (the `compat` object) no heap block is held in
+/// the kernel: every allocation and release is sent.
+#[cfg(feature = "compat")]
+mod held {
+    use memtrace_common::WireEvent;
+
+    #[inline(always)]
+    pub fn hold(_event: &WireEvent) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    pub fn settle(_pid_tgid: u64, _ptr: u64, _spec: u16, _release: bool) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    pub fn forget_settled(_tid: u32) {}
+}
 
 use aya_ebpf::{
     bindings::{pt_regs, BPF_F_USER_STACK},
@@ -159,6 +185,7 @@ fn bump(counter: Counter) {
     }
 }
 
+#[cfg(not(feature = "compat"))]
 #[inline(always)]
 fn cookie_spec<C: EbpfContext>(ctx: &C) -> Option<&'static ProbeSpec> {
     // SAFETY: the helper only reads the attach cookie of the running program.
@@ -310,19 +337,40 @@ fn stamped_event(pid_tgid: u64, spec: u16, kind: EventKind, ts_ns: u64) -> WireE
     }
 }
 
+/// The spec of the function whose entry probe runs.
+#[inline(always)]
+fn entry_spec(ctx: &ProbeContext, _pid_tgid: u64) -> Option<&'static ProbeSpec> {
+    #[cfg(not(feature = "compat"))]
+    return cookie_spec(ctx);
+    #[cfg(feature = "compat")]
+    return compat::entry_spec(ctx, (_pid_tgid >> 32) as u32);
+}
+
+/// Whether a call of `family` is in flight on this thread at a shallower
+/// stack level than `sp` (so the current call runs inside it).
+#[inline(always)]
+fn outer(pid_tgid: u64, family: u8, sp: u64) -> bool {
+    #[cfg(not(feature = "compat"))]
+    return in_flight::outer(pid_tgid, family, sp);
+    #[cfg(feature = "compat")]
+    return compat::outer(pid_tgid, family, sp);
+}
+
 fn on_enter(ctx: &ProbeContext) {
-    let Some(spec) = cookie_spec(ctx) else {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let Some(spec) = entry_spec(ctx, pid_tgid) else {
         return;
     };
-    let pid_tgid = bpf_get_current_pid_tgid();
     let sp = stack_pointer(ctx);
 
-    if spec.parent_family != ARG_NONE && in_flight::outer(pid_tgid, spec.parent_family, sp) {
+    if (spec.parent_family != ARG_NONE && outer(pid_tgid, spec.parent_family, sp))
+        || outer(pid_tgid, spec.family, sp)
+    {
         bump(Counter::Nested);
-        return;
-    }
-    if in_flight::outer(pid_tgid, spec.family, sp) {
-        bump(Counter::Nested);
+        #[cfg(feature = "compat")]
+        if spec.ret != RetKind::Void as u8 {
+            compat::skip_nested(pid_tgid, sp);
+        }
         return;
     }
 
@@ -358,7 +406,10 @@ fn on_enter(ctx: &ProbeContext) {
         let depth = unsafe { bpf_probe_read_user((sp + 24) as *const u64) }.unwrap_or(0);
         call.count = mul_sat(height, depth);
     }
+    #[cfg(not(feature = "compat"))]
     in_flight::begin(pid_tgid, spec.family, &call);
+    #[cfg(feature = "compat")]
+    compat::begin(pid_tgid, spec.family, &call);
 }
 
 /// A release with no result to check (`free`, `munmap`): report it at entry.
@@ -393,6 +444,32 @@ fn release_now(args: &Args, spec: &ProbeSpec, pid_tgid: u64) {
     emit(event);
 }
 
+/// A return, in the `compat` object: the call is found by the stack pointer
+/// of its return, so no cookie is needed.
+#[cfg(feature = "compat")]
+fn on_exit(ctx: &RetProbeContext) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let sp = stack_pointer(ctx);
+    let call = match compat::take(pid_tgid, sp) {
+        Some(Ok(call)) => call,
+        // A nested call's return.
+        Some(Err(())) => return,
+        None => {
+            if !CONTROL.get(0).is_some_and(|&flag| flag != 0) {
+                bump(Counter::UnpairedReturn);
+            }
+            return;
+        }
+    };
+    let Some(spec) = SPECS.get(call.spec as u32) else {
+        return;
+    };
+    compat::end(pid_tgid, spec.family, &call);
+    let ret: u64 = ctx.ret();
+    finish_call(ctx, spec, &call, pid_tgid, ret);
+}
+
+#[cfg(not(feature = "compat"))]
 fn on_exit(ctx: &RetProbeContext) {
     let Some(exit_spec) = cookie_spec(ctx) else {
         return;
@@ -578,11 +655,23 @@ fn finish_call(
     if !new_sampled {
         event.flags |= memtrace_common::FLAG_NEW_UNSAMPLED;
     }
-    event.py_stack = python::python_stack_id(pid_tgid);
     let stack_mode = STACK_MODE.load();
-    if stack_mode == STACK_MODE_DWARF {
-        event.stack_id = unwind::capture(ctx);
-    } else if stack_mode == STACK_MODE_FP {
+    #[cfg(not(feature = "compat"))]
+    {
+        event.py_stack = python::python_stack_id(pid_tgid);
+    }
+    #[cfg(not(feature = "compat"))]
+    let walk = stack_mode == STACK_MODE_DWARF;
+    // No `bpf_loop`: the DWARF walk is not in this object (the loader asks
+    // for frame pointers).
+    #[cfg(feature = "compat")]
+    let walk = false;
+    if walk {
+        #[cfg(not(feature = "compat"))]
+        {
+            event.stack_id = unwind::capture(ctx);
+        }
+    } else if stack_mode == STACK_MODE_FP || stack_mode == STACK_MODE_DWARF {
         event.stack_id = match ctx.get_stackid_user() {
             Ok(id) => id,
             Err(err) => {

@@ -168,6 +168,7 @@ fn thread_state(pid_tgid: u64, proc: &PyProc) -> Result<u64, Counter> {
     Ok(found)
 }
 
+#[cfg(not(feature = "compat"))]
 /// The Python stack of the current thread, stored in `PY_STACKS`: its key,
 /// or 0 (not a traced Python process, or the stack could not be read; the
 /// cause is counted).
@@ -181,6 +182,7 @@ pub fn python_stack_id(pid_tgid: u64) -> u32 {
     memtrace_python_stack(pid_tgid)
 }
 
+#[cfg(not(feature = "compat"))]
 /// [`python_stack_id`]'s reading, as a global BPF function: the verifier
 /// checks it once, apart from every path of the return probe that reaches
 /// it, and its frame holds nothing but spills (its state is per CPU).

@@ -21,6 +21,9 @@
 //!
 //! The whole walk is a global BPF function ([`memtrace_walk_stack`]): the
 //! verifier checks it once, not once per path of `call_exit` that reaches it.
+//!
+//! The `compat` object (kernels without `bpf_loop`) keeps only the maps
+//! and settings, which the loader fills whichever object it loads.
 
 use aya_ebpf::{
     bindings::pt_regs,
@@ -931,6 +934,7 @@ extern "C" fn frame_callback(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
     }
 }
 
+#[cfg(not(feature = "compat"))]
 /// Walks the user stack at a return probe and returns its id in
 /// `DWARF_STACKS`, or a negative errno (as `bpf_get_stackid` does).
 #[inline(always)]
@@ -941,6 +945,7 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
     memtrace_walk_stack(pc, sp, bp)
 }
 
+#[cfg(not(feature = "compat"))]
 /// Walks the user stack from the registers of a return probe. A global BPF
 /// function: the verifier checks it once, on its own, instead of once per
 /// path of `call_exit` that reaches it.
@@ -1002,6 +1007,7 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
 /// [`memtrace_walk_replay`]: no remembered walk answers these registers.
 const NOT_REPLAYED: i32 = i32::MIN;
 
+#[cfg(not(feature = "compat"))]
 /// Answers the walk set up in `WALK_STATE` from a remembered one when every
 /// stack word it read still holds its value (the stack key, or a negative
 /// errno); otherwise picks the `WALK_REPLAYS` element the walk logs into and
@@ -1060,6 +1066,7 @@ pub extern "C" fn memtrace_walk_replay(started: u64) -> i32 {
     NOT_REPLAYED
 }
 
+#[cfg(not(feature = "compat"))]
 /// Ends the walk in `WALK_STATE`: counts why it stopped, stores its stack
 /// and remembers it for replay. Returns the stack key or a negative errno.
 #[no_mangle]

@@ -213,7 +213,19 @@ fn build_ebpf() -> Result<()> {
     ensure_bpf_linker()?;
     run(clean_cargo("nightly")
         .current_dir(root().join("memtrace-ebpf"))
-        .args(["build", "--release"]))
+        .args(["build", "--release"]))?;
+    // The object for kernels without attach cookies, atomics with fetch or
+    // bpf_loop (5.10 - 5.16): memtrace loads it where those are missing.
+    run(clean_cargo("nightly")
+        .current_dir(root().join("memtrace-ebpf"))
+        .args([
+            "build",
+            "--release",
+            "--features",
+            "compat",
+            "--target-dir",
+            "target/compat",
+        ]))
 }
 
 fn build_release() -> Result<()> {

@@ -33,6 +33,10 @@
 //!   `python_frames`, `follow_forks`), `flags`, `works` (true | false | null:
 //!   not known without the load test), `why[]` (what keeps it from working)
 //! - `default_loads`: whether the default mode's programs loaded (the exit code)
+//! - `ebpf_object`: `variant` (`full`, or `compat` on kernels without attach
+//!   cookies, atomics with fetch or `bpf_loop`: the load tests then load it,
+//!   and `default` runs with frame-pointer stacks), `missing` (feature keys),
+//!   `notice` (what it does instead, or null)
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -143,6 +147,18 @@ struct Report {
     stack_budget_error: Option<String>,
     modes: Vec<ModeVerdict>,
     default_loads: bool,
+    ebpf_object: EbpfObject,
+}
+
+/// Which build of the eBPF programs this kernel gets (`kernel::variant`).
+#[derive(Clone, Debug, Serialize)]
+struct EbpfObject {
+    /// `full` or `compat`.
+    variant: &'static str,
+    /// The features whose absence chose `compat` (feature keys).
+    missing: Vec<&'static str>,
+    /// What the compat object does instead (`null` for `full`).
+    notice: Option<String>,
 }
 
 const ENTRY_PROGRAMS: [&str; 2] = ["call_enter", "call_exit"];
@@ -329,6 +345,12 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         Err(err) => (None, Some(err.to_string())),
     };
     let modes = verdicts(|f| features.presence(f), &load_tests);
+    let choice = crate::kernel::variant::Choice::from_presence(|f| features.presence(f));
+    let ebpf_object = EbpfObject {
+        variant: choice.variant.key(),
+        missing: choice.missing.iter().map(|f| f.key()).collect(),
+        notice: choice.notice(true, true),
+    };
     let default_loads = load_tests
         .iter()
         .find(|l| l.mode == Mode::Dwarf.key())
@@ -344,6 +366,7 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         stack_budget_error,
         modes,
         default_loads,
+        ebpf_object,
     };
     let text = match args.format {
         DoctorFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
@@ -499,6 +522,16 @@ fn render_text(report: &Report) -> String {
         };
         let _ = writeln!(out, "  {word:<4} {:<14} {}{why}", mode.mode, mode.flags);
     }
+    let _ = writeln!(
+        out,
+        "ebpf object {}{}",
+        report.ebpf_object.variant,
+        report
+            .ebpf_object
+            .notice
+            .as_deref()
+            .map_or_else(String::new, |notice| format!(": {notice}"))
+    );
     let _ = writeln!(
         out,
         "verdict     {}",

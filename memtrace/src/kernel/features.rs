@@ -241,6 +241,11 @@ pub fn probe(privileged: bool) -> Features {
     }
 }
 
+/// Probes one feature of the running kernel (see [`probe`]).
+pub fn probe_feature(feature: Feature, privileged: bool) -> Presence {
+    probe_one(feature, privileged).0
+}
+
 fn probe_one(feature: Feature, privileged: bool) -> (Presence, String) {
     let needs_bpf = || {
         (
@@ -616,23 +621,18 @@ impl Mode {
         }
     }
 
-    /// The features it cannot do without. Every mode loads the same object,
-    /// whose settle path uses compare-and-exchange: atomics are needed by all.
+    /// The features it cannot do without. Without attach cookies, atomics
+    /// with fetch or `bpf_loop` memtrace loads its compat object
+    /// (`kernel::variant`), which still serves frame-pointer stacks, no
+    /// stacks and forks; DWARF stacks, settling and Python frames need the
+    /// full object.
     pub fn needs(self) -> &'static [Feature] {
-        const BASE: &[Feature] = &[
+        const BASE: &[Feature] = &[Feature::UprobePmu, Feature::RingBuffer, Feature::GlobalData];
+        const FULL: &[Feature] = &[
             Feature::UprobePmu,
             Feature::RingBuffer,
             Feature::GlobalData,
             Feature::AtomicsFetch,
-            Feature::PerfLink,
-            Feature::AttachCookie,
-        ];
-        const DWARF: &[Feature] = &[
-            Feature::UprobePmu,
-            Feature::RingBuffer,
-            Feature::GlobalData,
-            Feature::AtomicsFetch,
-            Feature::PerfLink,
             Feature::AttachCookie,
             Feature::BpfLoop,
         ];
@@ -641,7 +641,6 @@ impl Mode {
             Feature::RingBuffer,
             Feature::GlobalData,
             Feature::AtomicsFetch,
-            Feature::PerfLink,
             Feature::AttachCookie,
             Feature::BpfLoop,
             Feature::Btf,
@@ -650,14 +649,10 @@ impl Mode {
             Feature::UprobePmu,
             Feature::RingBuffer,
             Feature::GlobalData,
-            Feature::AtomicsFetch,
-            Feature::PerfLink,
-            Feature::AttachCookie,
-            Feature::BpfLoop,
             Feature::RawTracepoint,
         ];
         match self {
-            Mode::Dwarf | Mode::Settling => DWARF,
+            Mode::Dwarf | Mode::Settling => FULL,
             Mode::FramePointers | Mode::NoStacks => BASE,
             Mode::PythonFrames => PYTHON,
             Mode::FollowForks => FORKS,
@@ -759,19 +754,23 @@ mod tests {
 
     #[test]
     fn mode_table_follows_the_features() {
-        // A 5.10 kernel: no atomics with fetch, no bpf_loop.
+        // A 5.10 kernel: no atomics with fetch, no bpf_loop, no cookies. The
+        // compat object still serves frame pointers, no stacks and forks.
         let old = |feature: Feature| match feature {
-            Feature::AtomicsFetch | Feature::BpfLoop | Feature::UprobeMulti => Presence::Missing,
+            Feature::AtomicsFetch
+            | Feature::BpfLoop
+            | Feature::AttachCookie
+            | Feature::UprobeMulti => Presence::Missing,
             _ => Presence::Found,
         };
-        for mode in Mode::ALL {
-            assert!(
-                mode.missing(old).contains(&Feature::AtomicsFetch),
-                "{mode:?}"
-            );
+        for mode in [Mode::Dwarf, Mode::Settling, Mode::PythonFrames] {
+            let missing = mode.missing(old);
+            assert!(missing.contains(&Feature::AtomicsFetch), "{mode:?}");
+            assert!(missing.contains(&Feature::BpfLoop), "{mode:?}");
         }
-        assert!(Mode::Dwarf.missing(old).contains(&Feature::BpfLoop));
-        assert!(!Mode::FramePointers.missing(old).contains(&Feature::BpfLoop));
+        for mode in [Mode::FramePointers, Mode::NoStacks, Mode::FollowForks] {
+            assert!(mode.missing(old).is_empty(), "{mode:?}");
+        }
         // 6.1: everything memtrace needs.
         let modern = |feature: Feature| match feature {
             Feature::UprobeMulti | Feature::UretprobeSyscall => Presence::Missing,

@@ -3,9 +3,11 @@
 //! ([`verifier`]: one line and a saved log), the eBPF object's stack budget
 //! per call chain ([`stack_budget`]: static, from the ELF), and
 //! `memtrace doctor` ([`doctor`]), which puts them on one screen with a load
-//! test of every program in every stack mode.
+//! test of every program in every stack mode; which build of the eBPF
+//! programs the kernel gets ([`variant`]).
 
 pub mod doctor;
 pub mod features;
 pub mod stack_budget;
+pub mod variant;
 pub mod verifier;

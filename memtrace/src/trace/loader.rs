@@ -24,6 +24,7 @@ use memtrace_common::unwind::{DwarfStack, MAX_FRAMES, STACK_MODE_DWARF};
 use memtrace_common::{Counter, ProbeSpec, PyProc, PyStack, MAX_SPECS};
 
 use crate::error::Failure;
+use crate::kernel::variant::{Choice, Variant};
 use crate::probe::plan::LibraryPlan;
 use crate::probe::SpecEntry;
 use crate::trace::kernel_support;
@@ -31,6 +32,10 @@ use crate::trace::kernel_support;
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memtrace.bpf.o"));
+/// The object for kernels without attach cookies, BPF atomics with fetch or
+/// `bpf_loop` (see `kernel::variant`).
+static EBPF_OBJECT_COMPAT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memtrace-compat.bpf.o"));
 
 const ENTER: &str = "call_enter";
 const EXIT: &str = "call_exit";
@@ -139,7 +144,23 @@ pub struct Probes {
     held: Option<HeldTable>,
     /// The settings it was loaded with (for a later program's load failure).
     options: LoadOptions,
+    /// The build of the programs this kernel got, and why.
+    variant: Choice,
+    /// With the compat object: each probed address's spec, per process.
+    spec_by_addr: Option<HashMap<MapData, AddrKey, u32>>,
 }
+
+/// A probed address in a process (the compat object's `SPEC_BY_ADDR` key).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AddrKey {
+    tgid: u32,
+    _pad: u32,
+    addr: u64,
+}
+
+// SAFETY: a plain `#[repr(C)]` struct of integers without padding bytes.
+unsafe impl aya::Pod for AddrKey {}
 
 /// Index in `CONTROL`: 1 once the trace is ending.
 const CONTROL_ENDING: u32 = 0;
@@ -224,8 +245,10 @@ impl Probes {
         if pid == 0 {
             return Err(Failure::usage("pid 0 is not a process").into());
         }
+        let variant = crate::kernel::variant::choose(true);
+        let options = &variant_options(&variant, options);
         let unwind_capacity = unwind_capacity(options);
-        let mut ebpf = open(options).map_err(|err| load_failure(&err))?;
+        let mut ebpf = open(options, variant.variant).map_err(|err| load_failure(&err))?;
         for name in [ENTER, EXIT] {
             let program: &mut UProbe = ebpf
                 .program_mut(name)
@@ -271,8 +294,17 @@ impl Probes {
         } else {
             None
         };
+        let spec_by_addr = match variant.variant {
+            Variant::Full => None,
+            Variant::Compat => Some(HashMap::try_from(
+                ebpf.take_map("SPEC_BY_ADDR")
+                    .context("map SPEC_BY_ADDR missing")?,
+            )?),
+        };
         Ok(Probes {
             options: *options,
+            variant,
+            spec_by_addr,
             held,
             control,
             python_pids: std::collections::BTreeSet::new(),
@@ -410,7 +442,17 @@ impl Probes {
         let pid_nz =
             NonZeroU32::new(pid).ok_or_else(|| Failure::usage("pid 0 is not a process"))?;
         let scope = UProbeScope::OneProcess(pid_nz);
-        let cookie = Some(u64::from(function.index));
+        // The compat object finds the spec by the probed address instead
+        // (kernels before 5.15 have no attach cookies).
+        let cookie = match self.variant.variant {
+            Variant::Full => Some(u64::from(function.index)),
+            Variant::Compat => {
+                if let Ok(mappings) = crate::probe::maps::read(pid) {
+                    self.publish_spec_addr(pid, function, &mappings);
+                }
+                None
+            }
+        };
         // The return probe goes first: an entry whose return probe is not yet
         // attached would leave a stale in-flight record behind.
         if let Some(offset) = function.return_offset {
@@ -530,6 +572,12 @@ impl Probes {
     /// Gives the DWARF unwinder process `pid`'s current executable mappings
     /// (building the tables of objects it has not seen); no-op in other modes.
     pub fn update_unwind(&mut self, pid: u32, mappings: &[crate::probe::maps::Mapping]) {
+        if self.spec_by_addr.is_some() {
+            // An exec or a new mapping moves the probed addresses.
+            for function in self.functions.clone() {
+                self.publish_spec_addr(pid, &function, mappings);
+            }
+        }
         if let Some(unwind) = self.unwind.as_mut() {
             // A launched child shows memtrace's own image until it execs:
             // no table for that.
@@ -543,6 +591,48 @@ impl Probes {
                 crate::probe::maps::path_in_target_root(pid, path)
             });
         }
+    }
+
+    /// With the compat object: tells the kernel which spec the probe at
+    /// `function`'s entry has in process `pid`, at the address its file is
+    /// mapped at there (found by the file's inode and offset).
+    fn publish_spec_addr(
+        &mut self,
+        pid: u32,
+        function: &AttachedFunction,
+        mappings: &[crate::probe::maps::Mapping],
+    ) {
+        let Some(map) = self.spec_by_addr.as_mut() else {
+            return;
+        };
+        let Ok(meta) = std::fs::metadata(&function.path) else {
+            return;
+        };
+        let inode = std::os::unix::fs::MetadataExt::ino(&meta);
+        let offset = function.entry_offset;
+        let Some(addr) = mappings.iter().find_map(|m| {
+            let len = m.end - m.start;
+            (m.inode == inode
+                && m.executable
+                && offset >= m.file_offset
+                && offset - m.file_offset < len)
+                .then(|| m.start + (offset - m.file_offset))
+        }) else {
+            return;
+        };
+        let key = AddrKey {
+            tgid: pid,
+            _pad: 0,
+            addr,
+        };
+        if let Err(err) = map.insert(key, u32::from(function.index), 0) {
+            log::warn!("pid {pid}: cannot publish the probe at {addr:#x}: {err}");
+        }
+    }
+
+    /// The build of the eBPF programs this kernel got, and why.
+    pub fn variant(&self) -> &Choice {
+        &self.variant
     }
 
     /// Stops tracing a process (it exited): detaches its probes, entries first.
@@ -772,7 +862,7 @@ fn unwind_capacity(options: &LoadOptions) -> crate::unwind::kernel::Capacity {
 
 /// Creates the maps of the embedded object with `options`' load-time
 /// settings; no program is loaded yet.
-fn open(options: &LoadOptions) -> Result<Ebpf, aya::EbpfError> {
+fn open(options: &LoadOptions, variant: Variant) -> Result<Ebpf, aya::EbpfError> {
     let depth = options.stack_depth.min(MAX_FRAMES as u32);
     let null_mode: u32 = options.null_mode.into();
     let unwind_capacity = unwind_capacity(options);
@@ -805,7 +895,27 @@ fn open(options: &LoadOptions) -> Result<Ebpf, aya::EbpfError> {
         .map_max_entries("UNWIND_RULES", unwind_capacity.rule_chunks)
         .map_max_entries("PROC_MAPS", unwind_capacity.processes)
         .map_max_entries("PROC_SLOTS", unwind_capacity.processes)
-        .load(EBPF_OBJECT)
+        .load(match variant {
+            Variant::Full => EBPF_OBJECT,
+            Variant::Compat => EBPF_OBJECT_COMPAT,
+        })
+}
+
+/// `options` as the chosen object can serve them: the compat object walks
+/// frame pointers (no `bpf_loop`) and settles nothing (no compare-and-swap).
+pub fn variant_options(choice: &Choice, options: &LoadOptions) -> LoadOptions {
+    match choice.variant {
+        Variant::Full => *options,
+        Variant::Compat => LoadOptions {
+            stack_mode: if options.stack_mode == STACK_MODE_DWARF {
+                memtrace_common::unwind::STACK_MODE_FP
+            } else {
+                options.stack_mode
+            },
+            settle_in_kernel: false,
+            ..*options
+        },
+    }
 }
 
 /// The flags that select a stack mode, for messages.
@@ -876,7 +986,8 @@ pub struct ProgramLoad {
 /// (`call_enter`, `call_exit`, `task_new`), attaching nothing; everything is
 /// unloaded on return. An error: the maps could not be created.
 pub fn load_test(options: &LoadOptions) -> Result<Vec<ProgramLoad>, aya::EbpfError> {
-    let mut ebpf = open(options)?;
+    let choice = crate::kernel::variant::choose(true);
+    let mut ebpf = open(&variant_options(&choice, options), choice.variant)?;
     let mut results = Vec::new();
     for name in [ENTER, EXIT, FORKS] {
         let outcome = match ebpf.program_mut(name) {

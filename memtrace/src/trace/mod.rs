@@ -38,6 +38,7 @@ use crate::target::{self, ChildEvent, HeldChild};
 use discovery::Discovery;
 use family::{Adoption, Family, Tools};
 use loader::{DetachStage, LoadOptions, Probes};
+use memtrace_common::unwind::STACK_MODE_DWARF;
 use pipeline::Pipeline;
 
 /// How often the target's mappings are rescanned for newly loaded libraries.
@@ -264,6 +265,15 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         notes: Vec::new(),
         python: python::PythonWatch::default(),
     };
+    // On a kernel that got the compat programs: one line now, a note in
+    // every report.
+    if let Some(notice) = probes
+        .variant()
+        .notice(options.stack_mode == STACK_MODE_DWARF, options.settle_in_kernel)
+    {
+        eprintln!("memtrace: {notice}");
+        session.notes.push(notice);
+    }
     // The target's mappings now, while it runs: its stacks are normalized
     // against them even when memtrace reads the events after it exited.
     session.pipeline.refresh_space_now(pid);
