@@ -37,6 +37,9 @@ pub enum Command {
     /// budget per call chain, and which modes will work (exit 0 when the
     /// default mode loads).
     Doctor(crate::kernel::doctor::DoctorArgs),
+    /// Watch a process cheaply for days and trace it only while its memory
+    /// grows: bounded episodes, each with its report.
+    Watch(Box<crate::watch::WatchArgs>),
 }
 
 /// Options of `memtrace unwind-table FILE...`.

@@ -25,6 +25,7 @@ mod table;
 mod target;
 mod trace;
 mod unwind;
+mod watch;
 
 use std::process::ExitCode;
 
@@ -46,6 +47,7 @@ fn main() -> ExitCode {
         Some(cli::Command::Report(args)) => run_report(args),
         Some(cli::Command::UnwindTable(args)) => unwind::describe(&args.files),
         Some(cli::Command::Doctor(args)) => kernel::doctor::run(&args),
+        Some(cli::Command::Watch(args)) => watch::run(*args),
         None => run_trace(cli.trace),
     };
     match result {

@@ -20,3 +20,4 @@ mod reliability;
 mod settle;
 mod unwind;
 mod visual;
+mod watch;

@@ -13,13 +13,13 @@ mod plot;
 mod release;
 mod report;
 mod runner;
-mod series;
+pub(crate) mod series;
 pub(crate) mod sources;
 mod store;
 #[cfg(test)]
 mod testutil;
-mod units;
-mod verdict;
+pub(crate) mod units;
+pub(crate) mod verdict;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,445 @@
+//! `memtrace watch`: watching with no probe attached, tracing only while
+//! memory grows. Fixtures: `steady_leak` (flat, then a host-heap leak in
+//! `leak_block` on a line) and `tests/python/gc_service.py` (a warm-up cache
+//! and a GC sawtooth that never leak). Whether memtrace holds a probe is
+//! read from the kernel's side: the fds of the watcher and of every process
+//! under it that are perf events (uprobes) or BPF objects (programs, links,
+//! maps): a uprobe exists only while such an fd holds it.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+
+use crate::support::{fixture, privileged, MEMTRACE};
+
+const BLOCK: u64 = 256 * 1024;
+
+fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A fresh reports directory under the target dir.
+fn reports_dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/tmp")
+        .join(format!("watch-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// A `memtrace watch` process with its stderr collected as it comes.
+struct Watch {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Watch {
+    fn start(args: &[&str]) -> Watch {
+        let mut child = Command::new(MEMTRACE)
+            .arg("watch")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("memtrace watch starts");
+        let mut err = child.stderr.take().expect("stderr piped");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                if let Ok(mut text) = sink.lock() {
+                    text.push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+            }
+        });
+        Watch { child, stderr }
+    }
+
+    fn text(&self) -> String {
+        self.stderr.lock().map(|t| t.clone()).unwrap_or_default()
+    }
+
+    /// Waits (bounded, as a safety net) until stderr contains `needle`.
+    fn wait_for(&mut self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !self.text().contains(needle) {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("watch ended ({status}) before {needle:?}: {}", self.text());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} from watch: {}",
+                self.text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// SIGTERM, then the exit status and stderr (bounded wait).
+    fn stop(mut self) -> (std::process::ExitStatus, String) {
+        // SAFETY: kill with our own child's pid and a valid signal.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                std::thread::sleep(Duration::from_millis(100));
+                return (status, self.text());
+            }
+            assert!(Instant::now() < deadline, "watch did not stop");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `pid` and every process under it.
+fn family_of(pid: u32) -> Vec<u32> {
+    let mut parents: Vec<(u32, u32)> = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(p) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|s| s.parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            parents.push((p, ppid));
+        }
+    }
+    let mut family = vec![pid];
+    let mut i = 0;
+    while i < family.len() {
+        let parent = family[i];
+        family.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    family
+}
+
+/// The perf-event and BPF fds held by `pid` and the processes under it.
+fn probe_fds(pid: u32) -> Vec<String> {
+    let mut held = Vec::new();
+    for p in family_of(pid) {
+        for fd in std::fs::read_dir(format!("/proc/{p}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(target) = std::fs::read_link(fd.path()) {
+                let target = target.to_string_lossy().to_string();
+                if target.contains("perf_event") || target.contains("bpf") {
+                    held.push(format!("{p}: {target}"));
+                }
+            }
+        }
+    }
+    held
+}
+
+fn read_json(path: &Path) -> Option<Value> {
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+/// Waits (bounded) for a file to hold JSON.
+fn wait_json(path: &Path, watch: &Watch) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        if let Some(v) = read_json(path) {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {}: {}",
+            path.display(),
+            watch.text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A `steady_leak` process: flat until told to leak.
+struct Steady {
+    child: Child,
+    pid: u32,
+    /// Kept open: the fixture's "leaking" line must not meet a closed pipe.
+    _stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl Steady {
+    fn start() -> Steady {
+        let mut child = Command::new(fixture("steady_leak"))
+            .args(["256", "100"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("steady_leak starts");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        out.read_line(&mut line).expect("ready line");
+        let pid = line
+            .strip_prefix("ready ")
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("steady_leak said {line:?}"));
+        Steady {
+            child,
+            pid,
+            _stdout: out,
+        }
+    }
+
+    fn toggle_leak(&mut self) {
+        let stdin = self.child.stdin.as_mut().expect("stdin");
+        stdin.write_all(b"\n").expect("line");
+        stdin.flush().expect("flush");
+    }
+}
+
+impl Drop for Steady {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Steady, restarted, then leaking: no probe while healthy (read from the
+/// kernel's side), watching resumes on the new pid, the trigger comes after
+/// the leak started, the episode names `leak_block` with whole blocks and
+/// holds probes only while it runs.
+#[test]
+fn watch_traces_only_after_the_leak_starts_and_follows_restarts() {
+    if !privileged() {
+        return;
+    }
+    let dir = reports_dir("leak");
+    let dir_s = dir.to_string_lossy().to_string();
+    let first = Steady::start();
+    let mut watch = Watch::start(&[
+        "--name",
+        "steady_leak",
+        "--reports",
+        &dir_s,
+        "--interval",
+        "250ms",
+        "--judge-window",
+        "15s",
+        "--warmup",
+        "0s",
+        "--window",
+        "3s",
+        "--backoff",
+        "1h",
+        "--heartbeat",
+        "250ms",
+    ]);
+    watch.wait_for(&format!("watching pid {}", first.pid));
+    let watcher = watch.child.id();
+    // Healthy: judged (phase "watching") with no probe held, for a while.
+    let heartbeat = dir.join("heartbeat.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut judged = 0;
+    while judged < 12 {
+        assert!(Instant::now() < deadline, "never judged: {}", watch.text());
+        if let Some(h) = read_json(&heartbeat) {
+            if h["phase"] == "watching" && h["pid"] == first.pid {
+                judged += 1;
+            }
+        }
+        assert_eq!(
+            probe_fds(watcher),
+            Vec::<String>::new(),
+            "probes while healthy"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    // The target restarts: watching resumes on the new pid.
+    drop(first);
+    let mut second = Steady::start();
+    watch.wait_for(&format!("target restarted: watching pid {}", second.pid));
+    assert_eq!(probe_fds(watcher), Vec::<String>::new());
+    assert!(!dir.join("episode-0001").exists(), "{}", watch.text());
+
+    let leak_start = now_unix_ms();
+    second.toggle_leak();
+    // The episode's tracer holds probes (the check above sees them).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while probe_fds(watcher).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "never attached: {}",
+            watch.text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let episode = wait_json(&dir.join("episode-0001/episode.json"), &watch);
+    second.toggle_leak();
+    let text = watch.text();
+    assert_eq!(episode["pid"], second.pid, "{episode}");
+    assert_eq!(episode["outcome"], "done", "{episode}\n{text}");
+    let triggered = episode["why"]["triggered_unix_ms"].as_u64().unwrap_or(0);
+    assert!(
+        triggered >= leak_start,
+        "trigger {triggered} before the leak {leak_start}"
+    );
+    assert!(
+        episode["why"]["since_unix_ms"].as_u64().unwrap_or(0) + 1000 >= leak_start,
+        "{episode}"
+    );
+    let metric = episode["why"]["metric"].as_str().unwrap_or("");
+    assert!(
+        ["RssAnon", "VmRSS", "VmData"].contains(&metric),
+        "{episode}"
+    );
+    // The leaking site, with exactly its blocks of the window.
+    let found = episode["found"].as_array().cloned().unwrap_or_default();
+    let site = found
+        .iter()
+        .find(|f| f["function"] == "leak_block")
+        .unwrap_or_else(|| panic!("leak_block not found: {episode}"));
+    let count = site["live_count"].as_u64().unwrap_or(0);
+    assert!(count >= 1, "{site}");
+    assert_eq!(site["live_bytes"].as_u64(), Some(count * BLOCK), "{site}");
+    assert_eq!(
+        found[0]["function"], "leak_block",
+        "ranked first: {episode}"
+    );
+    // The same figures as the tracer's own report; the other formats exist.
+    let report = read_json(&dir.join("episode-0001/report.json")).expect("report.json");
+    let (bytes, _) = crate::support::site_totals(&report, "leak_block");
+    assert_eq!(bytes, count * BLOCK);
+    for file in ["report.html", "profile.pb.gz", "tracer.log"] {
+        assert!(dir.join("episode-0001").join(file).exists(), "{file}");
+    }
+    assert!(
+        episode["explanation"]
+            .as_str()
+            .is_some_and(|e| e.contains("explain") || e.contains("grow")),
+        "{episode}"
+    );
+    // Detached again: no probe held once the episode is over.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !probe_fds(watcher).is_empty() {
+        assert!(Instant::now() < deadline, "probes after the episode");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (status, text) = watch.stop();
+    assert!(status.success(), "{status}: {text}");
+    let state = read_json(&dir.join("watch-state.json")).expect("state file");
+    assert_eq!(state["next_episode"], 2, "{state}");
+    assert_eq!(state["episodes"][0]["outcome"], "done", "{state}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Python service with a warm-up cache and a GC sawtooth never leaks:
+/// no episode, a heartbeat only.
+#[test]
+fn watch_leaves_a_gc_sawtooth_alone() {
+    if !privileged() {
+        return;
+    }
+    let dir = reports_dir("python");
+    let dir_s = dir.to_string_lossy().to_string();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/gc_service.py");
+    let mut service = Command::new("python3")
+        .arg(&script)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let mut out = BufReader::new(service.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("ready");
+    let pid = line
+        .strip_prefix("ready ")
+        .and_then(|p| p.trim().parse::<u32>().ok())
+        .unwrap_or_else(|| panic!("service said {line:?}"));
+    let pid_s = pid.to_string();
+    let watch = Watch::start(&[
+        "--pid",
+        &pid_s,
+        "--reports",
+        &dir_s,
+        "--interval",
+        "250ms",
+        "--judge-window",
+        "20s",
+        "--warmup",
+        "8s",
+        "--window",
+        "3s",
+        "--heartbeat",
+        "250ms",
+    ]);
+    // Let it see the warm-up end and several teeth of the sawtooth.
+    let mut cycles = 0;
+    line.clear();
+    while cycles < 12 {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).expect("service output") > 0,
+            "service ended"
+        );
+        if line.starts_with("cycle") {
+            cycles += 1;
+        }
+    }
+    let heartbeat = read_json(&dir.join("heartbeat.json")).expect("heartbeat");
+    let (status, text) = watch.stop();
+    let _ = service.kill();
+    let _ = service.wait();
+    assert!(status.success(), "{status}: {text}");
+    assert!(!text.contains("episode"), "{text}");
+    assert!(!dir.join("episode-0001").exists(), "{text}");
+    assert_eq!(heartbeat["episodes_total"], 0, "{heartbeat}");
+    assert_eq!(heartbeat["phase"], "watching", "{heartbeat}\n{text}");
+    let judged = heartbeat["metrics"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["metric"] == "RssAnon")
+        .cloned()
+        .unwrap_or(Value::Null);
+    assert!(judged["label"].is_string(), "RssAnon judged: {heartbeat}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Bad input: one clear line, exit 2.
+#[test]
+fn watch_refuses_bad_input_in_one_line() {
+    let out = crate::support::memtrace(&["watch", "--name", "x"]);
+    crate::support::assert_one_clear_line(&out, 2, "--reports DIR");
+    let out = crate::support::memtrace(&["watch", "--reports", "/tmp/x"]);
+    crate::support::assert_one_clear_line(&out, 2, "no target");
+    let out = crate::support::memtrace(&["watch", "--pid", "999999999", "--dry-run"]);
+    crate::support::assert_one_clear_line(&out, 2, "no process with pid");
+}
