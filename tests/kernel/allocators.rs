@@ -296,10 +296,22 @@ const FORM_SITES: [(&str, &str, u64); 15] = [
     ("form_array_delete", "new[] / delete[]", 120),
     ("form_array_sized", "new[] / sized delete[]", 136),
     ("form_nothrow", "nothrow new / nothrow delete", 144),
-    ("form_array_nothrow", "nothrow new[] / nothrow delete[]", 152),
+    (
+        "form_array_nothrow",
+        "nothrow new[] / nothrow delete[]",
+        152,
+    ),
     ("form_aligned", "aligned new / aligned delete", 192),
-    ("form_aligned_sized", "aligned new / sized aligned delete", 256),
-    ("form_array_aligned", "aligned new[] / aligned delete[]", 384),
+    (
+        "form_aligned_sized",
+        "aligned new / sized aligned delete",
+        256,
+    ),
+    (
+        "form_array_aligned",
+        "aligned new[] / aligned delete[]",
+        384,
+    ),
     (
         "form_array_aligned_sized",
         "aligned new[] / sized aligned delete[]",
