@@ -355,6 +355,19 @@ type Judged = (
 );
 
 /// Builds the report, symbolizing the frames of the sites shown.
+/// Blocks younger than this at the end are "young": short-lived blocks still
+/// in use when the window closed are among them.
+const YOUNG_NS: u64 = 1_000_000_000;
+
+/// The note on live blocks made in the trace's last second.
+fn young_note((bytes, count): (u64, u64)) -> Option<String> {
+    (count > 0).then(|| {
+        format!(
+            "{count} live block(s) ({bytes} bytes) were made in the trace's last second: the report is the state at its end, so blocks a balanced site was still using then are among them (--min-age 1s leaves them out)"
+        )
+    })
+}
+
 pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let spec = |index: u16| input.specs.get(usize::from(index));
     let min_age_ns = input.settings.min_age_ms.saturating_mul(1_000_000);
@@ -395,6 +408,8 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let mut sites: HashMap<SiteKey, SiteAcc> = HashMap::new();
     let mut suppressed: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     let mut per_process: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    // Live blocks made in the window's last second (bytes, count).
+    let mut young = (0u64, 0u64);
     for (pid, _, addr, block) in input.table.blocks() {
         let Some(entry) = spec(block.spec) else {
             continue;
@@ -413,8 +428,13 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             slot.1 += 1;
             continue;
         }
-        if input.now_ns.saturating_sub(block.ts_ns) < min_age_ns {
+        let age_ns = input.now_ns.saturating_sub(block.ts_ns);
+        if age_ns < min_age_ns {
             continue;
+        }
+        if age_ns < YOUNG_NS {
+            young.0 += block.size;
+            young.1 += 1;
         }
         let site = sites
             .entry((
@@ -603,6 +623,9 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         notes.push(format!(
             "sampling 1 in {rate} allocations (by address): live figures are of the sample; estimated_* fields scale them by {rate}"
         ));
+    }
+    if let Some(note) = young_note(young) {
+        notes.push(note);
     }
     if let Some(note) = size_filter_note(
         &input.settings,
@@ -986,6 +1009,14 @@ mod tests {
             ..input(&table, &specs, &stacks, &names)
         };
         build(input, &mut FakeSymbols)
+    }
+
+    #[test]
+    fn blocks_made_in_the_last_second_are_named_young() {
+        assert_eq!(young_note((0, 0)), None);
+        let note = young_note((4096, 2)).expect("a note");
+        assert!(note.starts_with("2 live block(s) (4096 bytes)"), "{note}");
+        assert!(note.contains("--min-age"), "{note}");
     }
 
     #[test]
