@@ -350,7 +350,7 @@ fn supervise(
             if let Some(pid) = loading.syscall_stop(who) {
                 let (ack, answered) = std::sync::mpsc::channel();
                 if events.send(ChildEvent::Mapped { pid, ack }).is_ok() {
-                    let _ = answered.recv_timeout(ANSWER_WITHIN);
+                    let _ = answered.recv();
                 }
             }
         } else if event == libc::PTRACE_EVENT_EXIT {
@@ -362,7 +362,7 @@ fn supervise(
                 })
                 .is_ok()
             {
-                let _ = answered.recv_timeout(ANSWER_WITHIN);
+                let _ = answered.recv();
             }
         } else if event == libc::PTRACE_EVENT_FORK || event == libc::PTRACE_EVENT_VFORK {
             let mut message: libc::c_ulong = 0;
@@ -384,7 +384,7 @@ fn supervise(
                 ack,
             };
             if events.send(forked).is_ok() {
-                let _ = answered.recv_timeout(ANSWER_WITHIN);
+                let _ = answered.recv();
             }
             if forks.probed(child) {
                 resume(child, libc::PTRACE_CONT, 0);
@@ -466,8 +466,11 @@ impl Loading {
     }
 }
 
-/// How long a held process waits for the session's answer at most.
-const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+// A held process waits for the session's answer however long attaching
+// takes: a deadline (10 s until now) let a child run before its probes were
+// in place while it was still reported as held at birth, on a machine loaded
+// enough. The answer comes, or the session drops the event (it ended or
+// failed), which ends the wait.
 
 /// Resumes a stopped tracee.
 fn resume(pid: libc::pid_t, request: libc::c_uint, signal: i32) {
