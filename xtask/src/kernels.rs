@@ -279,7 +279,8 @@ pub fn test_kernels(args: TestArgs) -> Result<()> {
     eprintln!("xtask: wrote {} ({elapsed} s)", out.display());
     let failed: usize = rows.iter().map(Row::failures).sum();
     if failed > 0 {
-        bail!("{failed} cell(s) of the kernel matrix failed");
+        eprintln!("xtask: {failed} cell(s) of the kernel matrix failed");
+        std::process::exit(1);
     }
     Ok(())
 }
@@ -619,9 +620,18 @@ fn fetch_kernel(spec: &KernelSpec) -> Result<Fetched> {
     Ok(Fetched { vmlinuz, label })
 }
 
-/// Unpacks only `./boot/vmlinuz-*` of a kernel package into `into`; returns it.
-fn extract_vmlinuz(deb: &Path, into: &Path) -> Result<PathBuf> {
-    std::fs::create_dir_all(into)?;
+/// The kernel image among a package's members: `./boot/vmlinuz-*` (linux-image)
+/// or `./usr/lib/modules/*/vmlinuz` (linux-binary, from 6.19).
+pub fn vmlinuz_member(listing: &str) -> Option<&str> {
+    listing.lines().map(str::trim).find(|m| {
+        m.strip_prefix("./boot/vmlinuz-")
+            .is_some_and(|v| !v.is_empty())
+            || (m.starts_with("./usr/lib/modules/") && m.ends_with("/vmlinuz"))
+    })
+}
+
+/// `dpkg-deb --fsys-tarfile DEB | tar ARGS` (tar's stdout returned).
+fn deb_tar(deb: &Path, tar_args: &[&str], dir: &Path) -> Result<String> {
     let mut dpkg = Command::new("dpkg-deb")
         .arg("--fsys-tarfile")
         .arg(deb)
@@ -630,25 +640,30 @@ fn extract_vmlinuz(deb: &Path, into: &Path) -> Result<PathBuf> {
         .context("running dpkg-deb")?;
     let stdout = dpkg.stdout.take().context("dpkg-deb stdout")?;
     let tar = Command::new("tar")
-        .arg("-x")
-        .arg("-C")
-        .arg(into)
-        .args(["--wildcards", "./boot/vmlinuz-*"])
+        .args(tar_args)
+        .current_dir(dir)
         .stdin(stdout)
-        .status()
+        .output()
         .context("running tar")?;
     let dpkg = dpkg.wait()?;
-    if !tar.success() || !dpkg.success() {
-        bail!("dpkg-deb --fsys-tarfile | tar: {dpkg}, {tar}");
+    if !tar.status.success() || !dpkg.success() {
+        bail!(
+            "dpkg-deb --fsys-tarfile | tar {}: {dpkg}, {}: {}",
+            tar_args.join(" "),
+            tar.status,
+            last_line(&String::from_utf8_lossy(&tar.stderr))
+        );
     }
-    std::fs::read_dir(into.join("boot"))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))
-        })
-        .context("the package has no /boot/vmlinuz-*")
+    Ok(String::from_utf8_lossy(&tar.stdout).into_owned())
+}
+
+/// Unpacks only the kernel image of a package into `into`; returns it.
+fn extract_vmlinuz(deb: &Path, into: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(into)?;
+    let listing = deb_tar(deb, &["-t"], into)?;
+    let member = vmlinuz_member(&listing).context("the package has no vmlinuz")?;
+    deb_tar(deb, &["-x", member], into)?;
+    Ok(into.join(member))
 }
 
 fn last_line(text: &str) -> String {
@@ -1733,6 +1748,22 @@ linux-binary-7.1.4+deb14-cloud-amd64 - image
             std::cmp::Ordering::Greater
         );
         assert_eq!(version_cmp("7.10", "7.9"), std::cmp::Ordering::Greater);
+    }
+
+    #[test]
+    fn vmlinuz_is_found_in_both_package_layouts() {
+        let image = "./\n./boot/\n./boot/System.map-6.1.0-41-cloud-amd64\n./boot/vmlinuz-6.1.0-41-cloud-amd64\n";
+        assert_eq!(
+            vmlinuz_member(image),
+            Some("./boot/vmlinuz-6.1.0-41-cloud-amd64")
+        );
+        let binary = "./usr/lib/modules/7.2.13+deb14-cloud-amd64/kernel/x.ko\n\
+                      ./usr/lib/modules/7.2.13+deb14-cloud-amd64/vmlinuz\n";
+        assert_eq!(
+            vmlinuz_member(binary),
+            Some("./usr/lib/modules/7.2.13+deb14-cloud-amd64/vmlinuz")
+        );
+        assert_eq!(vmlinuz_member("./usr/share/doc/x\n"), None);
     }
 
     #[test]
