@@ -97,6 +97,30 @@ pub fn render(report: &Report) -> String {
     }
 
     out.family(
+        "memtrace_process_live_bytes",
+        "gauge",
+        "Live bytes per traced process, with its namespace pid and container where it has them.",
+    );
+    for process in &report.processes {
+        let pid = process.pid.to_string();
+        let ns_pid = process.placement.ns_pid.map(|p| p.to_string());
+        let mut labels = vec![("pid", pid.as_str()), ("comm", process.comm.as_str())];
+        let placement = &process.placement;
+        for (key, value) in [
+            ("ns_pid", ns_pid.as_deref()),
+            ("container_id", placement.container_id.as_deref()),
+            ("container_runtime", placement.container_runtime.as_deref()),
+            ("pod_uid", placement.pod_uid.as_deref()),
+            ("cgroup", placement.cgroup.as_deref()),
+        ] {
+            if let Some(value) = value {
+                labels.push((key, value));
+            }
+        }
+        out.sample("memtrace_process_live_bytes", &labels, process.live_bytes);
+    }
+
+    out.family(
         "memtrace_events_total",
         "counter",
         "Events seen since tracing started, by kind.",

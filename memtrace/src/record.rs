@@ -480,6 +480,7 @@ mod tests {
                     pid: 7,
                     comm: "leaky".into(),
                     exe: "/nonexistent/leaky".into(),
+                    ..TargetInfo::default()
                 },
                 started_ns: 1_000_000,
             },
@@ -649,6 +650,7 @@ mod tests {
             pid: 7,
             comm: "app.py".into(),
             exe: "/nonexistent/python3".into(),
+            ..TargetInfo::default()
         };
         let mut recorder = Recorder::create(path, &target, started_ns).expect("creates");
         let specs = [SpecEntry {

@@ -17,6 +17,7 @@ use crate::probe::SpecEntry;
 use crate::stacks::StackStore;
 use crate::symbolize::Symbolize;
 use crate::table::LiveTable;
+use crate::target::container::Placement;
 
 /// The whole report; field names are a stable JSON contract (add, never rename).
 #[derive(Clone, Debug, Serialize)]
@@ -127,6 +128,10 @@ pub struct ProcessInfo {
     /// Filled by the report builder from the live table.
     pub live_bytes: u64,
     pub live_count: u64,
+    /// Its pid in its own pid namespace and its container (keys `ns_pid`,
+    /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`).
+    #[serde(flatten, default)]
+    pub placement: Placement,
 }
 
 /// Blocks set aside by the allow-list or the warm-up.
@@ -178,6 +183,10 @@ pub struct TargetInfo {
     pub pid: u32,
     pub comm: String,
     pub exe: String,
+    /// Its pid in its own pid namespace and its container (keys `ns_pid`,
+    /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`).
+    #[serde(flatten, default)]
+    pub placement: Placement,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
@@ -748,6 +757,7 @@ fn process_list(
                 pid: target.pid,
                 comm: target.comm.clone(),
                 exe: target.exe.clone(),
+                placement: target.placement.clone(),
                 ..ProcessInfo::default()
             },
         );
@@ -995,6 +1005,7 @@ mod tests {
                 pid: 1,
                 comm: "app".into(),
                 exe: "/bin/app".into(),
+                ..TargetInfo::default()
             },
             duration_ms: 5000,
             now_ns: 2_500_000_000,
@@ -1057,6 +1068,7 @@ mod tests {
                     pid: 1,
                     comm: "app".into(),
                     exe: "/bin/app".into(),
+                    ..TargetInfo::default()
                 },
                 duration_ms: 1000,
                 now_ns: 1_000_000_000,

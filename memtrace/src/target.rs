@@ -1,5 +1,10 @@
 //! The traced process: checking that a pid can be traced, describing it, and
 //! launching a command held before `exec` until the probes are attached.
+//! [`files`]: opening its files as it sees them (containers);
+//! [`container`]: its namespaces and container identity.
+
+pub mod container;
+pub mod files;
 
 use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -128,6 +133,7 @@ pub fn inspect(pid: u32) -> Result<TargetInfo, Failure> {
         pid,
         comm: stat.comm,
         exe,
+        placement: container::Placement::of(pid),
     })
 }
 

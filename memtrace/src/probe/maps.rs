@@ -67,14 +67,34 @@ fn parse_dev(text: &str) -> Option<u64> {
     Some((u64::from_str_radix(major, 16).ok()? << 20) | u64::from_str_radix(minor, 16).ok()?)
 }
 
-/// Reads and parses `/proc/PID/maps`.
+/// Reads and parses `/proc/PID/maps`, and notes where each file mapped can
+/// be opened as the target sees it ([`crate::target::files`]): the moment
+/// its maps are read, the process is known to map them.
 pub fn read(pid: u32) -> std::io::Result<Vec<Mapping>> {
+    let mappings = read_raw(pid)?;
+    crate::target::files::observe(pid, &mappings);
+    Ok(mappings)
+}
+
+/// Reads and parses `/proc/PID/maps`, nothing more.
+pub fn read_raw(pid: u32) -> std::io::Result<Vec<Mapping>> {
     Ok(parse(&std::fs::read_to_string(format!(
         "/proc/{pid}/maps"
     ))?))
 }
 
+/// The first executable mapping of each distinct file (by device and
+/// inode), in first-seen order.
+pub fn executable_file_mappings(mappings: &[Mapping]) -> Vec<&Mapping> {
+    let mut seen = std::collections::HashSet::new();
+    mappings
+        .iter()
+        .filter(|m| m.executable && m.is_file() && seen.insert((m.dev, m.inode)))
+        .collect()
+}
+
 /// The distinct files mapped executable, in first-seen order.
+#[cfg(test)]
 pub fn executable_files(mappings: &[Mapping]) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = Vec::new();
     for mapping in mappings.iter().filter(|m| m.executable && m.is_file()) {
@@ -125,18 +145,12 @@ impl AddressSpace {
     }
 }
 
-/// The path through which memtrace reads a file the target mapped: inside the
-/// target's root (containers). A path whose links lead outside that root is
-/// refused (`None`): memtrace never follows a container's symlink onto the host.
+/// The path through which memtrace reads `path` as process `pid` sees it:
+/// the file it maps there, checked by device and inode (see
+/// [`crate::target::files`]); `None` when it cannot be reached (links leading
+/// outside its root, another file at that path, the process gone).
 pub fn path_in_target_root(pid: u32, path: &Path) -> Option<PathBuf> {
-    let root = PathBuf::from(format!("/proc/{pid}/root"));
-    let inside = root.join(path.strip_prefix("/").unwrap_or(path));
-    let (Ok(root_real), Ok(real)) = (std::fs::canonicalize(&root), std::fs::canonicalize(&inside))
-    else {
-        // The target is gone (or the file is): read the path as memtrace sees it.
-        return Some(path.to_path_buf());
-    };
-    real.starts_with(&root_real).then_some(inside)
+    crate::target::files::open_path(pid, path)
 }
 
 #[cfg(test)]
@@ -182,16 +196,28 @@ garbage line
     }
 
     #[test]
-    fn reads_through_the_target_root_and_refuses_escapes() {
+    fn reads_through_the_target_root() {
         let me = std::process::id();
         let exe = std::env::current_exe().expect("own exe");
-        let inside = path_in_target_root(me, &exe).expect("own exe is inside own root");
-        assert!(inside.starts_with(format!("/proc/{me}/root")));
-        // A process whose root is "/" cannot escape it; the check itself:
-        let dir = std::env::temp_dir().join(format!("memtrace-root-{me}"));
-        let _ = std::fs::create_dir_all(&dir);
-        assert!(std::fs::canonicalize(&dir).is_ok_and(|p| p.starts_with("/")));
-        let _ = std::fs::remove_dir_all(&dir);
+        // Mapped, and the same file at that path here: read there.
+        assert_eq!(path_in_target_root(me, &exe), Some(exe.clone()));
+        // Not mapped: looked up inside the root.
+        let unmapped = path_in_target_root(me, Path::new("/proc/self/status"));
+        assert!(unmapped.is_some_and(|p| p.starts_with(format!("/proc/{me}/root"))));
+        assert_eq!(
+            path_in_target_root(me, Path::new("/nonexistent/x.so")),
+            None
+        );
+    }
+
+    #[test]
+    fn one_mapping_per_file() {
+        let maps = parse(SAMPLE);
+        let files: Vec<u64> = executable_file_mappings(&maps)
+            .iter()
+            .map(|m| m.inode)
+            .collect();
+        assert_eq!(files, vec![1234, 99, 77]);
     }
 
     #[test]

@@ -218,6 +218,7 @@ pub(crate) mod fixture {
                 pid: 4242,
                 comm: "app".into(),
                 exe: "/opt/app/bin/app".into(),
+                ..TargetInfo::default()
             },
             duration_ms: 2500,
             interim: false,

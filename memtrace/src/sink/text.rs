@@ -15,8 +15,9 @@ impl Sink for TextSink {
         let kind = if interim { "interim report" } else { "report" };
         writeln!(
             out,
-            "memtrace {kind}: pid {} ({}) {} — traced {:.1}s",
+            "memtrace {kind}: pid {}{} ({}) {} — traced {:.1}s",
             target.pid,
+            target.placement.describe(),
             target.comm,
             target.exe,
             report.duration_ms as f64 / 1000.0
@@ -225,8 +226,10 @@ fn process_line(process: &ProcessInfo, by_name: bool) -> Option<String> {
     );
     if let Some(parent) = process.parent {
         return Some(format!(
-            "child: pid {} ({}) of pid {parent} {holds}",
-            process.pid, process.comm
+            "child: pid {}{} ({}) of pid {parent} {holds}",
+            process.pid,
+            process.placement.describe(),
+            process.comm
         ));
     }
     if !by_name {
@@ -245,8 +248,10 @@ fn process_line(process: &ProcessInfo, by_name: bool) -> Option<String> {
         String::new()
     };
     Some(format!(
-        "process: pid {} ({}) {holds}{since}",
-        process.pid, process.comm
+        "process: pid {}{} ({}) {holds}{since}",
+        process.pid,
+        process.placement.describe(),
+        process.comm
     ))
 }
 

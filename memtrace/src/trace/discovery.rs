@@ -9,13 +9,16 @@ use std::path::PathBuf;
 use crate::probe::catalog::{Allocator, FuncDef};
 use crate::probe::maps;
 use crate::probe::plan::{self, LibraryPlan};
+use crate::target::files::{self, FileId};
 use crate::trace::kernel_support::{unsupported_in, Unsupported};
 use crate::trace::loader::Probes;
 
 /// The objects considered so far and the ones probed (shared by every
 /// traced process: an object probed for one is probed for all).
 pub struct Discovery {
-    considered: HashSet<PathBuf>,
+    /// By file identity: one image mapped by many processes (or at several
+    /// paths) is planned once; two files at one path in two containers twice.
+    considered: HashSet<FileId>,
     exclude: Option<PathBuf>,
     place: bool,
     /// The functions to look for (built-in catalogue, filtered, plus pairs).
@@ -99,20 +102,36 @@ impl Discovery {
         let mappings = maps::read(pid)?;
         // Unwind tables before probes: the first stacks already need them.
         probes.update_unwind(pid, &mappings);
-        let mut files = maps::executable_files(&mappings);
-        files.extend(extra.iter().cloned());
-        let mut attached = 0;
-        for path in files {
-            if !self.considered.insert(path.clone()) || self.exclude.as_ref() == Some(&path) {
-                continue;
-            }
-            let Some(open_path) = maps::path_in_target_root(pid, &path) else {
-                self.problems.push(format!(
-                    "{}: refused, its links lead outside the target's root",
-                    path.display()
-                ));
+        let mut files: Vec<(PathBuf, PathBuf, FileId)> = Vec::new();
+        for mapping in maps::executable_file_mappings(&mappings) {
+            let Some(path) = mapping.path.clone() else {
                 continue;
             };
+            if self.exclude.as_ref() == Some(&path) {
+                continue;
+            }
+            // Unopenable files are counted by `target::files` (its note).
+            if let Ok(open_path) = files::open(pid, mapping) {
+                files.push((path, open_path, (mapping.dev, mapping.inode)));
+            }
+        }
+        for path in extra {
+            match maps::path_in_target_root(pid, path) {
+                Some(open_path) => match std::fs::metadata(&open_path) {
+                    Ok(meta) => files.push((path.clone(), open_path, files::id_of(&meta))),
+                    Err(err) => log::debug!("skipping {}: {err}", path.display()),
+                },
+                None => self.problems.push(format!(
+                    "{}: cannot be opened as pid {pid} sees it",
+                    path.display()
+                )),
+            }
+        }
+        let mut attached = 0;
+        for (path, open_path, id) in files {
+            if !self.considered.insert(id) {
+                continue;
+            }
             match self.plan(&path, &open_path) {
                 Ok(Some(mut library)) => match probes.attach_library(&mut library) {
                     Ok(count) => {
@@ -137,13 +156,24 @@ impl Discovery {
     /// one that defines none of the functions is reported, not fatal.
     pub fn add_libraries(
         &mut self,
+        pid: u32,
         probes: &mut Probes,
         paths: &[PathBuf],
     ) -> Result<Vec<String>, crate::error::Failure> {
         let mut warnings = Vec::new();
         for path in paths {
-            self.considered.insert(path.clone());
-            match self.plan(path, path) {
+            // As the target sees it: inside its root (a container's), the
+            // mapped file when it maps one at that path.
+            let Some(open_path) = maps::path_in_target_root(pid, path) else {
+                return Err(crate::error::Failure::usage(format!(
+                    "--lib {}: no such file as pid {pid} sees it (inside /proc/{pid}/root)",
+                    path.display()
+                )));
+            };
+            if let Ok(meta) = std::fs::metadata(&open_path) {
+                self.considered.insert(files::id_of(&meta));
+            }
+            match self.plan(path, &open_path) {
                 Ok(Some(mut library)) => {
                     probes.attach_library(&mut library).map_err(|err| {
                         match unsupported_in(&err) {

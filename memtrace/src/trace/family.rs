@@ -297,6 +297,7 @@ impl Family {
                             parent,
                             comm: found.comm,
                             exe: found.exe,
+                            placement: found.placement,
                             traced_from_ms: since_start_ms,
                             ..describe(now_ns)
                         },

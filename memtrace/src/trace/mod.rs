@@ -177,7 +177,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     };
     let mut discovery = Discovery::new(exclude, !args.entry_probes, catalog);
     discovery.heap_allowed = heap_allowed(&args.allocators);
-    for warning in discovery.add_libraries(&mut probes, &args.libs)? {
+    for warning in discovery.add_libraries(pid, &mut probes, &args.libs)? {
         eprintln!("memtrace: warning: {warning}");
         discovery.problems.push(warning);
     }
@@ -220,6 +220,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 pid,
                 comm: exe.rsplit('/').next().unwrap_or(&exe).to_string(),
                 exe,
+                placement: target::container::Placement::of(pid),
             }
         }
         None => target::inspect(pid)?,
@@ -248,6 +249,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 pid,
                 comm: target_info.comm.clone(),
                 exe: target_info.exe.clone(),
+                placement: target_info.placement.clone(),
                 ..ProcessInfo::default()
             },
             args.follow_forks,
@@ -863,6 +865,7 @@ impl Session<'_> {
     fn report(&mut self, probes: &Probes, discovery: &Discovery) -> report::Report {
         let mut notes = self.notes.clone();
         notes.extend(discovery.problems.iter().cloned());
+        notes.extend(crate::target::files::note());
         notes.extend(self.family.notes());
         let exited = self.pipeline.exited_threads();
         if !exited.is_empty() {

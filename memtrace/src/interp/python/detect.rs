@@ -114,8 +114,9 @@ fn load_bias(mappings: &[Mapping], path: &Path, first_load_vaddr: u64) -> Option
     Some(lowest.wrapping_sub(first_load_vaddr & !0xfff))
 }
 
-/// What each object file exports, read once per (path, inode).
-pub type ExportCache = std::collections::HashMap<(PathBuf, u64), Option<Exports>>;
+/// What each object file exports, read once per file (device, inode): one
+/// interpreter image shared by many containers is read once.
+pub type ExportCache = std::collections::HashMap<(u64, u64), Option<Exports>>;
 
 /// Looks for a CPython interpreter in process `pid`.
 pub fn find(pid: u32, cache: &mut ExportCache) -> std::io::Result<Option<Found>> {
@@ -131,18 +132,18 @@ pub fn find_in(
     exe: Option<&Path>,
     cache: &mut ExportCache,
 ) -> Option<Found> {
-    for path in maps::executable_files(mappings) {
+    for mapping in maps::executable_file_mappings(mappings) {
+        let Some(path) = mapping.path.clone() else {
+            continue;
+        };
         if !candidate(&path, exe) {
             continue;
         }
-        let inode = mappings
-            .iter()
-            .find(|m| m.path.as_deref() == Some(path.as_path()))
-            .map_or(0, |m| m.inode);
         let exports = cache
-            .entry((path.clone(), inode))
+            .entry((mapping.dev, mapping.inode))
             .or_insert_with(|| {
-                let open = maps::path_in_target_root(pid, &path)?;
+                // As the target sees it (a container's file), checked.
+                let open = crate::target::files::open(pid, mapping).ok()?;
                 exports(&std::fs::read(open).ok()?)
             })
             .clone();
