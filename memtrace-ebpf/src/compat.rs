@@ -113,8 +113,14 @@ pub fn skip_nested(pid_tgid: u64, sp: u64) {
         _pad: [0; 6],
     };
     call.entered = in_flight::now();
-    let _ = CALLS.insert(&key(pid_tgid, sp.wrapping_add(8)), &call, 0);
+    // Never over the outer call's own record: a tail call (`realloc(NULL,
+    // n)` jumping to `malloc`) enters at the outer call's stack pointer, and
+    // both return once, as the outer call.
+    let _ = CALLS.insert(&key(pid_tgid, sp.wrapping_add(8)), &call, BPF_NOEXIST);
 }
+
+/// `bpf_map_update_elem` flag: only create.
+const BPF_NOEXIST: u64 = 1;
 
 /// Saves `call` (of `family`) until its return.
 #[inline(always)]

@@ -8,6 +8,7 @@ mod accuracy;
 mod allocators;
 mod analysis;
 mod bad_input;
+mod compat;
 mod containers;
 mod core_host;
 mod counters;
