@@ -403,7 +403,7 @@ fn watch_leaves_a_gc_sawtooth_alone() {
     // Let it see the warm-up end and several teeth of the sawtooth.
     let mut cycles = 0;
     line.clear();
-    while cycles < 12 {
+    while cycles < 20 {
         line.clear();
         assert!(
             out.read_line(&mut line).expect("service output") > 0,

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use clap::Args;
 use serde::Serialize;
 
-use crate::cli::parse_duration;
+use crate::duration::parse_duration;
 use crate::error::Failure;
 use crate::monitor::series::{Family, Unit};
 use crate::monitor::sources::{gpu::GpuSources, procfs};
@@ -59,7 +59,8 @@ Watches with no probe attached; traces only while a metric grows.
 Each tick samples the target's RssAnon, VmRSS, VmData, fd count and GPU memory
 (NVML, DRM, --gpu-cmd) and judges the last --judge-window of each with the
 monitor's verdict logic (see `memtrace monitor --help` for the labels and the
-sensitivity options). A label in --trigger starts an episode: memtrace traces
+sensitivity options), once half a --judge-window has been sampled after
+--warmup. A label in --trigger starts an episode: memtrace traces
 the target for --window and writes DIR/episode-NNNN/ (report.json, report.html,
 profile.pb.gz, tracer.log, episode.json). Then back-off (--backoff, doubled per
 episode while the metric keeps growing, at most --max-backoff) and a duty cap
@@ -323,6 +324,8 @@ struct InFlight {
     family: Family,
     /// Metric key, for the value at attach and detach.
     key: (Family, String),
+    /// When the tracer said it was tracing (watcher's axis, to a tick).
+    attached_t: Option<f64>,
 }
 
 /// What the heartbeat says about one metric.
@@ -653,12 +656,16 @@ impl Watcher {
             return Ok(());
         };
         let from = self.judge_from;
+        // A verdict needs history: judging starts once half a window has
+        // been sampled after the warm-up (one tooth of a sawtooth rises
+        // like a leak; several do not).
+        let ready = from + self.args.judge_window.as_secs_f64() / 2.0;
         let mut firing: Vec<(usize, (Family, String), Judgement)> = Vec::new();
         let mut views = Vec::new();
         for (key, w) in &self.windows {
             let Some((_, value)) = w.last() else { continue };
             let wanted = trigger::selected(key.0, &key.1, &self.args.metrics);
-            let judged = (t >= from && wanted).then(|| w.judge(from, &self.th));
+            let judged = (t >= ready && wanted).then(|| w.judge(from, &self.th));
             let fires = judged.as_ref().is_some_and(|j| j.fires(&self.args.trigger));
             views.push(MetricView {
                 family: key.0,
@@ -691,7 +698,7 @@ impl Watcher {
             self.phase = Phase::Tracing;
             return Ok(());
         }
-        if t < from {
+        if t < ready {
             self.phase = Phase::Warmup;
             return Ok(());
         }
@@ -709,13 +716,27 @@ impl Watcher {
         let value = j.verdict.end.unwrap_or(0.0);
         let also: Vec<String> = firing.iter().skip(1).map(|f| f.1 .1.clone()).collect();
         let since_unix_ms = self.unix_at(j.since_t);
+        let rate = if j.verdict.label == Label::Jump {
+            let step: f64 = j
+                .verdict
+                .steps
+                .iter()
+                .filter(|s| s.size > 0.0)
+                .map(|s| s.size)
+                .sum();
+            format!("of +{}", format_value(step, bytes))
+        } else {
+            format!(
+                "at {} ({} over the judged window)",
+                format_rate(j.verdict.slope_per_hour, bytes),
+                format_value(j.verdict.change, bytes)
+            )
+        };
         let text = format!(
-            "{} {} at {}, now {} ({} over the judged window), growing since {}{}",
+            "{} {} {rate}, now {}, growing since {}{}",
             key.1,
             j.verdict.label.as_str(),
-            format_rate(j.verdict.slope_per_hour, bytes),
             format_value(value, bytes),
-            format_value(j.verdict.change, bytes),
             humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(since_unix_ms)),
             if also.is_empty() {
                 String::new()
@@ -800,6 +821,7 @@ impl Watcher {
                     why,
                     family: key.0,
                     key,
+                    attached_t: None,
                 });
             }
             Err(e) => {
@@ -820,9 +842,17 @@ impl Watcher {
 
     /// Finishes the episode when its tracer has ended.
     fn poll_episode(&mut self) -> Result<(), WatchError> {
+        let now = self.now();
         let Some(flight) = self.running.as_mut() else {
             return Ok(());
         };
+        if flight.attached_t.is_none() {
+            let log =
+                std::fs::read_to_string(flight.run.dir.join("tracer.log")).unwrap_or_default();
+            if log.contains("memtrace: tracing") {
+                flight.attached_t = Some(now);
+            }
+        }
         let Some(status) = flight.run.try_wait() else {
             return Ok(());
         };
@@ -847,11 +877,14 @@ impl Watcher {
             .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
             .and_then(|v| v["duration_ms"].as_u64());
         let traced_s = report_ms.map_or(traced_guess, |ms| ms as f64 / 1000.0);
+        // Attached when the tracer said so (to a tick), else as long
+        // before the end as it traced; detached that long after attaching.
+        let attach_t = flight.attached_t.unwrap_or(end_t - traced_s);
         let change = episode::Change {
             metric: flight.key.1.clone(),
             bytes,
-            at_attach: window.and_then(|w| w.value_at(end_t - traced_s)),
-            at_detach: window.and_then(|w| w.last().map(|p| p.1)),
+            at_attach: window.and_then(|w| w.value_at(attach_t)),
+            at_detach: window.and_then(|w| w.value_at(attach_t + traced_s)),
         };
         let summary = episode::finish(
             &flight.run,
