@@ -814,21 +814,33 @@ impl Detaching {
     /// so callers run it off the event loop and keep reading events).
     pub fn close(self) {
         for batch in self.batches {
-            drop_concurrently(batch);
+            drop_concurrently(batch, STAGED_THREADS);
         }
     }
+
+    /// Detaches every probe at once, in no order: once the trace's window
+    /// is closed no program records anything, so nothing depends on which
+    /// probe goes first, and each close's grace period overlaps the others.
+    pub fn close_at_once(self) {
+        let all: Vec<_> = self.batches.into_iter().flatten().collect();
+        drop_concurrently(all, AT_ONCE_THREADS);
+    }
 }
+
+/// Threads a staged detach closes each stage's probes from.
+const STAGED_THREADS: usize = 16;
+/// Threads [`Detaching::close_at_once`] closes probes from.
+const AT_ONCE_THREADS: usize = 128;
 
 /// Drops (detaches) `links` from a few threads at once: closing a uprobe's
 /// perf event waits for an RCU grace period in the kernel (a few hundred ms
 /// in a VM), and waits in parallel overlap, so ending a trace of dozens of
 /// probes takes one or two grace periods, not one per probe.
-fn drop_concurrently<T: Send>(links: Vec<T>) {
-    const THREADS: usize = 16;
+fn drop_concurrently<T: Send>(links: Vec<T>, threads: usize) {
     if links.len() <= 1 {
         return;
     }
-    let mut groups: Vec<Vec<T>> = (0..THREADS.min(links.len())).map(|_| Vec::new()).collect();
+    let mut groups: Vec<Vec<T>> = (0..threads.min(links.len())).map(|_| Vec::new()).collect();
     let count = groups.len();
     for (i, link) in links.into_iter().enumerate() {
         groups[i % count].push(link);

@@ -511,7 +511,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     if closed {
         // Nothing is recorded any more: the probes only need to go.
         let detaching = probes.detach();
-        let _ = tokio::task::spawn_blocking(move || detaching.close()).await;
+        let _ = tokio::task::spawn_blocking(move || detaching.close_at_once()).await;
     }
     Ok(())
 }

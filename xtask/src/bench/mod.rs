@@ -26,6 +26,7 @@ mod capacity;
 mod collateral;
 mod common;
 mod deep;
+mod ending;
 mod inference;
 mod memory;
 mod pairs;
@@ -93,6 +94,8 @@ pub enum Section {
     /// Python and C++ workloads.
     #[value(alias = "python")]
     Workloads,
+    /// How long after its window a trace's report is written and memtrace exits.
+    Ending,
 }
 
 impl Section {
@@ -303,6 +306,7 @@ fn one_section(section: Section, env: &Env, peers: &Peers, requests: u64) -> Str
         Section::Redis => s = redis_section(env, peers, requests).markdown,
         Section::Allocators => s = allocators_section(env),
         Section::Workloads => s = workloads_section(env, peers, env.rounds),
+        Section::Ending => ending::render(&ending::bench(env), &mut s),
     }
     s
 }
