@@ -5,6 +5,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::duration::parse_duration;
+use crate::sink::Format;
+
 /// Find memory leaks in live processes, host and GPU/NPU, with eBPF uprobes.
 #[derive(Debug, Parser)]
 #[command(
@@ -75,30 +78,11 @@ pub struct ReportArgs {
     pub suppress: Option<PathBuf>,
 }
 
-/// Output formats of the trace report.
 /// How allocation stacks are walked (`--stacks`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum StackMode {
     Dwarf,
     Fp,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    /// Human-readable report.
-    Text,
-    /// Stable JSON contract.
-    Json,
-    /// Collapsed stacks weighted by live bytes (for flamegraph tools).
-    Folded,
-    /// Flame graph of live bytes by allocation site (SVG).
-    Flamegraph,
-    /// Gzipped pprof profile (`go tool pprof`): in-use space and objects.
-    Pprof,
-    /// Chrome trace-event JSON of live bytes over time (Perfetto, chrome://tracing).
-    Timeline,
-    /// One self-contained HTML page: summary, charts, flame graph, sites table.
-    Html,
 }
 
 /// Options of the tracer (the default command).
@@ -291,12 +275,6 @@ fn parse_ring_mib(text: &str) -> Result<u32, String> {
     Ok(mib)
 }
 
-/// Parses a human duration such as `500ms`, `5s`, `2m`, `1h30m`.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    humantime::parse_duration(text.trim())
-        .map_err(|err| format!("invalid duration '{text}': {err} (examples: 500ms, 5s, 2m, 1h)"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -305,15 +283,6 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn durations_parse() {
-        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert!(parse_duration("five").is_err());
-        assert!(parse_duration("").is_err());
     }
 
     #[test]

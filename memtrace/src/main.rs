@@ -6,11 +6,13 @@
 mod analysis;
 mod btf;
 mod cli;
+mod duration;
 mod error;
 mod event;
 mod interp;
 mod kernel;
 mod live;
+mod model;
 mod monitor;
 mod output;
 mod probe;

@@ -10,9 +10,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::cli::Format;
 use crate::error::Failure;
 use crate::report::Report;
+use crate::sink::Format;
 use crate::sink::{self, Sink};
 
 pub struct Output {

@@ -803,7 +803,7 @@ mod tests {
         live
     }
 
-    fn rendered(report: &Report, format: crate::cli::Format) -> Vec<u8> {
+    fn rendered(report: &Report, format: crate::sink::Format) -> Vec<u8> {
         let mut out = Vec::new();
         crate::sink::for_format(format)
             .write(report, false, &mut out)
@@ -816,7 +816,7 @@ mod tests {
         let file = TempFile::new("python");
         let live = trace_with_python(&file.0);
         // The live report has Python frames to lose: merged sites, one cut.
-        let json = String::from_utf8(rendered(&live, crate::cli::Format::Json)).expect("utf-8");
+        let json = String::from_utf8(rendered(&live, crate::sink::Format::Json)).expect("utf-8");
         assert!(
             json.contains("Cache.put") && json.contains("server.py"),
             "{json}"
@@ -827,9 +827,9 @@ mod tests {
         assert_eq!(text.matches(r#""type":"py_stack""#).count(), 3, "{text}");
         let replayed = replay(&file.0, options()).expect("replays");
         for format in [
-            crate::cli::Format::Text,
-            crate::cli::Format::Json,
-            crate::cli::Format::Folded,
+            crate::sink::Format::Text,
+            crate::sink::Format::Json,
+            crate::sink::Format::Folded,
         ] {
             let (a, b) = (rendered(&live, format), rendered(&replayed, format));
             assert!(

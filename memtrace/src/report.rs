@@ -11,6 +11,7 @@ use crate::analysis::{
     Pattern, Suppressions, Trend, TrendVerdict,
 };
 use crate::event::StackRef;
+pub use crate::model::{Frame, FrameKind, TimelineSample};
 use crate::probe::catalog::{Allocator, Memory};
 use crate::probe::maps::FileAddr;
 use crate::probe::SpecEntry;
@@ -18,6 +19,7 @@ use crate::stacks::StackStore;
 use crate::symbolize::Symbolize;
 use crate::table::LiveTable;
 use crate::target::container::Placement;
+pub use crate::target::TargetInfo;
 
 /// The whole report; field names are a stable JSON contract (add, never rename).
 #[derive(Clone, Debug, Serialize)]
@@ -167,28 +169,6 @@ pub struct Reconciliation {
     pub note: String,
 }
 
-/// Live bytes and blocks of one allocator and memory kind at one moment.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct TimelineSample {
-    /// Milliseconds since tracing started.
-    pub t_ms: u64,
-    pub allocator: Allocator,
-    pub memory: Memory,
-    pub live_bytes: u64,
-    pub live_count: u64,
-}
-
-#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
-pub struct TargetInfo {
-    pub pid: u32,
-    pub comm: String,
-    pub exe: String,
-    /// Its pid in its own pid namespace and its container (keys `ns_pid`,
-    /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`).
-    #[serde(flatten, default)]
-    pub placement: Placement,
-}
-
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct EventCounts {
     pub allocs: u64,
@@ -258,28 +238,6 @@ pub struct Site {
     /// series the trend is judged on; bounded, coarser over long traces).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub history: Vec<(u64, u64)>,
-}
-
-/// Whether a frame is machine code or a Python function.
-#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq, Hash)]
-#[serde(rename_all = "lowercase")]
-pub enum FrameKind {
-    #[default]
-    Native,
-    Python,
-}
-
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct Frame {
-    /// `native` or `python` (then `symbol` is the qualified name, `addr` empty).
-    pub kind: FrameKind,
-    pub addr: String,
-    pub symbol: Option<String>,
-    pub module: Option<String>,
-    pub file: Option<String>,
-    pub line: Option<u32>,
-    /// Offset of the return address in `module`.
-    pub offset: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -906,8 +864,9 @@ mod tests {
     use super::*;
     use crate::event::{Action, Event};
     use crate::probe::catalog::Domain;
-    use crate::probe::maps::{parse, AddressSpace};
+    use crate::probe::maps::AddressSpace;
     use crate::symbolize::{SymInfo, Symbolize};
+    use crate::target::maps::parse;
 
     struct FakeSymbols;
     impl Symbolize for FakeSymbols {

@@ -1,10 +1,12 @@
 //! The traced process: checking that a pid can be traced, describing it, and
 //! launching a command held before `exec` until the probes are attached.
 //! [`files`]: opening its files as it sees them (containers);
+//! [`maps`]: its `/proc/PID/maps`, parsed;
 //! [`container`]: its namespaces and container identity.
 
 pub mod container;
 pub mod files;
+pub mod maps;
 
 use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -12,7 +14,6 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
 use crate::error::Failure;
-use crate::report::TargetInfo;
 
 /// Process flag marking kernel threads (`PF_KTHREAD` in `/proc/PID/stat`).
 const PF_KTHREAD: u64 = 0x0020_0000;
@@ -96,6 +97,18 @@ pub fn parent(pid: u32) -> Option<u32> {
 /// The start time of `pid`, to tell it from a later process given the same pid.
 pub fn start_time(pid: u32) -> Option<u64> {
     read_stat(pid).map(|stat| stat.start_time)
+}
+
+/// The traced process as reports name it (`target` in the JSON report).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct TargetInfo {
+    pub pid: u32,
+    pub comm: String,
+    pub exe: String,
+    /// Its pid in its own pid namespace and its container (keys `ns_pid`,
+    /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`).
+    #[serde(flatten, default)]
+    pub placement: container::Placement,
 }
 
 /// Checks that `pid` is a live user-space process and describes it.

@@ -5,9 +5,9 @@ use std::collections::HashMap;
 
 use super::SiteSeries;
 use crate::event::StackRef;
+use crate::model::TimelineSample;
 use crate::probe::catalog::{Allocator, Memory};
 use crate::probe::SpecEntry;
-use crate::report::TimelineSample;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
 

@@ -31,7 +31,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 
-use crate::cli::parse_duration;
+use crate::duration::parse_duration;
 use error::MonitorError;
 use series::Recording;
 use units::parse_size;

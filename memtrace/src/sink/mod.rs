@@ -17,8 +17,28 @@ mod timeline;
 
 use std::io::Write;
 
-use crate::cli::Format;
+use clap::ValueEnum;
+
 use crate::report::{Frame, Report, Site};
+
+/// Output formats of the trace report (`--format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Human-readable report.
+    Text,
+    /// Stable JSON contract.
+    Json,
+    /// Collapsed stacks weighted by live bytes (for flamegraph tools).
+    Folded,
+    /// Flame graph of live bytes by allocation site (SVG).
+    Flamegraph,
+    /// Gzipped pprof profile (`go tool pprof`): in-use space and objects.
+    Pprof,
+    /// Chrome trace-event JSON of live bytes over time (Perfetto, chrome://tracing).
+    Timeline,
+    /// One self-contained HTML page: summary, charts, flame graph, sites table.
+    Html,
+}
 
 /// Renders reports in one format.
 pub trait Sink {

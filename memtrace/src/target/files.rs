@@ -28,7 +28,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use crate::probe::maps::Mapping;
+use super::maps::{self, Mapping};
 
 /// A file's identity: device (`major << 20 | minor`, as `/proc/PID/maps`
 /// prints it) and inode.
@@ -236,7 +236,7 @@ impl Registry {
         let id = match ids.as_slice() {
             [one] => *one,
             _ => {
-                let mappings = crate::probe::maps::read_raw(pid).ok()?;
+                let mappings = maps::read_raw(pid).ok()?;
                 let mapping = mappings
                     .iter()
                     .find(|m| m.is_file() && m.path.as_deref() == Some(path))?;
@@ -279,7 +279,8 @@ pub fn open_path(pid: u32, path: &Path) -> Option<PathBuf> {
     if let Some(known) = registry().by_path(pid, path) {
         return known.ok();
     }
-    if let Ok(mappings) = crate::probe::maps::read(pid) {
+    if let Ok(mappings) = maps::read_raw(pid) {
+        observe(pid, &mappings);
         if let Some(mapping) = mappings
             .iter()
             .find(|m| m.is_file() && m.path.as_deref() == Some(path))
@@ -319,7 +320,6 @@ pub fn note() -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::probe::maps;
 
     #[test]
     fn device_numbers_are_split_as_maps_prints_them() {

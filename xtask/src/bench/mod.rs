@@ -199,6 +199,9 @@ fn bench_as(task: &str, args: BenchArgs) -> Result<()> {
     let redis = redis_section(&env, &peers, requests);
     eprintln!("xtask bench: mallocbench under each preloaded allocator ({rounds} rounds)");
     let allocators = allocators_section(&env);
+    eprintln!("xtask bench: end of a trace");
+    let mut ending = String::new();
+    ending::render(&ending::bench(&env), &mut ending);
 
     let command = std::iter::once("cargo xtask".to_string())
         .chain(std::env::args().skip(1))
@@ -224,6 +227,7 @@ fn bench_as(task: &str, args: BenchArgs) -> Result<()> {
     doc.push_str(&redis.markdown);
     doc.push_str(&allocators);
     doc.push_str(&python);
+    doc.push_str(&ending);
     let out = if args.out.is_absolute() {
         args.out.clone()
     } else {

@@ -8,7 +8,7 @@
 //! above the native ones as their callers.
 
 use super::resolve::PyFrame;
-use crate::report::{Frame, FrameKind};
+use crate::model::{Frame, FrameKind};
 
 /// Native functions of the interpreter's evaluation loop.
 const EVAL_FUNCTIONS: &[&str] = &[

@@ -1,0 +1,41 @@
+//! Small shared model types: a stack frame as reports show it and one point
+//! of the live-bytes timeline. They sit below `report`, `analysis` and
+//! `interp`, which all use them, so none of those has to import another for
+//! them (`report` re-exports them: `report::Frame` is the same type).
+
+use serde::Serialize;
+
+use crate::probe::catalog::{Allocator, Memory};
+
+/// Live bytes and blocks of one allocator and memory kind at one moment.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct TimelineSample {
+    /// Milliseconds since tracing started.
+    pub t_ms: u64,
+    pub allocator: Allocator,
+    pub memory: Memory,
+    pub live_bytes: u64,
+    pub live_count: u64,
+}
+
+/// Whether a frame is machine code or a Python function.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum FrameKind {
+    #[default]
+    Native,
+    Python,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Frame {
+    /// `native` or `python` (then `symbol` is the qualified name, `addr` empty).
+    pub kind: FrameKind,
+    pub addr: String,
+    pub symbol: Option<String>,
+    pub module: Option<String>,
+    pub file: Option<String>,
+    pub line: Option<u32>,
+    /// Offset of the return address in `module`.
+    pub offset: Option<String>,
+}
