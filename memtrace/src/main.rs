@@ -50,6 +50,7 @@ fn main() -> ExitCode {
         Some(cli::Command::UnwindTable(args)) => unwind::describe(&args.files),
         Some(cli::Command::Doctor(args)) => kernel::doctor::run(&args),
         Some(cli::Command::Watch(args)) => watch::run(*args),
+        Some(cli::Command::Probes(args)) => probe::usdt_list::run(&args),
         None => run_trace(cli.trace),
     };
     match result {

@@ -7,6 +7,8 @@ pub mod maps;
 pub mod pairs;
 pub mod placement;
 pub mod plan;
+pub mod usdt;
+pub mod usdt_list;
 
 use catalog::{Allocator, Domain, FuncDef, Memory};
 
