@@ -118,6 +118,20 @@ pub struct TraceArgs {
     #[arg(long, value_name = "NAME", conflicts_with_all = ["pid", "command"])]
     pub name: Option<String>,
 
+    /// Trace every process of this container (its id, or a unique prefix of
+    /// it, as the container id read from /proc/PID/cgroup: Docker,
+    /// containerd, CRI-O, Podman, Kubernetes), each with probes of its own,
+    /// and those that start in it later.
+    #[arg(long, value_name = "ID", conflicts_with_all = ["pid", "command", "name", "cgroup"])]
+    pub container: Option<String>,
+
+    /// Trace every process in this cgroup or below it (a path as
+    /// /proc/PID/cgroup shows it: /system.slice/x.service, 0::/PATH for v2,
+    /// N:CONTROLLERS:/PATH for a v1 hierarchy), each with probes of its own,
+    /// and those that join it later.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["pid", "command", "name"])]
+    pub cgroup: Option<String>,
+
     /// Stop after this long (e.g. 5s, 2m); default: until Ctrl-C or the target exits.
     #[arg(short, long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
@@ -242,8 +256,9 @@ pub struct TraceArgs {
     #[arg(long)]
     pub follow_forks: bool,
 
-    /// With --follow-forks or --name: most processes traced at once (the
-    /// target included); further ones are counted and named in a note.
+    /// With --follow-forks, --name, --container or --cgroup: most processes
+    /// traced at once (the target included); further ones are counted and
+    /// named in a note.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_processes: u32,
 
@@ -321,5 +336,26 @@ mod tests {
         assert!(Cli::try_parse_from(["memtrace", "--name", "x", "--", "ls"]).is_err());
         let parsed = Cli::try_parse_from(["memtrace", "--name", "redis-server"]).expect("parses");
         assert_eq!(parsed.trace.name.as_deref(), Some("redis-server"));
+    }
+
+    #[test]
+    fn container_and_cgroup_select_alone() {
+        for flag in ["--container", "--cgroup"] {
+            assert!(Cli::try_parse_from(["memtrace", flag, "x", "--pid", "1"]).is_err());
+            assert!(Cli::try_parse_from(["memtrace", flag, "x", "--name", "y"]).is_err());
+            assert!(Cli::try_parse_from(["memtrace", flag, "x", "--", "ls"]).is_err());
+        }
+        assert!(Cli::try_parse_from(["memtrace", "--container", "ab", "--cgroup", "/x"]).is_err());
+        let parsed = Cli::try_parse_from([
+            "memtrace",
+            "--container",
+            "0123abcd",
+            "--max-processes",
+            "8",
+        ])
+        .expect("parses");
+        assert_eq!(parsed.trace.container.as_deref(), Some("0123abcd"));
+        let parsed = Cli::try_parse_from(["memtrace", "--cgroup", "0::/a.slice"]).expect("parses");
+        assert_eq!(parsed.trace.cgroup.as_deref(), Some("0::/a.slice"));
     }
 }

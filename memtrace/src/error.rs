@@ -47,25 +47,10 @@ pub fn report(err: &anyhow::Error) -> ExitCode {
     ExitCode::from(code)
 }
 
-/// Whether this process may load eBPF programs and open uprobe perf events:
-/// root, or CAP_BPF and CAP_PERFMON in the effective set.
+/// Whether this process may load eBPF programs, create uprobes and read
+/// other users' processes: the capabilities of
+/// [`crate::kernel::privilege::CAPABILITIES`] this kernel asks for, checked
+/// from `CapEff` (root in a container may lack them); the missing one is named.
 pub fn check_privilege() -> Result<(), Failure> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        return Ok(());
-    }
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let effective = status
-        .lines()
-        .find_map(|line| line.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .unwrap_or(0);
-    const CAP_PERFMON: u64 = 38;
-    const CAP_BPF: u64 = 39;
-    if effective & (1 << CAP_BPF) != 0 && effective & (1 << CAP_PERFMON) != 0 {
-        return Ok(());
-    }
-    Err(Failure::permission(
-        "permission denied: memtrace needs root, or CAP_BPF and CAP_PERFMON (run it with sudo)",
-    ))
+    crate::kernel::privilege::check(true)
 }

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::report::ProcessInfo;
 use crate::target;
+use crate::trace::by_name::Selector;
 use crate::trace::discovery::Discovery;
 use crate::trace::loader::Probes;
 use crate::trace::pipeline::Pipeline;
@@ -76,8 +77,8 @@ pub struct Family {
     /// attach: the difference is children that came and went unseen.
     forks_reported: u64,
     children_seen: u64,
-    /// `--name`: the name of the processes traced for it.
-    name: Option<String>,
+    /// `--name`, `--container`, `--cgroup`: the processes traced for it.
+    selector: Option<Selector>,
 }
 
 impl Family {
@@ -94,17 +95,23 @@ impl Family {
             gone_early: BTreeSet::new(),
             forks_reported: 0,
             children_seen: 0,
-            name: None,
+            selector: None,
         }
     }
 
-    /// Traces the processes named `name` (`--name`): the target is one of them.
-    pub fn with_name(mut self, name: Option<String>) -> Self {
-        if let (Some(_), Some(target)) = (&name, self.members.get_mut(&self.target)) {
+    /// Traces the processes `selector` selects (`--name`, `--container`,
+    /// `--cgroup`): the target is one of them.
+    pub fn with_selector(mut self, selector: Option<Selector>) -> Self {
+        if let (Some(_), Some(target)) = (&selector, self.members.get_mut(&self.target)) {
             target.info.by_name = true;
         }
-        self.name = name;
+        self.selector = selector;
         self
+    }
+
+    /// What selects the processes traced beside the target, if anything.
+    pub fn selector(&self) -> Option<&Selector> {
+        self.selector.as_ref()
     }
 
     /// Every process seen so far: traced (running or not), or left out
@@ -407,7 +414,8 @@ impl Family {
                 list(&mut self.gone_early.iter().copied())
             ));
         }
-        if let Some(name) = &self.name {
+        if let Some(selector) = &self.selector {
+            let what = selector.what();
             let named: Vec<&ProcessInfo> = self
                 .members
                 .values()
@@ -416,7 +424,7 @@ impl Family {
                 .collect();
             if named.len() > 1 {
                 notes.push(format!(
-                    "traced {} processes named {name} (pids {}), each with probes of its own",
+                    "traced {} processes {what} (pids {}), each with probes of its own",
                     named.len(),
                     list(&mut named.iter().map(|p| p.pid))
                 ));

@@ -1,5 +1,6 @@
 //! Tracing a process (and with `--follow-forks` its descendants, with
-//! `--name` every process of a name, including those that start later): load,
+//! `--name`, `--container` or `--cgroup` every process of a name, container
+//! or cgroup, including those that start later): load,
 //! attach, run the one event loop (ring buffer -> decode -> live table), watch
 //! the processes, rescan for new libraries, snapshot the table every interval,
 //! and hand the state to the report builder and the chosen sink (and the
@@ -29,7 +30,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::analysis::history::History;
 use crate::analysis::Suppressions;
 use crate::cli::TraceArgs;
-use crate::error::{check_privilege, Failure};
+use crate::error::Failure;
 use crate::output::Output;
 use crate::probe::catalog::Allocator;
 use crate::report::{self, ProcessInfo, Reconciliation, Settings, TargetInfo};
@@ -43,7 +44,8 @@ use pipeline::Pipeline;
 
 /// How often the target's mappings are rescanned for newly loaded libraries.
 const RESCAN_EVERY: Duration = Duration::from_millis(500);
-/// How often `/proc` is searched for processes that took the `--name`.
+/// How often `/proc` is searched for processes that took the `--name` (or
+/// joined the `--container`, the `--cgroup`).
 const NAME_POLL_EVERY: Duration = Duration::from_millis(250);
 /// Children are looked for every this many rescans (it may scan all of /proc).
 const CHILDREN_EVERY_RESCANS: u64 = 4;
@@ -67,9 +69,14 @@ const METRICS_EVERY: Duration = Duration::from_secs(2);
 
 /// Runs `memtrace [--pid PID | --name NAME | -- CMD]`.
 pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
-    if args.pid.is_none() && args.name.is_none() && args.command.is_empty() {
+    let selector = by_name::Selector::from_args(
+        args.name.as_deref(),
+        args.container.as_deref(),
+        args.cgroup.as_deref(),
+    )?;
+    if args.pid.is_none() && selector.is_none() && args.command.is_empty() {
         return Err(Failure::usage(
-            "nothing to trace: give --pid PID, --name NAME, or -- CMD [ARGS...] (see memtrace --help)",
+            "nothing to trace: give --pid PID, --name NAME, --container ID, --cgroup PATH, or -- CMD [ARGS...] (see memtrace --help)",
         )
         .into());
     }
@@ -84,12 +91,12 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         None => None,
     };
     let catalog = catalog_for(&args)?;
-    check_privilege()?;
+    crate::kernel::privilege::check(args.command.is_empty())?;
     let output = Output::open(args.output.as_deref(), args.format)?;
 
-    let mut names = args.name.as_deref().map(by_name::NameWatch::new);
-    // With --name: the first process of the name is the target, the others
-    // are traced beside it.
+    let mut names = selector.map(by_name::Watch::new);
+    // With --name (--container, --cgroup): the first process selected is
+    // the target, the others are traced beside it.
     let mut peers = Vec::new();
     let (mut held, pid) = match (args.pid, names.as_mut()) {
         (Some(pid), _) => {
@@ -99,11 +106,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         (None, Some(watch)) => {
             let found = watch.find(&BTreeSet::new());
             let Some((&first, rest)) = found.split_first() else {
-                return Err(Failure::usage(format!(
-                    "--name {}: no running process has this name (exact comm, argv0 or executable basename)",
-                    watch.name()
-                ))
-                .into());
+                return Err(Failure::usage(watch.selector().none_running()).into());
             };
             peers = rest.to_vec();
             (None, first)
@@ -255,7 +258,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
             args.follow_forks,
             args.max_processes,
         )
-        .with_name(args.name.clone()),
+        .with_selector(names.as_ref().map(|watch| watch.selector().clone())),
         pipeline: Pipeline::new(usize::try_from(args.max_live).unwrap_or(usize::MAX)),
         history: History::default(),
         suppressions,
@@ -350,7 +353,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 rescans += 1;
                 for gone in session.family.reap(&mut probes, &mut session.pipeline) {
                     session.python.forget(gone, &mut probes);
-                    let who = if args.name.is_some() { "pid" } else { "child pid" };
+                    let who = if session.family.selector().is_some() {
+                        "pid"
+                    } else {
+                        "child pid"
+                    };
                     eprintln!("memtrace: {who} {gone} exited; its probes are detached");
                 }
                 if rescans.is_multiple_of(CHILDREN_EVERY_RESCANS) {
@@ -733,7 +740,7 @@ impl Session<'_> {
         });
         self.family.let_go(pid, probes, &mut self.pipeline);
         if self.family.children_running() {
-            if self.args.name.is_some() {
+            if self.family.selector().is_some() {
                 eprintln!("memtrace: target pid {pid} exited; still tracing the other processes");
             } else {
                 eprintln!("memtrace: target pid {pid} exited; still tracing its child processes");
@@ -790,7 +797,11 @@ impl Session<'_> {
         let adoption = self.with_tools(probes, discovery, |family, tools| {
             family.adopt_named(pid, late, tools)
         });
-        let name = self.args.name.as_deref().unwrap_or_default();
+        let reason = self
+            .family
+            .selector()
+            .map(|selector| selector.reason())
+            .unwrap_or_default();
         match adoption {
             Adoption::Followed => {
                 let comm = target::inspect(pid).map(|t| t.comm).unwrap_or_default();
@@ -799,12 +810,10 @@ impl Session<'_> {
                 } else {
                     ""
                 };
-                eprintln!(
-                    "memtrace: tracing pid {pid} ({comm}) too: it has the name {name}{since}"
-                );
+                eprintln!("memtrace: tracing pid {pid} ({comm}) too: {reason}{since}");
             }
             Adoption::Known => {}
-            other => eprintln!("memtrace: pid {pid} named {name}: {other}"),
+            other => eprintln!("memtrace: pid {pid} ({reason}): {other}"),
         }
     }
 
