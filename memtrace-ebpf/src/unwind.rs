@@ -942,7 +942,19 @@ pub fn capture(ctx: &RetProbeContext) -> i32 {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: for return probes the context is the trapped task's pt_regs.
     let (pc, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
-    memtrace_walk_stack(pc, sp, bp)
+    // A walk preempted by another on its CPU (their per-CPU state is
+    // shared; preemptible kernels allow it) is walked once more: it is a
+    // function of these registers and the stack, both still as they were.
+    match memtrace_walk_stack(pc, sp, bp) {
+        key if key == -EAGAIN => {
+            let again = memtrace_walk_stack(pc, sp, bp);
+            if again == -EAGAIN {
+                bump(Counter::StackOther);
+            }
+            again
+        }
+        key => key,
+    }
 }
 
 #[cfg(not(feature = "compat"))]
@@ -1030,7 +1042,6 @@ pub extern "C" fn memtrace_walk_replay(started: u64) -> i32 {
         for index in [pair, pair + 1] {
             if let Some((key, stop)) = replayed(index, pc, sp, bp, tgid, generation) {
                 if walks_started() != started {
-                    bump(Counter::StackOther);
                     return -EAGAIN;
                 }
                 bump(Counter::StacksReplayed);
@@ -1074,7 +1085,6 @@ pub extern "C" fn memtrace_walk_replay(started: u64) -> i32 {
 pub extern "C" fn memtrace_walk_finish(started: u64) -> i32 {
     if walks_started() != started {
         // Another walk ran on this CPU meanwhile and took the scratch.
-        bump(Counter::StackOther);
         return -EAGAIN;
     }
     let Some(state) = WALK_STATE.get_ptr_mut(0) else {
