@@ -17,6 +17,7 @@ mod gpu;
 mod headroom;
 mod outputs;
 mod pairs;
+mod privilege;
 mod python;
 mod reliability;
 mod settle;
