@@ -1,0 +1,302 @@
+//! The report model (serde): what a trace found, field names a stable JSON
+//! contract. How it is built from the live table, the stack store and the
+//! counters is [`build`] (one step per function). Sinks render it; nothing
+//! here prints.
+
+mod build;
+
+pub use build::build;
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::Serialize;
+
+use crate::analysis::history::History;
+use crate::analysis::{Pattern, Suppressions, Trend};
+pub use crate::model::{Frame, FrameKind, TimelineSample};
+use crate::probe::catalog::{Allocator, Memory};
+use crate::probe::SpecEntry;
+use crate::stacks::StackStore;
+use crate::table::LiveTable;
+use crate::target::container::Placement;
+pub use crate::target::TargetInfo;
+
+/// The whole report; field names are a stable JSON contract (add, never rename).
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub target: TargetInfo,
+    pub duration_ms: u64,
+    /// True for the reports printed every `--interval`; the last one is final.
+    pub interim: bool,
+    /// False when events were lost: the live table may then be wrong.
+    pub complete: bool,
+    pub events: EventCounts,
+    pub lost_by_cause: BTreeMap<String, u64>,
+    pub stack_failures_by_cause: BTreeMap<String, u64>,
+    pub totals: Vec<Total>,
+    pub sites: Vec<Site>,
+    pub failed_calls: Vec<FailedCall>,
+    pub libraries: Vec<serde_json::Value>,
+    pub missing_functions: Vec<String>,
+    pub settings: Settings,
+    pub kernel_counters: BTreeMap<String, u64>,
+    pub notes: Vec<String>,
+    /// Live bytes per allocator at each interval (`--interval`), oldest first.
+    pub timeline: Vec<TimelineSample>,
+    /// What the allow-list (`--suppress`) and `--warmup` set aside: counted, not shown.
+    pub suppressed: Suppressed,
+    /// Tracked host bytes against the target's own memory growth since attach.
+    pub reconciliation: Option<Reconciliation>,
+    /// The processes traced: the target, and with `--follow-forks` each
+    /// descendant, with what each still holds.
+    pub processes: Vec<ProcessInfo>,
+    /// Functions that could not be attached though others of their object
+    /// were (another tracer's conflicting probe, ...): their calls are missing.
+    pub attach_failures: Vec<String>,
+    /// Stacks that ended before their outermost frame, by cause
+    /// (`depth`: `--stack-depth` reached; `fault`: unreadable stack memory;
+    /// `no_table`: code without CFI where frame pointers did not continue;
+    /// `bad_rule`: a CFI rule the unwinder cannot follow; `table_cap`: the
+    /// object's table did not fit `--unwind-table-mib`).
+    pub stack_truncations_by_cause: BTreeMap<String, u64>,
+    /// The DWARF unwinder's tables (objects, rows, kernel memory); `None` with
+    /// `--stacks fp`, `--stack-depth 0` or offline.
+    pub unwind: Option<crate::unwind::kernel::UnwindSummary>,
+    /// The CPython interpreters found in traced processes, and whether (or
+    /// why not) their Python frames are read.
+    pub python: Vec<crate::interp::python::Interpreter>,
+    /// With `--bpf-stats`: each of memtrace's BPF programs, how often it ran
+    /// and the kernel time it took (memtrace's own cost in the traced
+    /// process, the traps excluded); empty without.
+    pub bpf_programs: Vec<ProgramCost>,
+}
+
+/// One BPF program's runs and run time (`--bpf-stats`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ProgramCost {
+    pub program: String,
+    pub runs: u64,
+    pub run_ns: u64,
+    /// `run_ns / runs` (0 when it never ran).
+    pub ns_per_run: u64,
+}
+
+impl ProgramCost {
+    pub fn new(program: &str, runs: u64, run_ns: u64) -> Self {
+        ProgramCost {
+            program: program.to_string(),
+            runs,
+            run_ns,
+            ns_per_run: run_ns.checked_div(runs).unwrap_or(0),
+        }
+    }
+}
+
+/// Kernel counters of stacks cut short, and their names in
+/// `stack_truncations_by_cause`.
+pub const TRUNCATION_CAUSES: &[(&str, &str)] = &[
+    ("stack_truncated_depth", "depth"),
+    ("stack_truncated_fault", "fault"),
+    ("stack_truncated_no_table", "no_table"),
+    ("stack_truncated_bad_rule", "bad_rule"),
+    ("stack_truncated_table_cap", "table_cap"),
+];
+
+/// One traced process.
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct ProcessInfo {
+    pub pid: u32,
+    /// The traced process it forked from (none for the target).
+    pub parent: Option<u32>,
+    pub comm: String,
+    pub exe: String,
+    /// Milliseconds after tracing started when its probes were in place.
+    pub traced_from_ms: u64,
+    /// Milliseconds between the kernel reporting its fork (for a process
+    /// found by `--name` during the trace: its start) and its probes being in
+    /// place: its allocations in that window were not seen.
+    pub attach_delay_ms: Option<u64>,
+    /// Traced because it has the `--name` (not as a child).
+    #[serde(default)]
+    pub by_name: bool,
+    /// Found by `--name` after tracing started (it started later).
+    #[serde(default)]
+    pub started_during_trace: bool,
+    /// Launch mode held it before its first instruction until its probes
+    /// were in place: nothing of it was missed.
+    pub held_at_birth: bool,
+    /// It exited before the report.
+    pub exited: bool,
+    /// Filled by the report builder from the live table.
+    pub live_bytes: u64,
+    pub live_count: u64,
+    /// Its pid in its own pid namespace and its container (keys `ns_pid`,
+    /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`).
+    #[serde(flatten, default)]
+    pub placement: Placement,
+}
+
+/// Blocks set aside by the allow-list or the warm-up.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct Suppressed {
+    pub live_bytes: u64,
+    pub live_count: u64,
+    pub by_entry: Vec<SuppressedEntry>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct SuppressedEntry {
+    /// The allow-list entry (`line N: text`) or `warmup`.
+    pub entry: String,
+    pub live_bytes: u64,
+    pub live_count: u64,
+}
+
+/// How much of the target's memory growth memtrace's tracked bytes explain.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct Reconciliation {
+    pub rss_anon_at_attach: u64,
+    pub rss_anon_now: u64,
+    pub rss_anon_growth: i64,
+    pub vm_rss_at_attach: u64,
+    pub vm_rss_now: u64,
+    /// Live heap bytes (libc allocator) memtrace tracks.
+    pub tracked_host_bytes: u64,
+    /// Live anonymous mappings memtrace tracks (virtual: not all resident).
+    pub tracked_mmap_bytes: u64,
+    /// tracked / growth, when the growth is positive.
+    pub explained_ratio: Option<f64>,
+    pub note: String,
+}
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct EventCounts {
+    pub allocs: u64,
+    pub frees: u64,
+    /// Events that never reached memtrace (every cause in `lost_by_cause`).
+    pub lost: u64,
+    pub unmatched_frees: u64,
+    /// Releases seen at two probes (an `operator delete` ending in a probed
+    /// `sdallocx`), counted once.
+    pub releases_seen_twice: u64,
+    pub stack_failures: u64,
+    pub failed_calls: u64,
+    /// Allocations not tracked because the live table was at its cap.
+    pub table_full: u64,
+    /// Heap blocks released before their allocation left the kernel: the
+    /// pairs settled there (included in `allocs` and `frees`).
+    pub settled_in_kernel: u64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Total {
+    pub allocator: Allocator,
+    pub memory: Memory,
+    pub live_bytes: u64,
+    pub live_count: u64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Site {
+    pub allocator: Allocator,
+    pub memory: Memory,
+    pub live_bytes: u64,
+    pub live_count: u64,
+    pub oldest_age_ms: u64,
+    /// `growing`, `stable`, `shrinking`, or `new` (too few intervals to say).
+    pub trend: Trend,
+    /// Robust slope of the site's live bytes over the intervals.
+    pub growth_bytes_per_s: f64,
+    /// The leak pattern this site looks like, if any.
+    pub pattern: Option<Pattern>,
+    /// Intervals the site's oldest live block has lived through.
+    pub survived_intervals: u64,
+    /// With `--sample-rate N`: live bytes and blocks scaled by N.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimated_live_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimated_live_count: Option<u64>,
+    /// The probed functions that made these blocks.
+    pub functions: Vec<String>,
+    /// The allocator's own library made these blocks for itself (its caller
+    /// is inside that library: thread stacks, malloc arenas, stdio buffers,
+    /// locale data): usually caches, ranked last within their trend.
+    pub internal: bool,
+    /// Processes holding these blocks: the target, and with
+    /// `--follow-forks` its descendants.
+    pub pids: Vec<u32>,
+    /// Allocating thread ids.
+    pub threads: Vec<u32>,
+    /// Their names (`/proc/PID/task/TID/comm`), where known.
+    pub thread_names: Vec<String>,
+    /// Why there are no frames, when there are none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stack_note: Option<String>,
+    /// `frames[0]` is the function that called the allocator.
+    pub frames: Vec<Frame>,
+    /// `[t_ms, live_bytes]` at each interval snapshot, oldest first (the
+    /// series the trend is judged on; bounded, coarser over long traces).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<(u64, u64)>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct FailedCall {
+    pub function: String,
+    pub allocator: Allocator,
+    pub code: i64,
+    pub count: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+pub struct Settings {
+    pub stack_depth: u32,
+    pub min_age_ms: u64,
+    pub top: usize,
+    pub sample_rate: u32,
+    pub min_size: u64,
+    pub max_size: Option<u64>,
+    pub warmup_ms: u64,
+    pub interval_ms: Option<u64>,
+    pub suppress_file: Option<String>,
+}
+
+/// Everything the builder reads.
+pub struct ReportInput<'a> {
+    pub target: TargetInfo,
+    pub duration_ms: u64,
+    /// Monotonic time now and when tracing started (the clock of block timestamps).
+    pub now_ns: u64,
+    pub started_ns: u64,
+    pub table: &'a LiveTable,
+    pub specs: &'a [SpecEntry],
+    pub stacks: &'a StackStore,
+    pub history: Option<&'a History>,
+    pub suppressions: Option<&'a Suppressions>,
+    pub thread_names: &'a HashMap<u32, String>,
+    pub kernel_counters: BTreeMap<String, u64>,
+    pub libraries: Vec<serde_json::Value>,
+    pub missing_functions: Vec<String>,
+    pub settings: Settings,
+    pub notes: Vec<String>,
+    pub reconciliation: Option<Reconciliation>,
+    /// What is known of the traced processes; pids seen only in the table
+    /// are added with what the table says.
+    pub processes: Vec<ProcessInfo>,
+    pub attach_failures: Vec<String>,
+}
+
+/// Kernel counters that mean events were lost.
+pub const LOST_CAUSES: &[&str] = &[
+    "ringbuf_full",
+    "pending_full",
+    "out_read_failed",
+    "mmap_table_full",
+];
+/// Kernel counters that mean a stack could not be captured.
+pub const STACK_CAUSES: &[&str] = &["stack_fault", "stack_collision", "stack_other"];
+
+/// Whether `--min-size`/`--max-size` narrowed what is traced.
+pub fn size_filtered(settings: &Settings) -> bool {
+    settings.min_size > 0 || settings.max_size.is_some()
+}
