@@ -45,25 +45,7 @@ pub enum Command {
     Watch(Box<crate::watch::WatchArgs>),
     /// List the USDT probes (provider, name, file offset, semaphore,
     /// arguments) an object file offers, or every object a process maps.
-    Probes(ProbesArgs),
-}
-
-/// Options of `memtrace probes PID|FILE`.
-#[derive(Debug, Args)]
-pub struct ProbesArgs {
-    /// A process id, or an ELF object (executable, shared library).
-    #[arg(value_name = "PID|FILE")]
-    pub target: String,
-    /// Output format.
-    #[arg(short, long, value_enum, default_value_t = ListFormat::Text)]
-    pub format: ListFormat,
-}
-
-/// Formats of listings (`memtrace probes`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ListFormat {
-    Text,
-    Json,
+    Probes(crate::probe::usdt_list::ProbesArgs),
 }
 
 /// Options of `memtrace unwind-table FILE...`.

@@ -46,11 +46,3 @@ pub fn report(err: &anyhow::Error) -> ExitCode {
     eprintln!("memtrace: {err:#}");
     ExitCode::from(code)
 }
-
-/// Whether this process may load eBPF programs, create uprobes and read
-/// other users' processes: the capabilities of
-/// [`crate::kernel::privilege::CAPABILITIES`] this kernel asks for, checked
-/// from `CapEff` (root in a container may lack them); the missing one is named.
-pub fn check_privilege() -> Result<(), Failure> {
-    crate::kernel::privilege::check(true)
-}

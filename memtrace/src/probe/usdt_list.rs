@@ -6,11 +6,29 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use clap::{Args, ValueEnum};
 use serde::Serialize;
 
 use super::usdt::{self, UsdtArg, UsdtProbe};
-use crate::cli::{ListFormat, ProbesArgs};
 use crate::error::Failure;
+
+/// Options of `memtrace probes PID|FILE`.
+#[derive(Debug, Args)]
+pub struct ProbesArgs {
+    /// A process id, or an ELF object (executable, shared library).
+    #[arg(value_name = "PID|FILE")]
+    pub target: String,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t = ListFormat::Text)]
+    pub format: ListFormat,
+}
+
+/// Formats of listings (`memtrace probes`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ListFormat {
+    Text,
+    Json,
+}
 
 /// One object and its probes.
 #[derive(Debug, Serialize)]

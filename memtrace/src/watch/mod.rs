@@ -431,7 +431,7 @@ impl Watcher {
             ));
         }
         if !args.dry_run {
-            crate::error::check_privilege().map_err(|e| WatchError::Usage(e.message))?;
+            crate::kernel::privilege::check(true).map_err(|e| WatchError::Usage(e.message))?;
         }
         let mut st = state::State::default();
         if let Some(dir) = &args.reports {
