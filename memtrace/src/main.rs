@@ -11,6 +11,8 @@ mod error;
 mod event;
 mod interp;
 mod kernel;
+#[cfg(test)]
+mod layering;
 mod live;
 mod model;
 mod monitor;
