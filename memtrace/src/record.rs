@@ -7,6 +7,8 @@
 //!
 //! A truncated or corrupted file is read up to the first bad line; the report
 //! then says so.
+//!
+//! Over 800 lines with its tests (~420: replay equals the live report, per format, and cut files); the code is ~450.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;

@@ -7,6 +7,8 @@
 //! No test measures time: every wait is for an event (a line, an exit), and
 //! each has a generous safety timeout only so that a hang fails instead of
 //! blocking the suite.
+//!
+//! Over 800 lines: 16 independent scenarios of the one subject above, sharing this file's helpers (~330 lines of them).
 
 use std::ffi::CString;
 use std::io::{BufRead, BufReader, Read, Write};

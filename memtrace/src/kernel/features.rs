@@ -10,6 +10,8 @@
 //!
 //! The parsers (`CapEff`, the lockdown line, the kernel release) and the mode
 //! table are pure and tested without root; the probes need the kernel.
+//!
+//! Over 800 lines with its tests (~130): the code, one probe per feature and the mode table, is ~670.
 
 use std::fmt;
 use std::os::fd::{FromRawFd, OwnedFd};

@@ -41,6 +41,8 @@
 //! Only what lies inside the bytes given can be checked: a branch from
 //! further into the function back into the skipped bytes is not seen. Pass
 //! [`WINDOW`] bytes (fewer when the symbol is shorter).
+//!
+//! Over 800 lines with its tests (~670 of prologue cases); the decoder itself is ~490.
 
 use std::fmt;
 

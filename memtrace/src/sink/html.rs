@@ -14,6 +14,8 @@
 //! Sampled traces show estimates and say so in a banner; incomplete traces
 //! (lost events, a full table, failed attaches) say so on top. Only the
 //! final report is written.
+//!
+//! Over 800 lines with its tests (~220): the page's own code is ~630.
 
 pub mod chart;
 
