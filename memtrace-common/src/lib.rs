@@ -73,6 +73,47 @@ pub enum SpecQuirk {
     ResizeInPlace = 6,
 }
 
+/// [`ArgLoc::kind`]: no location; the argument comes from the C ABI
+/// register named by the spec's `*_arg` slot.
+pub const LOC_NONE: u8 = 0;
+/// [`ArgLoc::kind`]: the value is in register `reg`.
+pub const LOC_REG: u8 = 1;
+/// [`ArgLoc::kind`]: the value is in user memory at register `reg` + `offset`.
+pub const LOC_MEM: u8 = 2;
+/// [`ArgLoc::kind`]: the value is the constant `offset`.
+pub const LOC_CONST: u8 = 3;
+
+/// Where a USDT probe's argument is (its `sdt.h` argument spec, decoded):
+/// a register, memory off a register, or a constant, of `size` bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArgLoc {
+    /// `LOC_*`.
+    pub kind: u8,
+    /// The register: its slot in the x86-64 `struct pt_regs` (offset / 8).
+    pub reg: u8,
+    /// Bytes of the value: 1, 2, 4 or 8.
+    pub size: u8,
+    /// 1: sign-extended from `size` bytes.
+    pub signed: u8,
+    pub _pad: [u8; 4],
+    /// Memory offset, or the constant.
+    pub offset: i64,
+}
+
+impl ArgLoc {
+    pub const fn none() -> Self {
+        ArgLoc {
+            kind: LOC_NONE,
+            reg: 0,
+            size: 8,
+            signed: 0,
+            _pad: [0; 4],
+            offset: 0,
+        }
+    }
+}
+
 /// Per-attach-point description of a probed function, stored in the `SPECS`
 /// array map and selected by the attach cookie.
 #[repr(C)]
@@ -106,6 +147,13 @@ pub struct ProbeSpec {
     pub _pad: [u8; 4],
     /// Status value meaning success when `ret` is [`RetKind::Status`].
     pub success_code: i64,
+    /// USDT probes (`usdt_fire`): where the block's pointer is. With
+    /// `kind` [`SpecKind::Alloc`] and `ret` [`RetKind::Void`] the block is
+    /// created at the probe (pointer and size known there, no return
+    /// probe); with [`SpecKind::Free`] it is released there.
+    pub ptr_loc: ArgLoc,
+    /// USDT probes: where the block's size is ([`LOC_NONE`]: 0).
+    pub size_loc: ArgLoc,
 }
 
 impl ProbeSpec {
@@ -124,6 +172,8 @@ impl ProbeSpec {
             heap: 0,
             _pad: [0; 4],
             success_code: 0,
+            ptr_loc: ArgLoc::none(),
+            size_loc: ArgLoc::none(),
         }
     }
 }
@@ -521,7 +571,8 @@ try_from_u8!(SpecQuirk {
 const _: () = assert!(core::mem::size_of::<WireEvent>() == 56);
 const _: () = assert!(core::mem::size_of::<PyProc>() == 40);
 const _: () = assert!(core::mem::size_of::<PyStack>() == PY_MAX_DEPTH * 16 + 16);
-const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 24);
+const _: () = assert!(core::mem::size_of::<ArgLoc>() == 16);
+const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 56);
 const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
 const _: () = assert!(core::mem::size_of::<MmapKey>() == 16);

@@ -34,6 +34,7 @@ mod compat;
 mod held;
 mod in_flight;
 mod python;
+mod usdt;
 
 /// Without compare-and-swap (the `compat` object) no heap block is held in
 /// the kernel: every allocation and release is sent.
@@ -138,6 +139,15 @@ fn window_closed() -> bool {
 pub fn call_enter(ctx: ProbeContext) -> u32 {
     if NULL_MODE.load() == 0 && !window_closed() {
         on_enter(&ctx);
+    }
+    0
+}
+
+/// Every USDT probe (a uprobe at an `sdt.h` probe site, see `usdt`).
+#[uprobe]
+pub fn usdt_fire(ctx: ProbeContext) -> u32 {
+    if NULL_MODE.load() == 0 && !window_closed() {
+        usdt::on_fire(&ctx);
     }
     0
 }
@@ -376,7 +386,7 @@ fn on_enter(ctx: &ProbeContext) {
 
     let args = Args::read(ctx);
     if spec.ret == RetKind::Void as u8 {
-        release_now(&args, spec, pid_tgid);
+        release_now(args.get(spec.ptr_arg), spec, pid_tgid);
         return;
     }
     if spec.quirk == SpecQuirk::AnonMmap as u8 && args.get(3) & MAP_ANONYMOUS == 0 {
@@ -414,8 +424,7 @@ fn on_enter(ctx: &ProbeContext) {
 
 /// A release with no result to check (`free`, `munmap`): report it at entry.
 #[inline(always)]
-fn release_now(args: &Args, spec: &ProbeSpec, pid_tgid: u64) {
-    let mut ptr = args.get(spec.ptr_arg);
+fn release_now(mut ptr: u64, spec: &ProbeSpec, pid_tgid: u64) {
     if spec.quirk == SpecQuirk::Handle32 as u8 {
         ptr &= 0xffff_ffff;
     }
@@ -515,8 +524,8 @@ fn on_exit(ctx: &RetProbeContext) {
 
 /// Decides what a returned call did and emits its event.
 #[inline(always)]
-fn finish_call(
-    ctx: &RetProbeContext,
+fn finish_call<C: EbpfContext + UserStack>(
+    ctx: &C,
     spec: &ProbeSpec,
     call: &PendingCall,
     pid_tgid: u64,
@@ -699,6 +708,15 @@ trait UserStack {
 }
 
 impl UserStack for RetProbeContext {
+    #[inline(always)]
+    fn get_stackid_user(&self) -> Result<i32, i32> {
+        use aya_ebpf::programs::tracing::StackIdContext;
+        self.get_stackid(&STACKS, BPF_F_USER_STACK as u64)
+            .map(|id| id as i32)
+    }
+}
+
+impl UserStack for ProbeContext {
     #[inline(always)]
     fn get_stackid_user(&self) -> Result<i32, i32> {
         use aya_ebpf::programs::tracing::StackIdContext;

@@ -30,7 +30,6 @@ use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
     macros::map,
     maps::{Array, HashMap, PerCpuArray},
-    programs::RetProbeContext,
     EbpfContext, Global,
 };
 use memtrace_common::{
@@ -938,7 +937,7 @@ extern "C" fn frame_callback(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
 /// Walks the user stack at a return probe and returns its id in
 /// `DWARF_STACKS`, or a negative errno (as `bpf_get_stackid` does).
 #[inline(always)]
-pub fn capture(ctx: &RetProbeContext) -> i32 {
+pub fn capture<C: EbpfContext>(ctx: &C) -> i32 {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: for return probes the context is the trapped task's pt_regs.
     let (pc, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };

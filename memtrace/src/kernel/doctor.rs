@@ -4,7 +4,7 @@
 //! It probes the kernel's features ([`super::features`]), reads the
 //! privileges, loads the embedded eBPF object once per stack mode (default
 //! `--stacks dwarf`, `--stacks fp`, `--stack-depth 0`) and each of its
-//! programs in it (`call_enter`, `call_exit`, `task_new`; nothing is
+//! programs in it (`call_enter`, `call_exit`, `usdt_fire`, `task_new`; nothing is
 //! attached), computes the object's stack budget per call chain
 //! ([`super::stack_budget`]) and says which modes will work. Exit 0 when the
 //! default mode's programs load, 1 otherwise.
@@ -161,6 +161,8 @@ struct EbpfObject {
     notice: Option<String>,
 }
 
+// `usdt_fire` is load-tested (and its headroom checked) but judges no
+// mode: only traces of USDT probes load it.
 const ENTRY_PROGRAMS: [&str; 2] = ["call_enter", "call_exit"];
 const ALL_PROGRAMS: [&str; 3] = ["call_enter", "call_exit", "task_new"];
 
@@ -568,6 +570,7 @@ mod tests {
                 program("call_enter", true),
                 program("call_exit", exit_loads),
                 program("task_new", true),
+                program("usdt_fire", true),
             ],
         }
     }

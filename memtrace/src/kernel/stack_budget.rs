@@ -624,7 +624,7 @@ mod tests {
             return;
         }
         let budget = of_object(object).expect("the embedded object parses");
-        for program in ["call_enter", "call_exit", "task_new"] {
+        for program in ["call_enter", "call_exit", "usdt_fire", "task_new"] {
             assert!(
                 budget.chains.iter().any(|c| c.functions[0] == program),
                 "no chain from {program}: {:?}",

@@ -40,6 +40,8 @@ static EBPF_OBJECT_COMPAT: &[u8] =
 const ENTER: &str = "call_enter";
 const EXIT: &str = "call_exit";
 const FORKS: &str = "task_new";
+/// The program of every USDT probe (`memtrace-ebpf/src/usdt.rs`).
+const USDT: &str = "usdt_fire";
 
 /// Load-time settings of the eBPF programs.
 #[derive(Clone, Copy, Debug)]
@@ -995,13 +997,13 @@ pub struct ProgramLoad {
 }
 
 /// Loads the embedded object with `options` and each of its programs
-/// (`call_enter`, `call_exit`, `task_new`), attaching nothing; everything is
+/// (`call_enter`, `call_exit`, `usdt_fire`, `task_new`), attaching nothing; everything is
 /// unloaded on return. An error: the maps could not be created.
 pub fn load_test(options: &LoadOptions) -> Result<Vec<ProgramLoad>, aya::EbpfError> {
     let choice = crate::kernel::variant::choose(true);
     let mut ebpf = open(&variant_options(&choice, options), choice.variant)?;
     let mut results = Vec::new();
-    for name in [ENTER, EXIT, FORKS] {
+    for name in [ENTER, EXIT, USDT, FORKS] {
         let outcome = match ebpf.program_mut(name) {
             None => Err(aya::programs::ProgramError::NotLoaded),
             Some(aya::programs::Program::UProbe(program)) => {

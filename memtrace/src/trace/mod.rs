@@ -15,6 +15,7 @@ pub mod loader;
 mod pipeline;
 mod python;
 mod status;
+pub mod usdt_attach;
 
 use std::collections::BTreeSet;
 use std::io::IsTerminal;
