@@ -193,6 +193,7 @@ impl Recorder {
                     !n.contains("events were lost")
                         && !n.starts_with("sampling 1 in")
                         && !n.contains("stack walk(s) ended")
+                        && !n.contains("were made in the trace's last second")
                 })
                 .cloned()
                 .collect(),
@@ -578,7 +579,10 @@ mod tests {
         assert_eq!(report.duration_ms, 900);
         assert_eq!(report.settings.top, 5);
         assert_eq!((report.events.allocs, report.events.frees), (2, 1));
-        assert_eq!(report.notes, vec!["recorded note".to_string()]);
+        assert_eq!(report.notes[0], "recorded note");
+        // Its one live block was made in the trace's last second.
+        assert_eq!(report.notes.len(), 2, "{:?}", report.notes);
+        assert!(report.notes[1].starts_with("1 live block(s) (64 bytes) were made"));
     }
 
     #[test]
