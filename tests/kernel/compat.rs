@@ -38,11 +38,9 @@ fn assert_exact(report: &Value, stderr: &str) {
         assert_eq!(site_totals(report, freed), (0, 0), "{freed} is freed");
     }
     assert!(
-        report["notes"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|n| n.as_str().is_some_and(|n| n.contains("compat eBPF programs"))),
+        report["notes"].as_array().into_iter().flatten().any(|n| n
+            .as_str()
+            .is_some_and(|n| n.contains("compat eBPF programs"))),
         "the report says which programs ran: {}",
         report["notes"]
     );
