@@ -1407,7 +1407,14 @@ fn kernel_row(spec: &KernelSpec, image: &Image, opts: &SmokeOpts, args: &TestArg
                 spec.name,
                 boot.panic_line()
             );
-            boot = boot_vm(&fetched.vmlinuz, &initrd, &log, "tcg-single", timeout, false)?;
+            boot = boot_vm(
+                &fetched.vmlinuz,
+                &initrd,
+                &log,
+                "tcg-single",
+                timeout,
+                false,
+            )?;
         }
         if !args.keep {
             let _ = std::fs::remove_dir_all(&vm);
