@@ -22,5 +22,6 @@ mod python;
 mod reliability;
 mod settle;
 mod unwind;
+mod usdt;
 mod visual;
 mod watch;

@@ -42,8 +42,8 @@ const BUILD: &[Package] = &[
     pkg("libc6-dev", Probe::File("/usr/include/stdio.h")),
 ];
 
-/// Every C fixture (tests/fixtures/Makefile `all`): C++, and the jemalloc
-/// and mimalloc APIs.
+/// Every C fixture (tests/fixtures/Makefile `all`): C++, the jemalloc
+/// and mimalloc APIs, and `<sys/sdt.h>`.
 const FIXTURES: &[Package] = &[
     pkg("g++", Probe::Command("g++")),
     pkg(
@@ -51,6 +51,11 @@ const FIXTURES: &[Package] = &[
         Probe::File("/usr/include/jemalloc/jemalloc.h"),
     ),
     pkg("libmimalloc-dev", Probe::File("/usr/include/mimalloc.h")),
+    // <sys/sdt.h> of the USDT fixtures.
+    pkg(
+        "systemtap-sdt-dev",
+        Probe::File("/usr/include/x86_64-linux-gnu/sys/sdt.h"),
+    ),
 ];
 
 /// What the tests run besides the fixtures.
