@@ -24,6 +24,9 @@
 //!
 //! The `compat` object (kernels without `bpf_loop`) keeps only the maps
 //! and settings, which the loader fills whichever object it loads.
+//!
+//! Over 800 lines: the walk, its rule cache and its replay share private
+//! per-CPU state and inline helpers, and are verified together.
 
 use aya_ebpf::{
     bindings::pt_regs,

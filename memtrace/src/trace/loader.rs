@@ -1,11 +1,17 @@
-//! Loading the embedded eBPF object with its load-time settings, attaching
-//! the two generic programs per planned function and traced process (with the
-//! spec index as attach cookie, each link scoped to one process, never
-//! system-wide), the fork reporter for `--follow-forks`, and detaching in a
-//! safe order: at the end of a trace allocation entry probes go first, then
-//! reallocation, then release entry probes, then return probes (see
-//! [`DetachStage`]), so no block is reported live because its release was no
-//! longer watched.
+//! Loading the embedded eBPF object the kernel can take (full or compat, see
+//! `kernel::variant`) with its load-time settings, attaching the two generic
+//! programs per planned function and traced process (with the spec index as
+//! attach cookie, or published by address for the compat object; each link
+//! scoped to one process, never system-wide), the fork reporter for
+//! `--follow-forks`, closing the trace's window in one step (every program
+//! returns at once) and detaching: after a closed window all at once, else
+//! in a safe order — allocation entry probes first, then reallocation, then
+//! release entry probes, then return probes (see [`DetachStage`]), so no
+//! block is reported live because its release was no longer watched.
+//!
+//! Over 800 lines: the loader's state (links, maps, the held table, the
+//! compat address table) and the load-test entry points `memtrace doctor`
+//! shares are one `Probes`; its seams are attach, detach and load.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
