@@ -273,10 +273,10 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     };
     // On a kernel that got the compat programs: one line now, a note in
     // every report.
-    if let Some(notice) = probes
-        .variant()
-        .notice(options.stack_mode == STACK_MODE_DWARF, options.settle_in_kernel)
-    {
+    if let Some(notice) = probes.variant().notice(
+        options.stack_mode == STACK_MODE_DWARF,
+        options.settle_in_kernel,
+    ) {
         eprintln!("memtrace: {notice}");
         session.notes.push(notice);
     }
