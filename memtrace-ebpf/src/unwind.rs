@@ -667,13 +667,14 @@ pub struct ReplayState {
     seal: u64,
 }
 
-/// `bpf_loop` callback: compares logged word `i` with the stack now.
-extern "C" fn replay_word(i: u64, _ctx: *mut core::ffi::c_void) -> i64 {
-    let Some(check) = REPLAY_STATE.get_ptr_mut(0) else {
-        return 1;
-    };
-    // SAFETY: this CPU's own element, set by `replayed` before the loop.
-    let check = unsafe { &mut *check };
+/// `bpf_loop` callback: compares logged word `i` with the stack now. Its
+/// state is on [`memtrace_walk_replay`]'s stack (the hottest loop of a
+/// replayed walk: one map look-up per word fewer), which the stack budget
+/// allows there.
+extern "C" fn replay_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: `ctx` is the `ReplayState` on `replayed`'s stack, alive during
+    // the synchronous bpf_loop call.
+    let check = unsafe { &mut *(ctx as *mut ReplayState) };
     let (Some(entry), Some(span)) = (WALK_REPLAYS.get(check.index), REPLAY_SPANS.get(0)) else {
         check.mismatch = 1;
         return 1;
@@ -723,17 +724,13 @@ fn replayed(
     let span = unsafe { &mut *span };
     let seq = span.seq.wrapping_add(1);
     span.seq = seq;
-    let check = REPLAY_STATE.get_ptr_mut(0)?;
-    // SAFETY: this CPU's own element; the loop below is synchronous.
-    unsafe {
-        *check = ReplayState {
-            index,
-            mismatch: 0,
-            lo,
-            hi: 0,
-            seal: 0x243F_6A88_85A3_08D3,
-        };
-    }
+    let mut check = ReplayState {
+        index,
+        mismatch: 0,
+        lo,
+        hi: 0,
+        seal: 0x243F_6A88_85A3_08D3,
+    };
     if count > 0 {
         let bytes = opaque(entry.bytes);
         if bytes == 0 || bytes > REPLAY_SPAN {
@@ -751,10 +748,18 @@ fn replayed(
         if failed != 0 {
             return None;
         }
-        run_loop(count.min(REPLAY_WORDS as u32), replay_word);
+        // SAFETY: the callback is a static function of this program and
+        // `check` outlives the call.
+        unsafe {
+            aya_ebpf::helpers::generated::bpf_loop(
+                count.min(REPLAY_WORDS as u32),
+                replay_word as *mut core::ffi::c_void,
+                &mut check as *mut ReplayState as *mut core::ffi::c_void,
+                0,
+            );
+        }
     }
-    // SAFETY: as above.
-    let (mismatch, checked) = unsafe { ((*check).mismatch, (*check).seal) };
+    let (mismatch, checked) = (check.mismatch, check.seal);
     if mismatch != 0 || span.seq != seq || seal_header(checked, entry, key, stop) != sealed {
         return None;
     }
