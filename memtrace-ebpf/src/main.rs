@@ -120,8 +120,10 @@ static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS,
 /// probes are being detached, so returns without an entry are expected);
 /// index 1: how many processes have a Python frame reader (0: skip it);
 /// index 2: 1 while heap allocations may be held (`held`); index 3: 1 once
-/// the trace's window has closed: every program returns at once, so the
-/// report describes the state at that moment however long detaching takes.
+/// the trace's window has closed: no allocation is recorded any more (only
+/// releases of blocks made before, for the short grace user space gives
+/// them), so the report describes the state at that moment however long
+/// detaching takes.
 #[map]
 static CONTROL: Array<u32> = Array::with_max_entries(4, 0);
 
@@ -137,7 +139,7 @@ fn window_closed() -> bool {
 /// Entry of every probed function.
 #[uprobe]
 pub fn call_enter(ctx: ProbeContext) -> u32 {
-    if NULL_MODE.load() == 0 && !window_closed() {
+    if NULL_MODE.load() == 0 {
         on_enter(&ctx);
     }
     0
@@ -155,7 +157,7 @@ pub fn usdt_fire(ctx: ProbeContext) -> u32 {
 /// Return of every probed function that has a result to check.
 #[uretprobe]
 pub fn call_exit(ctx: RetProbeContext) -> u32 {
-    if NULL_MODE.load() == 0 && !window_closed() {
+    if NULL_MODE.load() == 0 {
         on_exit(&ctx);
     }
     0
@@ -371,6 +373,9 @@ fn on_enter(ctx: &ProbeContext) {
     let Some(spec) = entry_spec(ctx, pid_tgid) else {
         return;
     };
+    if window_closed() && spec.kind != SpecKind::Free as u8 {
+        return;
+    }
     let sp = stack_pointer(ctx);
 
     if (spec.parent_family != ARG_NONE && outer(pid_tgid, spec.parent_family, sp))
@@ -474,6 +479,9 @@ fn on_exit(ctx: &RetProbeContext) {
         return;
     };
     compat::end(pid_tgid, spec.family, &call);
+    if window_closed() && spec.kind != SpecKind::Free as u8 {
+        return;
+    }
     let ret: u64 = ctx.ret();
     finish_call(ctx, spec, &call, pid_tgid, ret);
 }
@@ -483,6 +491,9 @@ fn on_exit(ctx: &RetProbeContext) {
     let Some(exit_spec) = cookie_spec(ctx) else {
         return;
     };
+    if window_closed() && exit_spec.kind != SpecKind::Free as u8 {
+        return;
+    }
     let pid_tgid = bpf_get_current_pid_tgid();
     let Some((call, held)) = in_flight::find(pid_tgid, exit_spec.family) else {
         // The return of a call skipped at entry because it ran inside a call

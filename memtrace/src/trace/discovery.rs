@@ -166,7 +166,7 @@ impl Discovery {
             // mapped file when it maps one at that path.
             let Some(open_path) = maps::path_in_target_root(pid, path) else {
                 return Err(crate::error::Failure::usage(format!(
-                    "--lib {}: no such file as pid {pid} sees it (inside /proc/{pid}/root)",
+                    "--lib {}: cannot read it: no such file as pid {pid} sees it (inside /proc/{pid}/root)",
                     path.display()
                 )));
             };

@@ -62,9 +62,11 @@ const DRAIN_EVERY: Duration = Duration::from_millis(20);
 /// so blocks made just before the end and released just after are not
 /// reported live.
 const DETACH_GRACE: Duration = Duration::from_millis(50);
-/// How long a closed window waits for programs that read the flag just
-/// before it flipped (they run for microseconds).
-const WINDOW_SETTLE: Duration = Duration::from_millis(20);
+/// How long after the window closes releases of blocks made before it are
+/// still applied (a block in use at that moment and freed just after is not
+/// reported live), and programs that read the flag just before it flipped
+/// finish.
+const WINDOW_SETTLE: Duration = Duration::from_millis(50);
 /// How often the Prometheus text is refreshed.
 const METRICS_EVERY: Duration = Duration::from_secs(2);
 
@@ -480,10 +482,11 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     drop(live);
     session.ended = Some((Instant::now(), monotonic_ns()));
     let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
-    // The window closes in one step: the programs stop recording, what they
-    // sent is read and what the kernel holds is taken, and the report is
-    // the state at this moment. Detaching (seconds for many probes) comes
-    // after the report is written.
+    // The window closes in one step: the programs stop recording
+    // allocations (releases of earlier blocks still count for a short
+    // grace), what they sent is read and what the kernel holds is taken,
+    // and the report is the state at this moment. Detaching (seconds for
+    // many probes) comes after the report is written.
     let closed = probes.close_window();
     if closed {
         // A program that read the flag just before it flipped finishes
