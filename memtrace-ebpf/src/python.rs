@@ -212,24 +212,13 @@ pub extern "C" fn memtrace_python_stack(pid_tgid: u64) -> u32 {
 /// Counts a Python stack read started on this CPU; returns the new count.
 #[inline(always)]
 fn bump_reads() -> u64 {
-    let Some(count) = PY_READS.get_ptr_mut(0) else {
-        return 0;
-    };
-    // SAFETY: this CPU's own element; one aligned word.
-    unsafe {
-        let next = core::ptr::read_volatile(count).wrapping_add(1);
-        core::ptr::write_volatile(count, next);
-        next
-    }
+    crate::unwind::bump_cpu_sequence(&PY_READS)
 }
 
 /// The Python stack reads started on this CPU so far.
 #[inline(always)]
 fn reads() -> u64 {
-    // SAFETY: as in `bump_reads`.
-    PY_READS
-        .get_ptr_mut(0)
-        .map_or(0, |count| unsafe { core::ptr::read_volatile(count) })
+    crate::unwind::cpu_sequence(&PY_READS)
 }
 
 /// State of the frame walk (a `bpf_loop` callback context).

@@ -1116,7 +1116,21 @@ const EAGAIN: i32 = 11;
 /// Counts a walk started on this CPU; returns the new count.
 #[inline(always)]
 fn walk_started() -> u64 {
-    let Some(count) = WALKS_STARTED.get_ptr_mut(0) else {
+    bump_cpu_sequence(&WALKS_STARTED)
+}
+
+/// The walks started on this CPU so far.
+#[inline(always)]
+fn walks_started() -> u64 {
+    cpu_sequence(&WALKS_STARTED)
+}
+
+/// Adds one to this CPU's sequence word in `map` (element 0) and returns
+/// it: a program that reads it unchanged at its end was not preempted by
+/// another that shares its per-CPU state.
+#[inline(always)]
+pub(crate) fn bump_cpu_sequence(map: &PerCpuArray<u64>) -> u64 {
+    let Some(count) = map.get_ptr_mut(0) else {
         return 0;
     };
     // SAFETY: this CPU's own element; one aligned word.
@@ -1127,12 +1141,11 @@ fn walk_started() -> u64 {
     }
 }
 
-/// The walks started on this CPU so far.
+/// This CPU's sequence word in `map` (see [`bump_cpu_sequence`]).
 #[inline(always)]
-fn walks_started() -> u64 {
-    // SAFETY: as in `walk_started`.
-    WALKS_STARTED
-        .get_ptr_mut(0)
+pub(crate) fn cpu_sequence(map: &PerCpuArray<u64>) -> u64 {
+    // SAFETY: as in `bump_cpu_sequence`.
+    map.get_ptr_mut(0)
         .map_or(0, |count| unsafe { core::ptr::read_volatile(count) })
 }
 
