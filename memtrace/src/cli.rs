@@ -114,7 +114,7 @@ pub struct TraceArgs {
     #[arg(long, value_name = "PATH", conflicts_with_all = ["pid", "command", "name"])]
     pub cgroup: Option<String>,
 
-    /// Stop after this long (e.g. 5s, 2m); default: until Ctrl-C or the target exits.
+    /// Stop after tracing this long, counted once the probes are attached (e.g. 5s, 2m); default: until Ctrl-C or the target exits.
     #[arg(short, long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
 

@@ -171,8 +171,11 @@ fn real_cudart_from_pypi_counts_failed_calls_without_a_gpu() {
     let real = real.to_string_lossy().into_owned();
     let mut fixture = Fixture::start("cudart_real_probe", &["30", "30", &real]);
     let pid = fixture.pid.to_string();
-    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--duration", "3s"]);
+    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json"]);
+    // The trace ends only once both calls have returned: a loaded machine can
+    // spend seconds in the runtime's first-call initialisation.
     fixture.go();
+    tracer.signal(libc::SIGINT);
     let (report, _) = tracer.report();
     let libraries = report["libraries"].as_array().expect("libraries");
     assert!(

@@ -320,7 +320,9 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         None => None,
     };
 
-    let deadline = args.duration.map(|d| session.started + d);
+    // `--duration` counts from when every probe is in place: attaching to a
+    // large program on a loaded machine can take seconds of its own.
+    let deadline = args.duration.map(|d| Instant::now() + d);
     let mut drain_tick = ticker(DRAIN_EVERY);
     let mut rescan = ticker(RESCAN_EVERY);
     let mut rescans: u64 = 0;
