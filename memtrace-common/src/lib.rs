@@ -197,6 +197,9 @@ pub enum EventKind {
     /// process `pid` (a library mapped since its last update): user space
     /// re-reads the mappings at once. Rate-limited per process.
     MapsStale = 5,
+    /// `munmap(addr, size)`: the range `addr..addr + size` was unmapped,
+    /// whole mappings or parts of them (user space keeps the ranges).
+    Unmap = 6,
 }
 
 /// One event in the ring buffer: 56 bytes.
@@ -343,15 +346,6 @@ pub fn held_owner(state: u64) -> u32 {
     (state >> 32) as u32
 }
 
-/// Key of the live anonymous-mapping set (so `munmap` only reports what `mmap` traced).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MmapKey {
-    pub addr: u64,
-    pub tgid: u32,
-    pub _pad: u32,
-}
-
 /// Kernel-side counters (a per-CPU array indexed by these values).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -373,7 +367,10 @@ pub enum Counter {
     StalePending = 6,
     /// Reading an out-parameter after a successful call failed: the block was lost.
     OutReadFailed = 7,
-    /// The live anonymous-mapping set was full: a mapping was not tracked.
+    /// Not bumped any more: the kernel kept a set of live anonymous
+    /// mappings, matched by start address (a `munmap` of part of one went
+    /// unseen); user space now keeps the ranges. The slot and its report key
+    /// stay, at 0.
     MmapTableFull = 8,
     /// Calls skipped because they ran inside another traced call of the same family.
     Nested = 9,
@@ -544,7 +541,8 @@ try_from_u8!(EventKind {
     Realloc,
     Failed,
     Fork,
-    MapsStale
+    MapsStale,
+    Unmap
 });
 try_from_u8!(SpecKind {
     Alloc,
@@ -575,7 +573,6 @@ const _: () = assert!(core::mem::size_of::<ArgLoc>() == 16);
 const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 56);
 const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
-const _: () = assert!(core::mem::size_of::<MmapKey>() == 16);
 const _: () = assert!(core::mem::size_of::<HeldSlot>() == 80);
 
 #[cfg(feature = "user")]

@@ -69,7 +69,7 @@ mod unwind;
 
 use memtrace_common::{
     unwind::{STACK_MODE_DWARF, STACK_MODE_FP},
-    Counter, EventKind, MmapKey, PendingCall, ProbeSpec, RetKind, SpecKind, SpecQuirk, WireEvent,
+    Counter, EventKind, PendingCall, ProbeSpec, RetKind, SpecKind, SpecQuirk, WireEvent,
     ARG_NONE, COUNTER_SLOTS, MAX_SPECS, STACK_NONE,
 };
 
@@ -108,8 +108,6 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
 static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
 #[map]
 static SPECS: Array<ProbeSpec> = Array::with_max_entries(MAX_SPECS, 0);
-#[map]
-static MMAPS: HashMap<MmapKey, u64> = HashMap::with_max_entries(65536, 0);
 /// Processes whose forks are reported (`--follow-forks`), by tgid; filled by
 /// the loader.
 #[map]
@@ -390,6 +388,10 @@ fn on_enter(ctx: &ProbeContext) {
     }
 
     let args = Args::read(ctx);
+    if spec.quirk == SpecQuirk::Munmap as u8 {
+        unmap_now(args.get(spec.ptr_arg), args.get(1), pid_tgid, spec);
+        return;
+    }
     if spec.ret == RetKind::Void as u8 {
         release_now(args.get(spec.ptr_arg), spec, pid_tgid);
         return;
@@ -427,7 +429,22 @@ fn on_enter(ctx: &ProbeContext) {
     compat::begin(pid_tgid, spec.family, &call);
 }
 
-/// A release with no result to check (`free`, `munmap`): report it at entry.
+/// `munmap(addr, len)`: the range is sent whole, whatever it covers (a
+/// mapping, part of one, several, or none traced); user space keeps the
+/// mappings' ranges. Never sampled: a range is no block address, and
+/// unmapping is rare next to heap calls.
+#[inline(always)]
+fn unmap_now(addr: u64, len: u64, pid_tgid: u64, spec: &ProbeSpec) {
+    if addr == 0 || len == 0 {
+        return;
+    }
+    let mut event = base_event(pid_tgid, spec.index, EventKind::Unmap);
+    event.addr = addr;
+    event.size = len;
+    emit(event);
+}
+
+/// A release with no result to check (`free`, `cudaFree`): report it at entry.
 #[inline(always)]
 fn release_now(mut ptr: u64, spec: &ProbeSpec, pid_tgid: u64) {
     if spec.quirk == SpecQuirk::Handle32 as u8 {
@@ -435,16 +452,6 @@ fn release_now(mut ptr: u64, spec: &ProbeSpec, pid_tgid: u64) {
     }
     if ptr == 0 {
         return;
-    }
-    if spec.quirk == SpecQuirk::Munmap as u8 {
-        let key = MmapKey {
-            addr: ptr,
-            tgid: (pid_tgid >> 32) as u32,
-            _pad: 0,
-        };
-        if MMAPS.remove(&key).is_err() {
-            return;
-        }
     }
     if !sampled(ptr) {
         bump(Counter::Filtered);
@@ -629,15 +636,6 @@ fn finish_call<C: EbpfContext + UserStack>(
         // SAFETY: as above; cudaPitchedPtr is {ptr, pitch, xsize, ysize}.
         let pitch = unsafe { bpf_probe_read_user((call.out + 8) as *const u64) }.unwrap_or(0);
         size = mul_sat(pitch, call.count);
-    } else if spec.quirk == SpecQuirk::AnonMmap as u8 {
-        let key = MmapKey {
-            addr,
-            tgid: (pid_tgid >> 32) as u32,
-            _pad: 0,
-        };
-        if MMAPS.insert(&key, &size, 0).is_err() {
-            bump(Counter::MmapTableFull);
-        }
     }
 
     let is_realloc = spec.kind == SpecKind::Realloc as u8;

@@ -79,6 +79,12 @@ pub enum Action {
     /// The kernel's unwinder met code outside the mappings it knows of this
     /// process: its mappings are to be re-read.
     MapsStale,
+    /// `munmap`: the range `addr..addr + len` was unmapped (whole mappings,
+    /// parts of them, or nothing traced).
+    Unmap {
+        addr: u64,
+        len: u64,
+    },
 }
 
 /// Why bytes could not be decoded.
@@ -132,6 +138,10 @@ pub fn from_wire(wire: &WireEvent) -> Result<Event, DecodeError> {
             clone_flags: wire.aux,
         },
         EventKind::MapsStale => Action::MapsStale,
+        EventKind::Unmap => Action::Unmap {
+            addr: wire.addr,
+            len: wire.size,
+        },
     };
     Ok(Event {
         ts_ns: wire.ts_ns,

@@ -260,3 +260,39 @@ fn bpf_stats_reports_memtracers_own_programs_and_is_off_by_default() {
         "off by default"
     );
 }
+
+#[test]
+fn mappings_unmapped_in_parts_keep_exactly_what_is_still_mapped() {
+    if !privileged() {
+        return;
+    }
+    const PAGE: u64 = 4096;
+    let report = support::trace_fixture("mmap_ranges", &[]);
+    let events = &report["events"];
+    assert_eq!(
+        site_totals(&report, "trim_tail"),
+        (3 * 12 * PAGE, 3),
+        "a tail unmapped: {}",
+        report["sites"]
+    );
+    assert_eq!(
+        site_totals(&report, "trim_both"),
+        (2 * 8 * PAGE, 2),
+        "head and tail unmapped"
+    );
+    assert_eq!(
+        site_totals(&report, "punch_hole"),
+        (2 * 8 * PAGE, 4),
+        "a hole splits a mapping in two"
+    );
+    for gone in ["gone_in_parts", "two_at_once"] {
+        assert_eq!(site_totals(&report, gone), (0, 0), "{gone}");
+    }
+    // 3 tails, 2 x (head, tail), 2 holes, 4 first parts.
+    assert_eq!(events["mappings_trimmed"], 13, "{events}");
+    assert!(
+        events["unmaps_untracked"].as_u64() >= Some(1),
+        "the file mapping's unmap: {events}"
+    );
+    assert_eq!(events["unmatched_frees"], 0, "{events}");
+}

@@ -430,6 +430,8 @@ fn event_counts(
         stack_failures: stack_failures_by_cause.values().sum(),
         failed_calls: failed_calls.iter().map(|f| f.count).sum(),
         table_full: counts.table_full,
+        mappings_trimmed: counts.mappings_trimmed,
+        unmaps_untracked: counts.unmaps_untracked,
     }
 }
 

@@ -186,6 +186,11 @@ pub struct EventCounts {
     /// Heap blocks released before their allocation left the kernel: the
     /// pairs settled there (included in `allocs` and `frees`).
     pub settled_in_kernel: u64,
+    /// Mappings partly unmapped (each keeps what lies outside the range).
+    pub mappings_trimmed: u64,
+    /// `munmap` ranges that met no traced mapping (mapped before the
+    /// attach, from a file, or by the dynamic loader): not anomalies.
+    pub unmaps_untracked: u64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]

@@ -253,6 +253,8 @@ pub(crate) mod fixture {
                 stack_failures: 2,
                 failed_calls: 3,
                 table_full: 0,
+                mappings_trimmed: 0,
+                unmaps_untracked: 0,
             },
             lost_by_cause: [("ringbuf_full".to_string(), 0)].into_iter().collect(),
             stack_failures_by_cause: BTreeMap::new(),

@@ -18,6 +18,10 @@
 //! and remembered as superseded, and a release settles a superseded one (or
 //! is unmatched). A release of a block always comes after its allocation,
 //! so in-order events never meet these rules.
+//!
+//! Mappings are ranges: a `munmap` may release several, or part of one
+//! (glibc trims the 128 MiB it maps for a new arena to the aligned 64 MiB
+//! half), which keeps what lies outside the range (see [`LiveTable::apply`]).
 
 mod blocks;
 
@@ -86,6 +90,12 @@ pub struct Counts {
     pub releases_seen_twice: u64,
     /// Allocations not tracked because the table was at its cap.
     pub table_full: u64,
+    /// Mappings partly unmapped: each keeps what lies outside the range.
+    pub mappings_trimmed: u64,
+    /// `munmap` ranges that met no traced mapping (mapped before the
+    /// attach, from a file, or by an untraced path such as the dynamic
+    /// loader's own `mmap`).
+    pub unmaps_untracked: u64,
     /// Failed calls by (spec, return code).
     pub failed: BTreeMap<(u16, i64), u64>,
 }
@@ -111,6 +121,9 @@ pub struct LiveTable {
     /// Blocks older than the one the table holds at their address, arrived
     /// late and not yet released, by key (almost always empty).
     superseded: BTreeMap<BlockKey, u32>,
+    /// The live blocks of [`Domain::Mapping`] as ranges: (process, start)
+    /// to length, so an unmapped range finds every mapping it meets.
+    mappings: BTreeMap<(u32, u64), u64>,
 }
 
 impl LiveTable {
@@ -123,6 +136,7 @@ impl LiveTable {
             last_release: HashMap::new(),
             origins: HashMap::new(),
             superseded: BTreeMap::new(),
+            mappings: BTreeMap::new(),
         }
     }
 
@@ -185,8 +199,79 @@ impl LiveTable {
             Action::Failed { code, .. } => {
                 *self.counts.failed.entry((event.spec, code)).or_insert(0) += 1;
             }
+            Action::Unmap { addr, len } => self.unmap(event, addr, len),
             Action::Fork { .. } | Action::MapsStale => {}
         }
+    }
+
+    /// `munmap` of `addr..addr + len`: each traced mapping wholly inside is
+    /// released; one partly inside keeps what lies outside, as one block or
+    /// two, with its origin and age (`mappings_trimmed`). A range that meets
+    /// no traced mapping is counted in `unmaps_untracked`.
+    fn unmap(&mut self, event: &Event, addr: u64, len: u64) {
+        let (pid, end) = (event.pid, addr.saturating_add(len));
+        let before = self
+            .mappings
+            .range(..(pid, addr))
+            .next_back()
+            .filter(|(&(owner, start), &size)| owner == pid && start.saturating_add(size) > addr);
+        let met: Vec<(u64, u64)> = before
+            .into_iter()
+            .chain(self.mappings.range((pid, addr)..(pid, end)))
+            .map(|(&(_, start), &size)| (start, size))
+            .collect();
+        if met.is_empty() {
+            if self.ended_ns.is_none_or(|ended| event.ts_ns <= ended) {
+                self.counts.unmaps_untracked += 1;
+            }
+            return;
+        }
+        for (start, size) in met {
+            let Some(block) = self.remove_block(&key(pid, Domain::Mapping, start)) else {
+                continue;
+            };
+            self.forget(&block);
+            let stop = start.saturating_add(size);
+            if addr <= start && stop <= end {
+                self.counts.frees += 1;
+                continue;
+            }
+            self.counts.mappings_trimmed += 1;
+            for (from, to) in [(start, addr.min(stop)), (end.max(start), stop)] {
+                if from < to {
+                    let part = LiveBlock {
+                        size: to - from,
+                        ..block
+                    };
+                    self.add_to_origin(&part);
+                    self.insert_block(key(pid, Domain::Mapping, from), part);
+                }
+            }
+        }
+    }
+
+    /// Puts `block` in the set (and, a mapping, in the ranges); returns the
+    /// block it replaced.
+    fn insert_block(&mut self, key: BlockKey, block: LiveBlock) -> Option<LiveBlock> {
+        if key.domain == Domain::Mapping {
+            self.mappings.insert((key.pid, key.addr), block.size);
+        }
+        self.blocks.insert(key, block)
+    }
+
+    /// Takes the block at `key` out of the set (and the ranges).
+    fn remove_block(&mut self, key: &BlockKey) -> Option<LiveBlock> {
+        let removed = self.blocks.remove(key);
+        if removed.is_some() && key.domain == Domain::Mapping {
+            self.mappings.remove(&(key.pid, key.addr));
+        }
+        removed
+    }
+
+    fn add_to_origin(&mut self, block: &LiveBlock) {
+        let total = self.origins.entry(block.origin()).or_default();
+        total.bytes += block.size;
+        total.blocks += 1;
     }
 
     fn insert(&mut self, key: BlockKey, size: u64, event: &Event, stack: StackRef) {
@@ -210,10 +295,8 @@ impl LiveTable {
         }
         // An address handed out again without a release we saw (released
         // through an untraced path): the new block replaces the old one.
-        let total = self.origins.entry(block.origin()).or_default();
-        total.bytes += size;
-        total.blocks += 1;
-        if let Some(replaced) = self.blocks.insert(key, block) {
+        self.add_to_origin(&block);
+        if let Some(replaced) = self.insert_block(key, block) {
             self.forget(&replaced);
         }
     }
@@ -248,7 +331,7 @@ impl LiveTable {
             self.release_superseded(key);
             return;
         }
-        if let Some(block) = self.blocks.remove(&key) {
+        if let Some(block) = self.remove_block(&key) {
             self.forget(&block);
             self.counts.frees += 1;
         } else {
@@ -524,6 +607,67 @@ mod tests {
         );
         assert_eq!(table.counts().failed.get(&(0, 2)), Some(&2));
         assert_eq!(table.len(), 0);
+    }
+
+    fn unmap(addr: u64, len: u64) -> Event {
+        event(Action::Unmap { addr, len })
+    }
+
+    /// (address, size) of the live mappings, in address order.
+    fn mapped(table: &LiveTable) -> Vec<(u64, u64)> {
+        table
+            .blocks()
+            .filter(|(_, domain, _, _)| *domain == Domain::Mapping)
+            .map(|(_, _, addr, block)| (addr, block.size))
+            .collect()
+    }
+
+    #[test]
+    fn unmapping_part_of_a_mapping_keeps_the_rest_with_its_origin() {
+        const MIB: u64 = 1 << 20;
+        let mut table = LiveTable::new(100);
+        // glibc's new arena: 128 MiB mapped, the part past the aligned
+        // 64 MiB unmapped.
+        table.apply(&alloc(0x1000_0000, 128 * MIB), Domain::Mapping);
+        table.apply(&unmap(0x1000_0000 + 64 * MIB, 64 * MIB), Domain::Mapping);
+        assert_eq!(mapped(&table), vec![(0x1000_0000, 64 * MIB)]);
+        assert_eq!(table.counts().mappings_trimmed, 1);
+        assert_eq!(table.counts().frees, 0);
+        // Unaligned: the head goes too, leaving the middle.
+        table.apply(&alloc(0x2000_0000, 10 * MIB), Domain::Mapping);
+        table.apply(&unmap(0x2000_0000, 3 * MIB), Domain::Mapping);
+        table.apply(&unmap(0x2000_0000 + 9 * MIB, MIB), Domain::Mapping);
+        // A hole punched in the middle splits one mapping in two.
+        table.apply(&unmap(0x2000_0000 + 5 * MIB, MIB), Domain::Mapping);
+        assert_eq!(
+            mapped(&table),
+            vec![
+                (0x1000_0000, 64 * MIB),
+                (0x2000_0000 + 3 * MIB, 2 * MIB),
+                (0x2000_0000 + 6 * MIB, 3 * MIB)
+            ]
+        );
+        assert_eq!(table.counts().mappings_trimmed, 4);
+        let (kept, summed) = origin_totals(&table);
+        assert_eq!(kept, summed);
+        assert_eq!(kept, vec![(1, 69 * MIB, 3)]);
+        // One range over several mappings releases each wholly inside.
+        table.apply(&unmap(0x2000_0000, 16 * MIB), Domain::Mapping);
+        assert_eq!(mapped(&table), vec![(0x1000_0000, 64 * MIB)]);
+        assert_eq!(table.counts().frees, 2);
+        // A range meeting nothing traced (a file mapping, one made before
+        // the attach) is counted apart, not as an unmatched free.
+        table.apply(&unmap(0x5000_0000, MIB), Domain::Mapping);
+        assert_eq!(table.counts().unmaps_untracked, 1);
+        assert_eq!(table.counts().unmatched_frees, 0);
+        // Another process's mapping at the same address is not touched.
+        let mut other = unmap(0x1000_0000, 64 * MIB);
+        other.pid = 9;
+        table.apply(&other, Domain::Mapping);
+        assert_eq!(mapped(&table), vec![(0x1000_0000, 64 * MIB)]);
+        table.apply(&unmap(0x1000_0000, 64 * MIB), Domain::Mapping);
+        assert!(mapped(&table).is_empty());
+        assert!(table.origins().next().is_none());
     }
 
     #[test]

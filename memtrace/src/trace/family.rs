@@ -7,6 +7,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use aya::maps::{MapData, RingBuf};
+
 use crate::report::ProcessInfo;
 use crate::target;
 use crate::trace::by_name::Selector;
@@ -140,13 +142,19 @@ impl Family {
     }
 
     /// Marks a traced process as gone and detaches its probes.
-    pub fn let_go(&mut self, pid: u32, probes: &mut Probes, pipeline: &mut Pipeline) {
+    pub fn let_go(
+        &mut self,
+        pid: u32,
+        probes: &mut Probes,
+        pipeline: &mut Pipeline,
+        ring: &mut RingBuf<MapData>,
+    ) {
         if let Some(member) = self.members.get_mut(&pid) {
             member.info.exited = true;
         }
         // Its last allocations may still be held: taken now, while its
         // mappings are still known to normalize their stacks.
-        pipeline.take_every_held(probes);
+        pipeline.drain_all(ring, probes);
         probes.remove_process(pid);
         if pid != self.target {
             pipeline.forget_space(pid);
@@ -154,7 +162,12 @@ impl Family {
     }
 
     /// Checks the traced children: the ones gone are let go.
-    pub fn reap(&mut self, probes: &mut Probes, pipeline: &mut Pipeline) -> Vec<u32> {
+    pub fn reap(
+        &mut self,
+        probes: &mut Probes,
+        pipeline: &mut Pipeline,
+        ring: &mut RingBuf<MapData>,
+    ) -> Vec<u32> {
         let gone: Vec<u32> = self
             .members
             .iter()
@@ -166,7 +179,7 @@ impl Family {
             .map(|(&pid, _)| pid)
             .collect();
         for &pid in &gone {
-            self.let_go(pid, probes, pipeline);
+            self.let_go(pid, probes, pipeline, ring);
         }
         gone
     }

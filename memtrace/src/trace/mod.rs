@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use aya::maps::{MapData, RingBuf};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::signal::unix::{signal, SignalKind};
@@ -348,7 +349,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 session.adopt_forks(&mut probes, &mut discovery);
             }
             _ = rescan.tick() => {
-                if held.is_none() && session.target_gone(pid, &mut probes) {
+                if held.is_none() && session.target_gone(pid, &mut probes, ring.get_mut()) {
                     break;
                 }
                 if let Some(memory) = read_memory(pid) {
@@ -356,7 +357,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 }
                 session.follow_execs(&mut probes);
                 rescans += 1;
-                for gone in session.family.reap(&mut probes, &mut session.pipeline) {
+                for gone in session.family.reap(&mut probes, &mut session.pipeline, ring.get_mut()) {
                     session.python.forget(gone, &mut probes);
                     let who = if session.family.selector().is_some() {
                         "pid"
@@ -460,7 +461,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                 }
                 ChildEvent::Exited(exit) => {
                     session.notes.push(format!("command exited: {exit}"));
-                    session.family.let_go(pid, &mut probes, &mut session.pipeline);
+                    session.family.let_go(pid, &mut probes, &mut session.pipeline, ring.get_mut());
                     if !session.family.children_running() {
                         break;
                     }
@@ -728,7 +729,7 @@ impl Session<'_> {
 
     /// Checks the target itself (attach mode); true when tracing should stop
     /// because it is gone and no followed child runs.
-    fn target_gone(&mut self, pid: u32, probes: &mut Probes) -> bool {
+    fn target_gone(&mut self, pid: u32, probes: &mut Probes, ring: &mut RingBuf<MapData>) -> bool {
         if self.family.target_exited() {
             return false;
         }
@@ -744,7 +745,7 @@ impl Session<'_> {
         } else {
             format!("target pid {pid} exited during the trace")
         });
-        self.family.let_go(pid, probes, &mut self.pipeline);
+        self.family.let_go(pid, probes, &mut self.pipeline, ring);
         if self.family.children_running() {
             if self.family.selector().is_some() {
                 eprintln!("memtrace: target pid {pid} exited; still tracing the other processes");

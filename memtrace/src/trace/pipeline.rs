@@ -61,6 +61,8 @@ pub struct Pipeline {
     pub decode_errors: u64,
     /// When held allocations were last taken from the kernel.
     held_taken: Option<Instant>,
+    /// Held allocations taken and not yet applied, in time order (see
+    /// `read_ring`).
     held_buf: Vec<WireEvent>,
     /// The held table's states at its previous scan (see `Take::Unchanged`).
     held_seen: Vec<u64>,
@@ -127,65 +129,79 @@ impl Pipeline {
         gone
     }
 
-    /// Drains every record waiting in the ring buffer, then takes the
-    /// allocations the kernel has held for [`HELD_AGE`].
+    /// Takes the allocations the kernel has held for [`HELD_AGE`] (when
+    /// that long has passed since the last look), then drains every record
+    /// waiting in the ring buffer, in time order with the taken ones.
     pub fn drain(&mut self, ring: &mut RingBuf<MapData>, probes: &Probes) {
-        self.read_ring(ring, probes);
         if self.held_taken.is_none_or(|at| at.elapsed() >= HELD_AGE) {
             self.held_taken = Some(Instant::now());
             self.take_held(probes, false);
         }
+        self.read_ring(ring, probes);
     }
 
-    /// Drains the ring buffer and takes every allocation the kernel holds
+    /// Takes every allocation the kernel holds and drains the ring buffer
     /// (the end of a trace, a process gone).
     pub fn drain_all(&mut self, ring: &mut RingBuf<MapData>, probes: &Probes) {
-        self.read_ring(ring, probes);
-        self.take_every_held(probes);
-        self.read_ring(ring, probes);
-    }
-
-    /// Takes every allocation the kernel holds.
-    pub fn take_every_held(&mut self, probes: &Probes) {
         self.take_held(probes, true);
+        self.read_ring(ring, probes);
     }
 
+    /// Applies the ring buffer's records, each taken allocation (see
+    /// [`Pipeline::take_held`]) before the first record stamped after it,
+    /// and the taken ones left at the end.
+    ///
+    /// A taken allocation is stamped when taken, so it can be later than
+    /// records still in the ring: a release of an earlier block at the same
+    /// address, made before the allocation (which reused the address) and
+    /// so before the take, is in the ring by then, and must come first;
+    /// applied after, it would find the later block and count as
+    /// unmatched. A release of the taken block itself reads the clock
+    /// after it sees the slot taken, so it comes after.
     fn read_ring(&mut self, ring: &mut RingBuf<MapData>, probes: &Probes) {
         if let Some(recorder) = self.recorder.as_mut() {
             recorder.specs(probes.specs());
         }
+        let mut taken = std::mem::take(&mut self.held_buf);
+        let mut next_taken = 0;
         while let Some(record) = ring.next() {
             match event::decode_wire(&record) {
-                Ok(wire) => self.take(&wire, probes),
+                Ok(wire) => {
+                    while let Some(held) = taken.get(next_taken).filter(|h| h.ts_ns <= wire.ts_ns) {
+                        let held = *held;
+                        self.take(&held, probes);
+                        next_taken += 1;
+                    }
+                    self.take(&wire, probes);
+                }
                 Err(err) => {
                     self.decode_errors += 1;
                     log::debug!("undecodable event: {err}");
                 }
             }
         }
+        for held in taken.drain(..).skip(next_taken) {
+            self.take(&held, probes);
+        }
+        self.held_buf = taken;
     }
 
-    /// Applies held allocations: every one (`all`), or those held since
-    /// the previous scan (at least [`HELD_AGE`]). They come late, after
-    /// events of other threads made later; they are stamped when taken,
-    /// and the live table orders a block's events by time (see
-    /// `LiveTable::apply`).
+    /// Takes held allocations, to be applied by the next
+    /// [`Pipeline::read_ring`]: every one (`all`), or those held since the
+    /// previous scan (at least [`HELD_AGE`]). They are stamped when taken,
+    /// one after another, so in time order; they come late, after events of
+    /// other threads made later, and the live table orders a block's events
+    /// by time (see `LiveTable::apply`).
     fn take_held(&mut self, probes: &Probes, all: bool) {
         let Some(held) = probes.held() else {
             return;
         };
-        let mut events = std::mem::take(&mut self.held_buf);
         if all {
-            held.take(Take::All, &mut events);
+            held.take(Take::All, &mut self.held_buf);
         } else {
             self.held_seen.resize(HELD_SLOTS as usize, 0);
-            held.take(Take::Unchanged(&mut self.held_seen), &mut events);
+            held.take(Take::Unchanged(&mut self.held_seen), &mut self.held_buf);
         }
-        // Stamped as taken, one after another: already in time order.
-        for wire in events.drain(..) {
-            self.take(&wire, probes);
-        }
-        self.held_buf = events;
     }
 
     fn take(&mut self, wire: &WireEvent, probes: &Probes) {

@@ -211,6 +211,8 @@ fn json_has_the_contract_keys() {
         "lost",
         "unmatched_frees",
         "stack_failures",
+        "mappings_trimmed",
+        "unmaps_untracked",
     ] {
         assert!(value["events"].get(key).is_some(), "missing events.{key}");
     }
