@@ -42,9 +42,14 @@ struct Watch {
 
 impl Watch {
     fn start(args: &[&str]) -> Watch {
+        Watch::start_with_env(args, &[])
+    }
+
+    fn start_with_env(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Watch {
         let mut child = Command::new(MEMTRACE)
             .arg("watch")
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -442,4 +447,136 @@ fn watch_refuses_bad_input_in_one_line() {
     crate::support::assert_one_clear_line(&out, 2, "no target");
     let out = crate::support::memtrace(&["watch", "--pid", "999999999", "--dry-run"]);
     crate::support::assert_one_clear_line(&out, 2, "no process with pid");
+}
+
+/// A `steady_device_leak` process (stub CUDA libraries) whose live device
+/// bytes the stub NVML reports through `dir`: flat until told to leak.
+fn start_device_fixture(usage_dir: &Path) -> Steady {
+    let mut child = Command::new(fixture("steady_device_leak"))
+        .args(["1024", "100"])
+        .env("MEMTRACE_STUB_GPU_DIR", usage_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("steady_device_leak starts");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("ready line");
+    let pid = line
+        .strip_prefix("ready ")
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("steady_device_leak said {line:?}"));
+    Steady {
+        child,
+        pid,
+        _stdout: out,
+    }
+}
+
+/// Device memory through the stub NVML (`libnvidia-ml.so.1`, found by the
+/// watcher's dlopen through LD_LIBRARY_PATH, which holds only it) and the
+/// stub CUDA libraries: NVML's per-process used memory follows the stub
+/// driver's live bytes, the trigger names that device metric, and the
+/// episode finds the `cudaMalloc` site with whole device blocks.
+#[test]
+fn watch_finds_a_device_memory_leak_through_nvml() {
+    if !privileged() {
+        return;
+    }
+    const DEVICE_BLOCK: u64 = 1024 * 1024;
+    let dir = reports_dir("device");
+    let usage = dir.with_extension("gpu-usage");
+    let _ = std::fs::remove_dir_all(&usage);
+    std::fs::create_dir_all(&usage).expect("usage dir");
+    let dir_s = dir.to_string_lossy().to_string();
+    let mut target = start_device_fixture(&usage);
+    let pid_s = target.pid.to_string();
+    let nvml_dir = fixture("nvml");
+    assert!(
+        nvml_dir.join("libnvidia-ml.so.1").exists(),
+        "stub NVML not built: cargo xtask fixtures"
+    );
+    let mut watch = Watch::start_with_env(
+        &[
+            "--pid",
+            &pid_s,
+            "--reports",
+            &dir_s,
+            "--metrics",
+            "gpu",
+            "--interval",
+            "250ms",
+            "--judge-window",
+            "15s",
+            "--warmup",
+            "0s",
+            "--window",
+            "3s",
+            "--backoff",
+            "1h",
+            "--heartbeat",
+            "250ms",
+        ],
+        &[
+            ("LD_LIBRARY_PATH", nvml_dir.as_os_str()),
+            ("MEMTRACE_STUB_GPU_DIR", usage.as_os_str()),
+        ],
+    );
+    watch.wait_for("sources: gpu: nvml;");
+    watch.wait_for(&format!("watching pid {}", target.pid));
+    // Healthy: judged on NVML's figure for this pid, no probe held.
+    let heartbeat = dir.join("heartbeat.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut judged = 0;
+    while judged < 8 {
+        assert!(Instant::now() < deadline, "never judged: {}", watch.text());
+        if let Some(h) = read_json(&heartbeat) {
+            let nvml = h["metrics"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|m| m["metric"] == "nvml.used" && m["label"].is_string());
+            if h["phase"] == "watching" && nvml {
+                judged += 1;
+            }
+        }
+        assert_eq!(probe_fds(watch.child.id()), Vec::<String>::new());
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(!dir.join("episode-0001").exists(), "{}", watch.text());
+    let leak_start = now_unix_ms();
+    target.toggle_leak();
+    let episode = wait_json(&dir.join("episode-0001/episode.json"), &watch);
+    target.toggle_leak();
+    let text = watch.text();
+    assert_eq!(episode["outcome"], "done", "{episode}\n{text}");
+    assert_eq!(episode["why"]["family"], "gpu", "{episode}");
+    let metric = episode["why"]["metric"].as_str().unwrap_or("");
+    assert!(["nvml.used", "nvml0.used"].contains(&metric), "{episode}");
+    assert!(
+        episode["why"]["triggered_unix_ms"].as_u64().unwrap_or(0) >= leak_start,
+        "{episode}"
+    );
+    let found = episode["found"].as_array().cloned().unwrap_or_default();
+    let site = found
+        .iter()
+        .find(|f| f["function"] == "leak_device")
+        .unwrap_or_else(|| panic!("leak_device not found: {episode}"));
+    assert_eq!(site["allocator"], "cuda", "{site}");
+    assert_eq!(site["memory"], "device", "{site}");
+    let count = site["live_count"].as_u64().unwrap_or(0);
+    assert!(count >= 1, "{site}");
+    assert_eq!(site["live_bytes"].as_u64(), Some(count * DEVICE_BLOCK));
+    // The churn site frees all it takes: never found.
+    assert!(
+        !found.iter().any(|f| f["function"] == "device_churn"),
+        "{episode}"
+    );
+    let explanation = episode["explanation"].as_str().unwrap_or("");
+    assert!(explanation.starts_with(metric), "{episode}");
+    let (status, text) = watch.stop();
+    assert!(status.success(), "{status}: {text}");
+    drop(target);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&usage);
 }
