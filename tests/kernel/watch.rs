@@ -206,19 +206,25 @@ struct Steady {
 
 impl Steady {
     fn start() -> Steady {
-        let mut child = Command::new(fixture("steady_leak"))
-            .args(["256", "100"])
+        Steady::spawn("steady_leak", &["256", "100"], &[])
+    }
+
+    /// Starts fixture `name` (the steady/leak protocol) and reads its pid.
+    fn spawn(name: &str, args: &[&str], env: &[(&str, &Path)]) -> Steady {
+        let mut child = Command::new(fixture(name))
+            .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .expect("steady_leak starts");
+            .unwrap_or_else(|e| panic!("{name} does not start: {e}"));
         let mut out = BufReader::new(child.stdout.take().expect("stdout"));
         let mut line = String::new();
         out.read_line(&mut line).expect("ready line");
         let pid = line
             .strip_prefix("ready ")
             .and_then(|p| p.trim().parse().ok())
-            .unwrap_or_else(|| panic!("steady_leak said {line:?}"));
+            .unwrap_or_else(|| panic!("{name} said {line:?}"));
         Steady {
             child,
             pid,
@@ -455,25 +461,11 @@ fn watch_refuses_bad_input_in_one_line() {
 /// A `steady_device_leak` process (stub CUDA libraries) whose live device
 /// bytes the stub NVML reports through `dir`: flat until told to leak.
 fn start_device_fixture(usage_dir: &Path) -> Steady {
-    let mut child = Command::new(fixture("steady_device_leak"))
-        .args(["1024", "100"])
-        .env("MEMTRACE_STUB_GPU_DIR", usage_dir)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("steady_device_leak starts");
-    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    out.read_line(&mut line).expect("ready line");
-    let pid = line
-        .strip_prefix("ready ")
-        .and_then(|p| p.trim().parse().ok())
-        .unwrap_or_else(|| panic!("steady_device_leak said {line:?}"));
-    Steady {
-        child,
-        pid,
-        _stdout: out,
-    }
+    Steady::spawn(
+        "steady_device_leak",
+        &["1024", "100"],
+        &[("MEMTRACE_STUB_GPU_DIR", usage_dir)],
+    )
 }
 
 /// Device memory through the stub NVML (`libnvidia-ml.so.1`, found by the
