@@ -2,11 +2,13 @@
 //! launching a command held before `exec` until the probes are attached.
 //! [`files`]: opening its files as it sees them (containers);
 //! [`maps`]: its `/proc/PID/maps`, parsed;
-//! [`container`]: its namespaces and container identity.
+//! [`container`]: its namespaces and container identity;
+//! [`select`]: which processes `--name`, `--container` and `--cgroup` mean.
 
 pub mod container;
 pub mod files;
 pub mod maps;
+pub mod select;
 
 use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

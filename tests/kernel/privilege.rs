@@ -8,7 +8,9 @@
 use std::io::Read;
 use std::process::{Command, Stdio};
 
-use crate::support::{assert_one_clear_line, privileged, site_totals, Fixture, Tracer, MEMTRACE};
+use crate::support::{
+    assert_one_clear_line, privileged, site_totals, FakeContainer, Fixture, Tracer, MEMTRACE,
+};
 
 /// `setpriv` as `nobody` holding exactly `caps` (`bpf,perfmon,...`).
 fn as_nobody(caps: &str) -> Command {
@@ -129,48 +131,12 @@ fn without_cap_bpf_one_line_names_it_and_exit_4() {
     assert_one_clear_line(&out, 4, "missing CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE");
 }
 
-/// A v1 `pids` cgroup named as Docker names a container's
-/// (`docker-<64 hex>.scope`); processes moved back and the cgroup removed
-/// on drop.
-struct FakeContainer {
-    dir: std::path::PathBuf,
-    id: String,
-}
-
-impl FakeContainer {
-    fn create() -> Option<FakeContainer> {
-        let root = std::path::Path::new("/sys/fs/cgroup/pids");
-        if !root.join("cgroup.procs").exists() {
-            return None;
-        }
-        let id = format!("{:016x}", std::process::id()).repeat(4);
-        let dir = root.join(format!("docker-{id}.scope"));
-        std::fs::create_dir(&dir).ok()?;
-        Some(FakeContainer { dir, id })
-    }
-
-    fn enter(&self, pid: u32) {
-        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).expect("join cgroup");
-    }
-}
-
-impl Drop for FakeContainer {
-    fn drop(&mut self) {
-        if let Ok(procs) = std::fs::read_to_string(self.dir.join("cgroup.procs")) {
-            for pid in procs.lines() {
-                let _ = std::fs::write("/sys/fs/cgroup/pids/cgroup.procs", pid);
-            }
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
-
 #[test]
 fn container_prefix_traces_its_processes_and_one_that_joins_later() {
     if !privileged() {
         return;
     }
-    let Some(container) = FakeContainer::create() else {
+    let Some(container) = FakeContainer::create(0) else {
         eprintln!("SKIPPED: no writable v1 pids hierarchy at /sys/fs/cgroup/pids");
         return;
     };
@@ -213,7 +179,7 @@ fn cgroup_line_traces_that_cgroup_and_no_match_is_exit_2() {
     if !privileged() {
         return;
     }
-    let Some(container) = FakeContainer::create() else {
+    let Some(container) = FakeContainer::create(0) else {
         eprintln!("SKIPPED: no writable v1 pids hierarchy at /sys/fs/cgroup/pids");
         return;
     };

@@ -334,3 +334,42 @@ pub fn total_for(report: &Value, allocator: &str) -> (u64, u64) {
             )
         })
 }
+
+/// A v1 `pids` cgroup named as Docker names a container's
+/// (`docker-<64 hex>.scope`); processes moved back and the cgroup removed
+/// on drop.
+pub struct FakeContainer {
+    pub dir: std::path::PathBuf,
+    pub id: String,
+}
+
+impl FakeContainer {
+    /// `tag` tells apart the containers of one test process.
+    pub fn create(tag: u64) -> Option<FakeContainer> {
+        let root = std::path::Path::new("/sys/fs/cgroup/pids");
+        if !root.join("cgroup.procs").exists() {
+            return None;
+        }
+        // The first 12 characters (what `--container` takes) differ per test
+        // process and tag.
+        let id = format!("{:08x}{tag:04x}", std::process::id()).repeat(6)[..64].to_string();
+        let dir = root.join(format!("docker-{id}.scope"));
+        std::fs::create_dir(&dir).ok()?;
+        Some(FakeContainer { dir, id })
+    }
+
+    pub fn enter(&self, pid: u32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).expect("join cgroup");
+    }
+}
+
+impl Drop for FakeContainer {
+    fn drop(&mut self) {
+        if let Ok(procs) = std::fs::read_to_string(self.dir.join("cgroup.procs")) {
+            for pid in procs.lines() {
+                let _ = std::fs::write("/sys/fs/cgroup/pids/cgroup.procs", pid);
+            }
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}

@@ -4,7 +4,10 @@
 //! and a GC sawtooth that never leak). Whether memtrace holds a probe is
 //! read from the kernel's side: the fds of the watcher and of every process
 //! under it that are perf events (uprobes) or BPF objects (programs, links,
-//! maps): a uprobe exists only while such an fd holds it.
+//! maps): a uprobe exists only while such an fd holds it. Device memory
+//! comes from the stub NVML and CUDA libraries (`steady_device_leak`);
+//! `--container` and `--cgroup` use a v1 pids cgroup named as Docker names
+//! a container's.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -14,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 
-use crate::support::{fixture, privileged, MEMTRACE};
+use crate::support::{fixture, privileged, FakeContainer, MEMTRACE};
 
 const BLOCK: u64 = 256 * 1024;
 
@@ -42,9 +45,14 @@ struct Watch {
 
 impl Watch {
     fn start(args: &[&str]) -> Watch {
+        Watch::start_with_env(args, &[])
+    }
+
+    fn start_with_env(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Watch {
         let mut child = Command::new(MEMTRACE)
             .arg("watch")
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -198,19 +206,25 @@ struct Steady {
 
 impl Steady {
     fn start() -> Steady {
-        let mut child = Command::new(fixture("steady_leak"))
-            .args(["256", "100"])
+        Steady::spawn("steady_leak", &["256", "100"], &[])
+    }
+
+    /// Starts fixture `name` (the steady/leak protocol) and reads its pid.
+    fn spawn(name: &str, args: &[&str], env: &[(&str, &Path)]) -> Steady {
+        let mut child = Command::new(fixture(name))
+            .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .expect("steady_leak starts");
+            .unwrap_or_else(|e| panic!("{name} does not start: {e}"));
         let mut out = BufReader::new(child.stdout.take().expect("stdout"));
         let mut line = String::new();
         out.read_line(&mut line).expect("ready line");
         let pid = line
             .strip_prefix("ready ")
             .and_then(|p| p.trim().parse().ok())
-            .unwrap_or_else(|| panic!("steady_leak said {line:?}"));
+            .unwrap_or_else(|| panic!("{name} said {line:?}"));
         Steady {
             child,
             pid,
@@ -442,4 +456,274 @@ fn watch_refuses_bad_input_in_one_line() {
     crate::support::assert_one_clear_line(&out, 2, "no target");
     let out = crate::support::memtrace(&["watch", "--pid", "999999999", "--dry-run"]);
     crate::support::assert_one_clear_line(&out, 2, "no process with pid");
+}
+
+/// A `steady_device_leak` process (stub CUDA libraries) whose live device
+/// bytes the stub NVML reports through `dir`: flat until told to leak.
+fn start_device_fixture(usage_dir: &Path) -> Steady {
+    Steady::spawn(
+        "steady_device_leak",
+        &["1024", "100"],
+        &[("MEMTRACE_STUB_GPU_DIR", usage_dir)],
+    )
+}
+
+/// Device memory through the stub NVML (`libnvidia-ml.so.1`, found by the
+/// watcher's dlopen through LD_LIBRARY_PATH, which holds only it) and the
+/// stub CUDA libraries: NVML's per-process used memory follows the stub
+/// driver's live bytes, the trigger names that device metric, and the
+/// episode finds the `cudaMalloc` site with whole device blocks.
+#[test]
+fn watch_finds_a_device_memory_leak_through_nvml() {
+    if !privileged() {
+        return;
+    }
+    const DEVICE_BLOCK: u64 = 1024 * 1024;
+    let dir = reports_dir("device");
+    let usage = dir.with_extension("gpu-usage");
+    let _ = std::fs::remove_dir_all(&usage);
+    std::fs::create_dir_all(&usage).expect("usage dir");
+    let dir_s = dir.to_string_lossy().to_string();
+    let mut target = start_device_fixture(&usage);
+    let pid_s = target.pid.to_string();
+    let nvml_dir = fixture("nvml");
+    assert!(
+        nvml_dir.join("libnvidia-ml.so.1").exists(),
+        "stub NVML not built: cargo xtask fixtures"
+    );
+    let mut watch = Watch::start_with_env(
+        &[
+            "--pid",
+            &pid_s,
+            "--reports",
+            &dir_s,
+            "--metrics",
+            "gpu",
+            "--interval",
+            "250ms",
+            "--judge-window",
+            "15s",
+            "--warmup",
+            "0s",
+            "--window",
+            "3s",
+            "--backoff",
+            "1h",
+            "--heartbeat",
+            "250ms",
+        ],
+        &[
+            ("LD_LIBRARY_PATH", nvml_dir.as_os_str()),
+            ("MEMTRACE_STUB_GPU_DIR", usage.as_os_str()),
+        ],
+    );
+    watch.wait_for("sources: gpu: nvml;");
+    watch.wait_for(&format!("watching pid {}", target.pid));
+    // Healthy: judged on NVML's figure for this pid, no probe held.
+    let heartbeat = dir.join("heartbeat.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut judged = 0;
+    while judged < 8 {
+        assert!(Instant::now() < deadline, "never judged: {}", watch.text());
+        if let Some(h) = read_json(&heartbeat) {
+            let nvml = h["metrics"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|m| m["metric"] == "nvml.used" && m["label"].is_string());
+            if h["phase"] == "watching" && nvml {
+                judged += 1;
+            }
+        }
+        assert_eq!(probe_fds(watch.child.id()), Vec::<String>::new());
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(!dir.join("episode-0001").exists(), "{}", watch.text());
+    let leak_start = now_unix_ms();
+    target.toggle_leak();
+    let episode = wait_json(&dir.join("episode-0001/episode.json"), &watch);
+    target.toggle_leak();
+    let text = watch.text();
+    assert_eq!(episode["outcome"], "done", "{episode}\n{text}");
+    assert_eq!(episode["why"]["family"], "gpu", "{episode}");
+    let metric = episode["why"]["metric"].as_str().unwrap_or("");
+    assert!(["nvml.used", "nvml0.used"].contains(&metric), "{episode}");
+    assert!(
+        episode["why"]["triggered_unix_ms"].as_u64().unwrap_or(0) >= leak_start,
+        "{episode}"
+    );
+    let found = episode["found"].as_array().cloned().unwrap_or_default();
+    let site = found
+        .iter()
+        .find(|f| f["function"] == "leak_device")
+        .unwrap_or_else(|| panic!("leak_device not found: {episode}"));
+    assert_eq!(site["allocator"], "cuda", "{site}");
+    assert_eq!(site["memory"], "device", "{site}");
+    let count = site["live_count"].as_u64().unwrap_or(0);
+    assert!(count >= 1, "{site}");
+    assert_eq!(site["live_bytes"].as_u64(), Some(count * DEVICE_BLOCK));
+    // The churn site frees all it takes: never found.
+    assert!(
+        !found.iter().any(|f| f["function"] == "device_churn"),
+        "{episode}"
+    );
+    let explanation = episode["explanation"].as_str().unwrap_or("");
+    assert!(explanation.starts_with(metric), "{episode}");
+    let (status, text) = watch.stop();
+    assert!(status.success(), "{status}: {text}");
+    drop(target);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&usage);
+}
+
+/// `--container PREFIX`: every process of the container is watched, one
+/// that joins later too, and a process outside it is not; each is judged
+/// on its own, no probe is held while all are healthy, and the episode
+/// traces the one that leaks. A bad prefix is one line, exit 2.
+#[test]
+fn watch_container_watches_each_of_its_processes_and_traces_the_leaking_one() {
+    if !privileged() {
+        return;
+    }
+    let Some(container) = FakeContainer::create(1) else {
+        eprintln!("SKIPPED: no writable v1 pids hierarchy at /sys/fs/cgroup/pids");
+        return;
+    };
+    let dir = reports_dir("container");
+    let dir_s = dir.to_string_lossy().to_string();
+    let first = Steady::start();
+    container.enter(first.pid);
+    let outsider = Steady::start();
+    let prefix = container.id[..12].to_string();
+    let mut watch = Watch::start(&[
+        "--container",
+        &prefix,
+        "--reports",
+        &dir_s,
+        "--interval",
+        "250ms",
+        "--judge-window",
+        "15s",
+        "--warmup",
+        "0s",
+        "--window",
+        "3s",
+        "--backoff",
+        "1h",
+        "--heartbeat",
+        "250ms",
+    ]);
+    watch.wait_for(&format!("watching container {prefix}"));
+    watch.wait_for(&format!("watching pid {}", first.pid));
+    let mut second = Steady::start();
+    container.enter(second.pid);
+    watch.wait_for(&format!("watching pid {}", second.pid));
+    // Both judged healthy, the outsider never watched, no probe held.
+    let heartbeat = dir.join("heartbeat.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut judged = 0;
+    while judged < 8 {
+        assert!(Instant::now() < deadline, "never judged: {}", watch.text());
+        if let Some(h) = read_json(&heartbeat) {
+            let pids: Vec<u64> = h["pids"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_u64)
+                .collect();
+            assert!(!pids.contains(&u64::from(outsider.pid)), "{h}");
+            let both_judged =
+                [first.pid, second.pid].iter().all(|p| {
+                    h["metrics"].as_array().into_iter().flatten().any(|m| {
+                        m["pid"] == *p && m["metric"] == "RssAnon" && m["label"].is_string()
+                    })
+                });
+            if h["phase"] == "watching" && both_judged {
+                judged += 1;
+            }
+        }
+        assert_eq!(probe_fds(watch.child.id()), Vec::<String>::new());
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    second.toggle_leak();
+    let episode = wait_json(&dir.join("episode-0001/episode.json"), &watch);
+    second.toggle_leak();
+    assert_eq!(episode["pid"], second.pid, "{episode}");
+    assert_eq!(episode["outcome"], "done", "{episode}\n{}", watch.text());
+    assert!(
+        episode["why"]["text"]
+            .as_str()
+            .is_some_and(|t| t.contains(&format!("of pid {}", second.pid))),
+        "{episode}"
+    );
+    let found = episode["found"].as_array().cloned().unwrap_or_default();
+    let site = found
+        .iter()
+        .find(|f| f["function"] == "leak_block")
+        .unwrap_or_else(|| panic!("leak_block not found: {episode}"));
+    let count = site["live_count"].as_u64().unwrap_or(0);
+    assert!(count >= 1, "{site}");
+    assert_eq!(site["live_bytes"].as_u64(), Some(count * BLOCK), "{site}");
+    let (status, text) = watch.stop();
+    assert!(status.success(), "{status}: {text}");
+    drop((first, second, outsider));
+    let _ = std::fs::remove_dir_all(&dir);
+    // A prefix no container has: one line, exit 2.
+    let out = crate::support::memtrace(&["watch", "--container", "ffffffffffffffff0", "--dry-run"]);
+    crate::support::assert_one_clear_line(&out, 2, "no running process is in a container");
+}
+
+/// `--cgroup` with the line `/proc/PID/cgroup` shows: that process is
+/// watched (a dry run: judged, never attached).
+#[test]
+fn watch_cgroup_watches_the_processes_of_that_cgroup() {
+    if !privileged() {
+        return;
+    }
+    let Some(container) = FakeContainer::create(2) else {
+        eprintln!("SKIPPED: no writable v1 pids hierarchy at /sys/fs/cgroup/pids");
+        return;
+    };
+    let dir = reports_dir("cgroup");
+    let dir_s = dir.to_string_lossy().to_string();
+    let inside = Steady::start();
+    container.enter(inside.pid);
+    let outsider = Steady::start();
+    let line = std::fs::read_to_string(format!("/proc/{}/cgroup", inside.pid))
+        .expect("cgroup")
+        .lines()
+        .find(|l| l.contains(":pids:"))
+        .expect("pids line")
+        .to_string();
+    let mut watch = Watch::start(&[
+        "--cgroup",
+        &line,
+        "--dry-run",
+        "--reports",
+        &dir_s,
+        "--interval",
+        "250ms",
+        "--heartbeat",
+        "250ms",
+    ]);
+    watch.wait_for(&format!("watching pid {}", inside.pid));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let heartbeat = loop {
+        assert!(Instant::now() < deadline, "no heartbeat: {}", watch.text());
+        match read_json(&dir.join("heartbeat.json")) {
+            Some(h) if h["pids"].as_array().is_some_and(|p| !p.is_empty()) => break h,
+            _ => std::thread::sleep(Duration::from_millis(100)),
+        }
+    };
+    assert_eq!(
+        heartbeat["pids"],
+        serde_json::json!([inside.pid]),
+        "{heartbeat}"
+    );
+    assert_eq!(heartbeat["target"], format!("cgroup {line}"), "{heartbeat}");
+    let (status, text) = watch.stop();
+    assert!(status.success(), "{status}: {text}");
+    assert!(!text.contains(&format!("pid {}", outsider.pid)), "{text}");
+    drop((inside, outsider));
+    let _ = std::fs::remove_dir_all(&dir);
 }

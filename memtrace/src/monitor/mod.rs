@@ -5,7 +5,8 @@
 //! the pieces: `runner` (sampling loop), `sources` (procfs and GPU readers),
 //! `series` (the recording), `verdict` (trend labels), `release` (memory
 //! returned after a command), `store` (CSV/JSON), `plot` (SVG/PNG) and
-//! `report` (the printed summary and the `--fail-on` gate).
+//! `report` (the printed summary and the `--fail-on` gate); `sensitivity`
+//! holds the verdict options `memtrace watch` shares.
 
 mod error;
 mod html;
@@ -13,11 +14,12 @@ mod plot;
 mod release;
 mod report;
 mod runner;
+pub(crate) mod sensitivity;
 pub(crate) mod series;
 pub(crate) mod sources;
 mod store;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 pub(crate) mod units;
 pub(crate) mod verdict;
 
@@ -33,6 +35,7 @@ use clap::{Args, Subcommand, ValueEnum};
 
 use crate::duration::parse_duration;
 use error::MonitorError;
+pub use sensitivity::Sensitivity;
 use series::Recording;
 use units::parse_size;
 
@@ -200,37 +203,9 @@ pub struct JudgeArgs {
     #[arg(long, value_enum, default_value_t = Scope::Target)]
     pub fail_scope: Scope,
 
-    /// Growth rate (per hour) from which growth of a byte metric is `growth`.
-    #[arg(long, value_parser = parse_size, default_value = "10MiB", value_name = "SIZE")]
-    pub growth_rate: f64,
-
-    /// Growth rate (per hour) from which growth of a count (fds, threads) is `growth`.
-    #[arg(long, default_value_t = 60.0, value_name = "N")]
-    pub growth_rate_count: f64,
-
-    /// Smallest change of a byte metric that counts (trend over the window or a step).
-    #[arg(long, value_parser = parse_size, default_value = "1MiB", value_name = "SIZE")]
-    pub min_change: f64,
-
-    /// Smallest change of a count that counts.
-    #[arg(long, default_value_t = 3.0, value_name = "N")]
-    pub min_change_count: f64,
-
-    /// Smallest change that counts, as a fraction of the level.
-    #[arg(long, default_value_t = 0.01, value_name = "FRACTION")]
-    pub min_change_rel: f64,
-
-    /// A trend must exceed this many robust noise sigmas over the window.
-    #[arg(long, default_value_t = 3.0, value_name = "K")]
-    pub noise_k: f64,
-
-    /// A step must exceed this many within-level noise sigmas.
-    #[arg(long, default_value_t = 6.0, value_name = "K")]
-    pub jump_k: f64,
-
-    /// Noise relative to the level from which a flat metric is `jitter`.
-    #[arg(long, default_value_t = 0.05, value_name = "FRACTION")]
-    pub jitter_rel: f64,
+    /// How sensitive the verdicts are.
+    #[command(flatten)]
+    pub sensitivity: Sensitivity,
 
     /// How far above baseline memory may stay after a command (release check).
     #[arg(long, value_parser = parse_size, default_value = "32MiB", value_name = "SIZE")]
@@ -239,16 +214,7 @@ pub struct JudgeArgs {
 
 impl JudgeArgs {
     fn thresholds(&self) -> verdict::Thresholds {
-        verdict::Thresholds {
-            growth_rate_bytes: self.growth_rate,
-            growth_rate_count: self.growth_rate_count,
-            min_change_bytes: self.min_change,
-            min_change_count: self.min_change_count,
-            min_change_rel: self.min_change_rel,
-            noise_k: self.noise_k,
-            jump_k: self.jump_k,
-            jitter_rel: self.jitter_rel,
-        }
+        self.sensitivity.thresholds()
     }
 
     /// Checks the file extensions and that the plot can be written.

@@ -277,16 +277,9 @@ pub fn judge(series: &Series, from_t: f64, th: &Thresholds) -> Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::monitor::testutil::noise;
 
     const MIB: f64 = 1024.0 * 1024.0;
-
-    /// Deterministic noise in [-1, 1].
-    fn noise(i: usize) -> f64 {
-        let x = (i as u64)
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((x >> 33) % 2001) as f64 / 1000.0 - 1.0
-    }
 
     fn series(f: impl Fn(f64, usize) -> f64, n: usize, dt: f64) -> Series {
         Series {

@@ -141,6 +141,17 @@ impl Running {
     }
 }
 
+/// An episode in flight, with what is needed to summarize it.
+pub struct InFlight {
+    pub run: Running,
+    pub why: Why,
+    pub family: Family,
+    /// Metric key, for the value at attach and detach.
+    pub key: (Family, String),
+    /// When the tracer said it was tracing (watcher's axis, to a tick).
+    pub attached_t: Option<f64>,
+}
+
 /// Why an episode started.
 #[derive(Clone, Debug, Serialize)]
 pub struct Why {

@@ -35,6 +35,7 @@ mod proc;
 mod redis;
 mod report;
 mod tables;
+mod watch;
 mod workloads;
 
 /// Options of `cargo xtask bench`.
@@ -89,6 +90,8 @@ pub enum Section {
     Collateral,
     /// redis-server under redis-benchmark.
     Redis,
+    /// redis-server SET under `memtrace watch` while healthy; the watcher's own cost.
+    Watch,
     /// mallocbench under each preloaded allocator.
     Allocators,
     /// Python and C++ workloads.
@@ -197,6 +200,9 @@ fn bench_as(task: &str, args: BenchArgs) -> Result<()> {
     let python = workloads_section(&env, &peers, rounds.min(3));
     eprintln!("xtask bench: redis-server under redis-benchmark ({rounds} rounds)");
     let redis = redis_section(&env, &peers, requests);
+    eprintln!("xtask bench: redis-server under memtrace watch ({rounds} rounds)");
+    let mut watching = String::new();
+    watch::render(&watch::bench(&env, requests), &mut watching);
     eprintln!("xtask bench: mallocbench under each preloaded allocator ({rounds} rounds)");
     let allocators = allocators_section(&env);
     eprintln!("xtask bench: end of a trace");
@@ -225,6 +231,7 @@ fn bench_as(task: &str, args: BenchArgs) -> Result<()> {
     });
     doc.push('\n');
     doc.push_str(&redis.markdown);
+    doc.push_str(&watching);
     doc.push_str(&allocators);
     doc.push_str(&python);
     doc.push_str(&ending);
@@ -308,6 +315,7 @@ fn one_section(section: Section, env: &Env, peers: &Peers, requests: u64) -> Str
         }
         Section::Collateral => collateral::render(&collateral::bench(env), &mut s),
         Section::Redis => s = redis_section(env, peers, requests).markdown,
+        Section::Watch => watch::render(&watch::bench(env, requests), &mut s),
         Section::Allocators => s = allocators_section(env),
         Section::Workloads => s = workloads_section(env, peers, env.rounds),
         Section::Ending => ending::render(&ending::bench(env), &mut s),
@@ -380,8 +388,10 @@ mod tests {
                 "memory",
                 "collateral",
                 "redis",
+                "watch",
                 "allocators",
-                "workloads"
+                "workloads",
+                "ending"
             ]
         );
         assert_eq!(Section::from_str("python", false), Ok(Section::Workloads));

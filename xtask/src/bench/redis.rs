@@ -240,7 +240,7 @@ fn which(program: &str) -> Option<String> {
     (!path.is_empty()).then_some(path)
 }
 
-fn version() -> String {
+pub(super) fn version() -> String {
     Command::new("redis-server")
         .arg("--version")
         .output()
@@ -259,10 +259,10 @@ struct Run {
 }
 
 /// A child killed (SIGINT first, then SIGKILL) when dropped.
-struct Guard(Child);
+pub(super) struct Guard(pub(super) Child);
 
 impl Guard {
-    fn interrupt_and_wait(&mut self, timeout: Duration) -> Result<()> {
+    pub(super) fn interrupt_and_wait(&mut self, timeout: Duration) -> Result<()> {
         // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
         unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
         let deadline = Instant::now() + timeout;
@@ -287,7 +287,7 @@ impl Drop for Guard {
     }
 }
 
-fn free_port() -> Result<u16> {
+pub(super) fn free_port() -> Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("binding a loopback port")?;
     Ok(listener.local_addr()?.port())
 }
@@ -366,7 +366,7 @@ fn one_run(opts: &RedisBench, tracer: Option<&Tracer>) -> Result<Run> {
     })
 }
 
-fn wait_ready(port: &str) -> Result<()> {
+pub(super) fn wait_ready(port: &str) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         let ping = Command::new("redis-cli")
@@ -380,7 +380,7 @@ fn wait_ready(port: &str) -> Result<()> {
     bail!("redis-server did not answer PING on port {port}")
 }
 
-fn median(values: &[f64]) -> Option<f64> {
+pub(super) fn median(values: &[f64]) -> Option<f64> {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
     if v.is_empty() {
         return None;

@@ -124,41 +124,9 @@ pub fn read_meminfo(proc_root: &Path) -> std::io::Result<Vec<(String, f64)>> {
     )?))
 }
 
-/// The command name of a process: `comm`, and argv0's basename.
-pub fn process_names(proc_root: &Path, pid: u32) -> (Option<String>, Option<String>) {
-    let dir = proc_root.join(pid.to_string());
-    let comm = fs::read_to_string(dir.join("comm"))
-        .ok()
-        .map(|s| s.trim_end_matches('\n').to_string());
-    let argv0 = fs::read(dir.join("cmdline")).ok().and_then(|bytes| {
-        let first = bytes.split(|b| *b == 0).next()?;
-        let text = String::from_utf8_lossy(first).to_string();
-        let base = text.rsplit('/').next()?.to_string();
-        (!base.is_empty()).then_some(base)
-    });
-    (comm, argv0)
-}
-
-/// True if `name` matches a process's comm (which the kernel truncates to
-/// 15 bytes) or its argv0 basename.
-pub fn name_matches(name: &str, comm: Option<&str>, argv0: Option<&str>) -> bool {
-    if let Some(comm) = comm {
-        if comm == name || (comm.len() == 15 && name.len() > 15 && name.starts_with(comm)) {
-            return true;
-        }
-    }
-    argv0 == Some(name)
-}
-
-/// Pids under `proc_root`, ascending.
-pub fn list_pids(proc_root: &Path) -> std::io::Result<Vec<u32>> {
-    let mut pids: Vec<u32> = fs::read_dir(proc_root)?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .collect();
-    pids.sort_unstable();
-    Ok(pids)
-}
+// Process names and the pid list live with the selectors (`--name` of the
+// tracer, the monitor and the watcher alike).
+pub use crate::target::select::{list_pids, name_matches, process_names};
 
 /// Live (non-zombie) processes named `name`, excluding `exclude`.
 pub fn find_by_name(proc_root: &Path, name: &str, exclude: u32) -> std::io::Result<Vec<u32>> {
