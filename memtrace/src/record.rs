@@ -474,7 +474,7 @@ mod tests {
             kind,
             flags: 0,
             py_stack: 0,
-            _pad: 0,
+            tag: 0,
         };
         let lines = [
             Line::Header {
@@ -741,7 +741,7 @@ mod tests {
                 kind,
                 flags: 0,
                 py_stack: py,
-                _pad: 0,
+                tag: 0,
             };
             recorder.event(&wire);
             let event = crate::event::from_wire(&wire).expect("decodes");

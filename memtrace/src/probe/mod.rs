@@ -9,6 +9,7 @@ pub mod placement;
 pub mod plan;
 pub mod usdt;
 pub mod usdt_list;
+pub mod usdt_plan;
 
 use catalog::{Allocator, Domain, FuncDef, Memory};
 

@@ -232,7 +232,7 @@ pub fn wire_of(e: &[i64; 10], py_stack: u32) -> WireEvent {
         kind: e[8] as u8,
         flags: e[9] as u8,
         py_stack,
-        _pad: 0,
+        tag: 0,
     }
 }
 
@@ -341,7 +341,7 @@ mod tests {
             kind: 2,
             flags: 0xff,
             py_stack: 0,
-            _pad: 0,
+            tag: 0,
         };
         let back = wire_of(&event_fields(&wire), 0);
         assert_eq!(
