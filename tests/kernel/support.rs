@@ -108,6 +108,20 @@ impl Fixture {
         }
     }
 
+    /// Reads the fixture's stdout until a line starting with `prefix`;
+    /// returns the rest of it, trimmed.
+    pub fn line_starting(&mut self, prefix: &str) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.stdout.read_line(&mut line).expect("fixture output");
+            assert!(n > 0, "fixture exited before a `{prefix}` line");
+            if let Some(rest) = line.trim().strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+        }
+    }
+
     pub fn wait(mut self) {
         let _ = self.child.wait();
     }

@@ -2,11 +2,17 @@
 //! fixtures, PIE and non-PIE, with semaphores and without, and of a library
 //! a running process dlopened late, listed with exact names, counts, file
 //! offsets (the probe's nop at each) and decoded arguments; a file that is
-//! no ELF object is one clear line.
+//! no ELF object is one clear line. Traced through `usdt =` pairs: exact
+//! blocks and bytes from probes with semaphores (PIE and non-PIE
+//! executables) and without (a library dlopened late), each semaphore
+//! raised while memtrace is attached and back to 0 after a normal end and
+//! after `kill -9` of memtrace (read from the fixture's /proc/PID/mem).
 
 use serde_json::Value;
 
-use crate::support::{assert_one_clear_line, fixture, memtrace, privileged, Fixture};
+use crate::support::{
+    assert_one_clear_line, fixture, memtrace, privileged, total_for, Fixture, Tracer,
+};
 
 fn list(target: &str) -> Value {
     let out = memtrace(&["probes", target, "--format", "json"]);
@@ -132,6 +138,9 @@ fn lists_probes_of_a_process_and_its_late_library() {
     // Nothing attached: the probes' semaphores stay down.
     target.send_line();
     target.expect_line("sema 0 0");
+    target.expect_line("loaded");
+    target.send_line();
+    target.expect_line("sema 0 0");
     target.expect_line("done");
     let after = list(&target.pid.to_string());
     assert_eq!(
@@ -170,6 +179,186 @@ fn a_file_that_is_no_elf_object_is_one_clear_line() {
             matches!(out.status.code(), Some(0 | 2)),
             "cut {cut}: {stderr}"
         );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The fixtures' probes as two pairs: the executable's (pointer, size),
+/// the library's (size, pointer: the other order).
+const PAIRS: &str = r#"
+[[pair]]
+name = "test-pool"
+alloc = { usdt = "memtrace_test:alloc" }
+free = { usdt = "memtrace_test:free" }
+handle = "arg0"
+size = "arg1"
+free_handle = "arg0"
+
+[[pair]]
+name = "lib-pool"
+alloc = { usdt = "memtrace_lib:alloc" }
+free = { usdt = "memtrace_lib:free" }
+handle = "arg1"
+size = "arg0"
+free_handle = "arg0"
+"#;
+
+fn pairs_file(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("memtrace-usdt-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("usdt.toml");
+    std::fs::write(&file, PAIRS).expect("pairs file");
+    file
+}
+
+/// The `unsigned short` at `addr` in process `pid`.
+fn read_u16(pid: u32, addr: u64) -> u16 {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).expect("/proc/PID/mem");
+    let mut value = [0u8; 2];
+    mem.read_exact_at(&mut value, addr)
+        .expect("semaphore readable");
+    u16::from_ne_bytes(value)
+}
+
+/// Starts a usdt_probes fixture; returns it and its semaphores' addresses.
+fn start(name: &str) -> (Fixture, [u64; 2]) {
+    let lib = fixture("libusdt_lib.so");
+    let mut target = Fixture::start(name, &[lib.to_str().expect("path"), "30", "30"]);
+    let line = target.line_starting("semaphores");
+    let addrs: Vec<u64> = line
+        .split_whitespace()
+        .map(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).expect("hex address"))
+        .collect();
+    assert_eq!(addrs.len(), 2, "{line}");
+    (target, [addrs[0], addrs[1]])
+}
+
+fn semaphores(pid: u32, addrs: [u64; 2]) -> [u16; 2] {
+    [read_u16(pid, addrs[0]), read_u16(pid, addrs[1])]
+}
+
+#[test]
+fn usdt_pairs_count_exactly_in_pie_non_pie_and_a_late_library() {
+    if !privileged() {
+        return;
+    }
+    let pairs = pairs_file("counts");
+    for name in ["usdt_probes", "usdt_probes_nopie"] {
+        let (mut target, addrs) = start(name);
+        assert_eq!(semaphores(target.pid, addrs), [0, 0], "{name}: before");
+        let pid = target.pid.to_string();
+        let args = [
+            "--pid",
+            pid.as_str(),
+            "--pairs",
+            pairs.to_str().expect("path"),
+            "--format",
+            "json",
+            "--top",
+            "500",
+        ];
+        let mut tracer = Tracer::attach(&args);
+        assert_eq!(semaphores(target.pid, addrs), [1, 1], "{name}: attached");
+        target.send_line();
+        target.expect_line("sema 1 1");
+        target.expect_line("loaded");
+        tracer.wait_for_stderr("probing USDT probes of newly loaded");
+        target.send_line();
+        target.expect_line("done");
+        tracer.signal(libc::SIGINT);
+        let (report, _) = tracer.report_last_line();
+        // Executable: 5 allocations of 100..500 bytes, the first two freed.
+        assert_eq!(
+            total_for(&report, "test-pool"),
+            (1200, 3),
+            "{name}: {report}"
+        );
+        // Library: 64, 128, 256, 512, the first and last freed.
+        assert_eq!(total_for(&report, "lib-pool"), (384, 2), "{name}: {report}");
+        let sites: Vec<&Value> = report["sites"]
+            .as_array()
+            .expect("sites")
+            .iter()
+            .filter(|s| s["allocator"] == "test-pool")
+            .collect();
+        assert!(!sites.is_empty());
+        for site in &sites {
+            assert_eq!(
+                site["functions"],
+                serde_json::json!(["memtrace_test:alloc"])
+            );
+            let symbols: Vec<&str> = site["frames"]
+                .as_array()
+                .expect("frames")
+                .iter()
+                .filter_map(|f| f["symbol"].as_str())
+                .collect();
+            assert!(symbols.contains(&"main"), "{name}: {symbols:?}");
+        }
+        assert_eq!(report["events"]["unmatched_frees"], 0, "{name}");
+        // A normal end: the kernel dropped the semaphores with the probes.
+        assert_eq!(semaphores(target.pid, addrs), [0, 0], "{name}: after");
+    }
+    if let Some(dir) = pairs.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[test]
+fn semaphores_fall_back_to_zero_when_memtrace_is_killed() {
+    if !privileged() {
+        return;
+    }
+    let pairs = pairs_file("kill");
+    let (target, addrs) = start("usdt_probes");
+    let pid = target.pid.to_string();
+    let mut tracer = Tracer::attach(&[
+        "--pid",
+        pid.as_str(),
+        "--pairs",
+        pairs.to_str().expect("path"),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(semaphores(target.pid, addrs), [1, 1]);
+    tracer.signal(libc::SIGKILL);
+    let _ = tracer.child.wait();
+    assert_eq!(semaphores(target.pid, addrs), [0, 0]);
+    if let Some(dir) = pairs.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[test]
+fn malformed_usdt_pairs_are_one_line() {
+    if !privileged() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("memtrace-usdt-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for (body, needle) in [
+        (
+            "alloc = { usdt = \"nocolon\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"",
+            "expected \"provider:name\"",
+        ),
+        (
+            "alloc = { usdt = \"p:a\" }\nfree = \"free_fn\"\nhandle = \"arg0\"",
+            "both be USDT probes",
+        ),
+        (
+            "alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg12\"",
+            "N from 0 to 11",
+        ),
+        (
+            "alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }",
+            "needs handle",
+        ),
+    ] {
+        let file = dir.join("bad.toml");
+        std::fs::write(&file, format!("[[pair]]\nname = \"bad\"\n{body}\n")).expect("write");
+        let out = memtrace(&["--pairs", file.to_str().expect("path"), "--", "/bin/true"]);
+        assert_one_clear_line(&out, 2, needle);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
