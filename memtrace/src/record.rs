@@ -125,6 +125,7 @@ impl Recorder {
                 memory: spec.memory,
                 domain: spec.domain,
                 module: spec.module.map(str::to_string),
+                estimate: spec.estimate,
             });
         }
         self.specs_written = specs.len();
@@ -269,8 +270,10 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 memory,
                 domain,
                 module,
+                estimate,
             } => {
                 specs.push(SpecEntry {
+                    estimate,
                     module: module.map(|m| &*Box::leak(m.into_boxed_str())),
                     function: Box::leak(function.into_boxed_str()),
                     allocator: Allocator::parse_builtin(&allocator).unwrap_or(Allocator::Custom {
@@ -495,6 +498,7 @@ mod tests {
                 memory: crate::probe::catalog::Memory::Host,
                 domain: crate::probe::catalog::Domain::Heap,
                 module: Some("/lib/libc.so.6".into()),
+                estimate: false,
             },
             Line::Stack {
                 id: 1,
@@ -665,6 +669,7 @@ mod tests {
             allocator: Allocator::parse_builtin("libc").expect("libc"),
             memory: crate::probe::catalog::Memory::Host,
             domain: crate::probe::catalog::Domain::Heap,
+            estimate: false,
         }];
         let mut table = LiveTable::new(usize::MAX);
         let mut stacks = StackStore::default();

@@ -7,6 +7,9 @@
 //! executables) and without (a library dlopened late), each semaphore
 //! raised while memtrace is attached and back to 0 after a normal end and
 //! after `kill -9` of memtrace (read from the fixture's /proc/PID/mem).
+//! `--preset pytorch` on a stub of PyTorch's allocator driven from Python:
+//! the leaked tensors at their Python line, beside the cudaMalloc segment
+//! (its nested driver call counted once) and what the cache holds.
 
 use serde_json::Value;
 
@@ -361,4 +364,122 @@ fn malformed_usdt_pairs_are_one_line() {
         assert_one_clear_line(&out, 2, needle);
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The line of the `# L:name` marker in tests/python/`file`.
+fn python_line(file: &str, name: &str) -> u64 {
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/python")
+        .join(file);
+    let text = std::fs::read_to_string(path).expect("script");
+    let marker = format!("# L:{name}");
+    text.lines()
+        .position(|l| l.trim_end().ends_with(&marker))
+        .map(|i| i as u64 + 1)
+        .unwrap_or_else(|| panic!("no marker {marker}"))
+}
+
+/// Runs a Python script with `args`, traces it by pid with `extra` from its
+/// `ready` line to its `done` line, returns the JSON report.
+fn trace_python(script: &str, args: &[&str], extra: &[&str]) -> Value {
+    use std::io::{BufRead, Write};
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/python")
+        .join(script);
+    let mut child = std::process::Command::new("/usr/bin/python3.11")
+        .arg(path)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3.11 starts (Debian's, .ci/run installs it)");
+    let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("ready");
+    assert!(line.starts_with("ready"), "{line}");
+    let pid = child.id().to_string();
+    let mut argv = vec!["--pid", pid.as_str(), "--format", "json", "--top", "200"];
+    argv.extend_from_slice(extra);
+    let tracer = Tracer::attach(&argv);
+    child
+        .stdin
+        .as_mut()
+        .expect("stdin")
+        .write_all(b"\n")
+        .expect("go");
+    loop {
+        line.clear();
+        let n = out.read_line(&mut line).expect("output");
+        assert!(n > 0, "script ended before done");
+        if line.trim() == "done" {
+            break;
+        }
+    }
+    tracer.signal(libc::SIGINT);
+    let (report, _) = tracer.report();
+    let _ = child.kill();
+    let _ = child.wait();
+    report
+}
+
+#[test]
+fn pytorch_preset_finds_the_leaked_tensors_python_line_beside_the_segments() {
+    if !privileged() {
+        return;
+    }
+    let lib = fixture("libc10_cuda.so");
+    let report = trace_python(
+        "torch_leak.py",
+        &[lib.to_str().expect("path")],
+        &["--preset", "pytorch"],
+    );
+    const MIB: u64 = 1 << 20;
+    // Three 1 MiB tensors kept; the 4 KiB ones were freed.
+    assert_eq!(total_for(&report, "pytorch"), (3 * MIB, 3), "{report}");
+    // One 4 MiB segment, its nested cuMemAlloc_v2 counted once.
+    assert_eq!(total_for(&report, "cuda"), (4 * MIB, 1), "{report}");
+    assert_eq!(total_for(&report, "cuda-driver"), (0, 0), "{report}");
+    let cache = &report["device_cache"];
+    assert_eq!(cache["allocators"], serde_json::json!(["pytorch"]));
+    assert_eq!(cache["tensor_live_bytes"], 3 * MIB);
+    assert_eq!(cache["tensor_live_count"], 3);
+    assert_eq!(cache["segment_live_bytes"], 4 * MIB);
+    assert_eq!(cache["segment_live_count"], 1);
+    assert_eq!(cache["cached_bytes"], MIB);
+    assert_eq!(
+        cache["tensors_by_device"],
+        serde_json::json!([{"device": 0, "stream": 7, "live_bytes": 3 * MIB, "live_count": 3}])
+    );
+    // The leak is the Python line that allocated the tensors.
+    let leak = python_line("torch_leak.py", "leak");
+    let sites: Vec<&Value> = report["sites"]
+        .as_array()
+        .expect("sites")
+        .iter()
+        .filter(|s| s["allocator"] == "pytorch")
+        .collect();
+    // One site per probe site of the stub (its fast and slow paths), each
+    // at the Python line.
+    let bytes: u64 = sites.iter().filter_map(|s| s["live_bytes"].as_u64()).sum();
+    assert_eq!(bytes, 3 * MIB);
+    for site in sites {
+        assert_eq!(site["functions"], serde_json::json!(["pytorch:malloc"]));
+        let python: Vec<(String, u64)> = site["frames"]
+            .as_array()
+            .expect("frames")
+            .iter()
+            .filter(|f| f["kind"] == "python")
+            .map(|f| {
+                (
+                    f["symbol"].as_str().unwrap_or("").to_string(),
+                    f["line"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect();
+        assert_eq!(
+            python.first(),
+            Some(&("forward".to_string(), leak)),
+            "{python:?}"
+        );
+    }
 }

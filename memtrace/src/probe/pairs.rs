@@ -45,6 +45,8 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("cuda-handles", include_str!("presets/cuda-handles.toml")),
     ("fds", include_str!("presets/fds.toml")),
     ("files", include_str!("presets/files.toml")),
+    ("otel-memory", include_str!("presets/otel-memory.toml")),
+    ("pytorch", include_str!("presets/pytorch.toml")),
 ];
 
 /// A pairs file that could not be used, naming where.

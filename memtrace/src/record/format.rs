@@ -41,6 +41,9 @@ pub enum Line<T, F> {
         /// The object defining the function (absent in older records).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         module: Option<String>,
+        /// Its sizes are estimates (absent: they are not).
+        #[serde(default, skip_serializing_if = "is_false")]
+        estimate: bool,
     },
     Stack {
         id: u32,
@@ -87,6 +90,7 @@ pub enum Item<T, F> {
         memory: Memory,
         domain: Domain,
         module: Option<String>,
+        estimate: bool,
     },
     Stack {
         id: u32,
@@ -168,6 +172,7 @@ impl Reader {
                 memory,
                 domain,
                 module,
+                estimate,
             } => {
                 if usize::from(index) != self.domains.len() {
                     return Err(Stop::Truncated(format!(
@@ -182,6 +187,7 @@ impl Reader {
                     memory,
                     domain,
                     module,
+                    estimate,
                 }
             }
             Line::Stack { id, frames } => Item::Stack { id, frames },
@@ -211,6 +217,10 @@ impl Reader {
         };
         Ok(Some(item))
     }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -947,6 +947,12 @@ impl Session<'_> {
         if self.args.bpf_stats {
             report.bpf_programs = probes.program_costs();
         }
+        report.device_cache = usdt_probes::device_cache(
+            &discovery.usdt,
+            self.pipeline.table(),
+            probes.specs(),
+            &self.pipeline.usdt_tags,
+        );
         report
     }
 
