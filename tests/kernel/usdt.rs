@@ -10,6 +10,9 @@
 //! `--preset pytorch` on a stub of PyTorch's allocator driven from Python:
 //! the leaked tensors at their Python line, beside the cudaMalloc segment
 //! (its nested driver call counted once) and what the cache holds.
+//! `--preset otel-memory` on a byte sampler: the estimate is the sampled
+//! blocks' weighted bytes exactly, within three standard deviations of the
+//! true live bytes, and marked an estimate.
 
 use serde_json::Value;
 
@@ -482,4 +485,65 @@ fn pytorch_preset_finds_the_leaked_tensors_python_line_beside_the_segments() {
             "{python:?}"
         );
     }
+}
+
+#[test]
+fn otel_memory_preset_estimates_live_bytes_from_weighted_samples() {
+    if !privileged() {
+        return;
+    }
+    let mut target = Fixture::start("otel_sampler", &["30", "30"]);
+    let pid = target.pid.to_string();
+    let tracer = Tracer::attach(&[
+        "--pid",
+        pid.as_str(),
+        "--preset",
+        "otel-memory",
+        "--format",
+        "json",
+        "--top",
+        "500",
+    ]);
+    target.send_line();
+    let line = target.line_starting("true_live");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let number = |key: &str| -> u64 {
+        let at = words.iter().position(|w| *w == key).expect(key);
+        words[at + 1].parse().expect("number")
+    };
+    let (true_live, estimate, sigma, samples) = (
+        words[0].parse::<u64>().expect("true_live"),
+        number("estimate"),
+        number("sigma"),
+        number("samples"),
+    );
+    target.expect_line("done");
+    tracer.signal(libc::SIGINT);
+    let (report, _) = tracer.report_last_line();
+    // The sampled blocks still live, each weighing its weighted_bytes.
+    assert_eq!(
+        total_for(&report, "otel-memory"),
+        (estimate, samples),
+        "{report}"
+    );
+    assert!(
+        estimate.abs_diff(true_live) <= 3 * sigma,
+        "estimate {estimate} vs {true_live} (sigma {sigma})"
+    );
+    let sites: Vec<&Value> = report["sites"]
+        .as_array()
+        .expect("sites")
+        .iter()
+        .filter(|s| s["allocator"] == "otel-memory")
+        .collect();
+    assert!(!sites.is_empty());
+    for site in sites {
+        assert_eq!(site["estimated_live_bytes"], site["live_bytes"]);
+    }
+    let notes = report["notes"].to_string();
+    assert!(
+        notes.contains("otel-memory: bytes are estimates"),
+        "{notes}"
+    );
+    assert_eq!(report["events"]["unmatched_frees"], 0, "{report}");
 }
