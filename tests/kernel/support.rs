@@ -146,8 +146,15 @@ pub struct Tracer {
 impl Tracer {
     /// Starts memtrace with `args` and waits until it says it is tracing.
     pub fn attach(args: &[&str]) -> Tracer {
+        Tracer::attach_env(args, &[])
+    }
+
+    /// [`Tracer::attach`] with extra environment variables
+    /// (`MEMTRACE_EBPF_VARIANT=compat`).
+    pub fn attach_env(args: &[&str], env: &[(&str, &str)]) -> Tracer {
         let mut child = Command::new(MEMTRACE)
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

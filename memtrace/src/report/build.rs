@@ -98,6 +98,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         unwind: None,
         bpf_programs: Vec::new(),
         device_cache: None,
+        usdt: Vec::new(),
         target: input.target,
         duration_ms: input.duration_ms,
         interim: false,

@@ -74,6 +74,11 @@ pub struct Report {
     /// runtime, side by side; absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_cache: Option<DeviceCache>,
+    /// Each object whose USDT probes are traced (`usdt =` pairs, presets):
+    /// `path` and its `sites` (`probe`, `file_offset`, `semaphore_offset`);
+    /// absent when none are.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub usdt: Vec<serde_json::Value>,
 }
 
 /// A caching device allocator seen two ways: the blocks its USDT probes

@@ -232,6 +232,7 @@ pub(crate) mod fixture {
             unwind: None,
             bpf_programs: Vec::new(),
             device_cache: None,
+            usdt: Vec::new(),
             python: Vec::new(),
             processes: Vec::new(),
             attach_failures: Vec::new(),

@@ -953,6 +953,11 @@ impl Session<'_> {
             probes.specs(),
             &self.pipeline.usdt_tags,
         );
+        report.usdt = discovery
+            .usdt
+            .iter()
+            .filter_map(|plan| serde_json::to_value(plan).ok())
+            .collect();
         report
     }
 
