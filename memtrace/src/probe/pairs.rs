@@ -840,4 +840,72 @@ free_checked = true
         let err = parse(builtin, "p.toml", 0).expect_err("built-in name");
         assert!(err.reason.contains("built-in"), "{err}");
     }
+
+    #[test]
+    fn usdt_pairs_become_probe_points() {
+        let text = "[[pair]]\nname = \"torch\"\nalloc = { usdt = \"pytorch:malloc\" }\n\
+                    free = { usdt = [\"pytorch:free\", \"pytorch:free2\"] }\nmemory = \"device\"\n\
+                    handle = \"arg0\"\ndevice = \"arg1\"\nsize = \"arg2\"\nstream = \"arg3\"\n\
+                    free_handle = \"arg0\"\n";
+        let defs = parse(text, "p.toml", 0).expect("parses");
+        let names: Vec<&str> = defs.iter().map(|d| d.name).collect();
+        assert_eq!(names, ["pytorch:malloc", "pytorch:free", "pytorch:free2"]);
+        let alloc = defs[0];
+        assert_eq!((alloc.kind, alloc.ret), (SpecKind::Alloc, RetKind::Void));
+        assert_eq!(alloc.memory, Memory::Device);
+        let point = alloc.usdt.expect("a USDT point");
+        assert_eq!((point.provider, point.probe), ("pytorch", "malloc"));
+        assert_eq!(
+            (
+                point.ptr_arg,
+                point.tag_arg,
+                point.size_arg,
+                point.aux_arg,
+                point.estimate
+            ),
+            (0, 1, 2, 3, false)
+        );
+        let free = defs[2].usdt.expect("a USDT point");
+        assert_eq!(defs[2].kind, SpecKind::Free);
+        assert_eq!(
+            (free.probe, free.ptr_arg, free.size_arg),
+            ("free2", 0, ARG_NONE)
+        );
+        assert_eq!(defs[0].domain, defs[1].domain);
+        // A sampler's weight: the size is an estimate.
+        let otel = preset("otel-memory").expect("preset");
+        let defs = parse(otel, "otel", 0).expect("parses");
+        let point = defs[0].usdt.expect("a USDT point");
+        assert_eq!((point.size_arg, point.estimate), (2, true));
+        assert_eq!(defs[0].memory, Memory::Host);
+    }
+
+    #[test]
+    fn malformed_usdt_pairs_are_errors_naming_the_line() {
+        let pair = |body: &str| format!("[[pair]]\nname = \"u\"\n{body}\n");
+        for (body, needle) in [
+            ("alloc = { usdt = \"p\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"", "provider:name"),
+            ("alloc = { usdt = \"p:a:b\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"", "provider:name"),
+            ("alloc = { usdt = \":a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"", "provider:name"),
+            ("alloc = { usdt = \"p:a\" }\nfree = \"f\"\nhandle = \"arg0\"", "both be USDT"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }", "needs handle"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"return\"", "argN"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg12\"", "0 to 11"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"\nsize = \"arg1\"\nweight = \"arg2\"", "exclude"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"\nmemory = \"gpu\"", "memory"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"\nfree_checked = true", "free_checked"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:a\" }\nhandle = \"arg0\"", "already"),
+            ("alloc = \"a\"\nfree = \"f\"\ndevice = \"arg1\"", "USDT pairs only"),
+            ("alloc = { usd = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"", "usdt"),
+        ] {
+            let err = parse(&pair(body), "p.toml", 0).expect_err(body);
+            assert!(err.to_string().contains(needle), "{body}: {err}");
+            assert!(err.to_string().starts_with("p.toml: line "), "{err}");
+            assert!(!err.to_string().contains('\n'), "one line: {err}");
+        }
+        // Two sources naming one probe.
+        let one = pair("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"");
+        let sources = [("a".to_string(), one.clone()), ("b".to_string(), one)];
+        assert!(parse_sources(&sources).is_err());
+    }
 }
