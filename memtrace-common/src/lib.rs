@@ -17,6 +17,11 @@ pub const STACK_NONE: i32 = i32::MIN;
 /// [`WireEvent::flags`]: the new block of a reallocation is outside the sample.
 pub const FLAG_NEW_UNSAMPLED: u8 = 1;
 
+/// [`WireEvent::flags`]: a USDT allocation whose spec has a `tag_loc`:
+/// [`WireEvent::tag`] holds its value (the low 32 bits), and
+/// [`WireEvent::aux`] the `aux_loc` value.
+pub const FLAG_TAGGED: u8 = 2;
+
 /// Maximum number of probe specs (one per attached function and library).
 pub const MAX_SPECS: u32 = 1024;
 
@@ -154,6 +159,12 @@ pub struct ProbeSpec {
     pub ptr_loc: ArgLoc,
     /// USDT probes: where the block's size is ([`LOC_NONE`]: 0).
     pub size_loc: ArgLoc,
+    /// USDT allocations: a value sent along in [`WireEvent::aux`] (a
+    /// PyTorch stream id), [`LOC_NONE`]: none.
+    pub aux_loc: ArgLoc,
+    /// USDT allocations: a value sent along in [`WireEvent::tag`] with
+    /// [`FLAG_TAGGED`] (a PyTorch device index), [`LOC_NONE`]: none.
+    pub tag_loc: ArgLoc,
 }
 
 impl ProbeSpec {
@@ -174,6 +185,8 @@ impl ProbeSpec {
             success_code: 0,
             ptr_loc: ArgLoc::none(),
             size_loc: ArgLoc::none(),
+            aux_loc: ArgLoc::none(),
+            tag_loc: ArgLoc::none(),
         }
     }
 }
@@ -214,7 +227,8 @@ pub struct WireEvent {
     pub addr: u64,
     /// Bytes requested (allocations, failures).
     pub size: u64,
-    /// Old block for reallocations, return code for failures.
+    /// Old block for reallocations, return code for failures; for USDT
+    /// allocations the spec's `aux_loc` value (0: none).
     pub aux: u64,
     /// Thread group id (the process id).
     pub pid: u32,
@@ -231,7 +245,9 @@ pub struct WireEvent {
     /// Key of the allocating thread's Python stack in `PY_STACKS`, or 0 when
     /// the process is no CPython interpreter or its frames could not be read.
     pub py_stack: u32,
-    pub _pad: u32,
+    /// USDT allocations with [`FLAG_TAGGED`]: the spec's `tag_loc` value
+    /// (its low 32 bits); 0 otherwise.
+    pub tag: u32,
 }
 
 /// Key of the per-thread in-flight call table.
@@ -570,7 +586,7 @@ const _: () = assert!(core::mem::size_of::<WireEvent>() == 56);
 const _: () = assert!(core::mem::size_of::<PyProc>() == 40);
 const _: () = assert!(core::mem::size_of::<PyStack>() == PY_MAX_DEPTH * 16 + 16);
 const _: () = assert!(core::mem::size_of::<ArgLoc>() == 16);
-const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 56);
+const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 88);
 const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
 const _: () = assert!(core::mem::size_of::<HeldSlot>() == 80);

@@ -146,7 +146,7 @@ pub fn call_enter(ctx: ProbeContext) -> u32 {
 /// Every USDT probe (a uprobe at an `sdt.h` probe site, see `usdt`).
 #[uprobe]
 pub fn usdt_fire(ctx: ProbeContext) -> u32 {
-    if NULL_MODE.load() == 0 && !window_closed() {
+    if NULL_MODE.load() == 0 {
         usdt::on_fire(&ctx);
     }
     0
@@ -343,7 +343,7 @@ fn stamped_event(pid_tgid: u64, spec: u16, kind: EventKind, ts_ns: u64) -> WireE
         kind: kind as u8,
         flags: 0,
         py_stack: 0,
-        _pad: 0,
+        tag: 0,
     }
 }
 
@@ -670,6 +670,14 @@ fn finish_call<C: EbpfContext + UserStack>(
     event.addr = addr;
     event.size = size;
     event.aux = if old_sampled { old } else { 0 };
+    if spec.ret == RetKind::Void as u8 {
+        // A USDT allocation (see `usdt::on_fire`): its extra arguments.
+        event.aux = call.out;
+        if spec.tag_loc.kind != memtrace_common::LOC_NONE {
+            event.tag = call.entered as u32;
+            event.flags |= memtrace_common::FLAG_TAGGED;
+        }
+    }
     if !new_sampled {
         event.flags |= memtrace_common::FLAG_NEW_UNSAMPLED;
     }

@@ -76,7 +76,9 @@ pub fn read(ctx: &ProbeContext, loc: &ArgLoc) -> u64 {
     }
 }
 
-/// A USDT probe fired: release or create the block its arguments name.
+/// A USDT probe fired: release or create the block its arguments name
+/// (with the spec's aux and tag arguments, a PyTorch allocation's stream
+/// and device).
 #[inline(always)]
 pub fn on_fire(ctx: &ProbeContext) {
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -85,16 +87,23 @@ pub fn on_fire(ctx: &ProbeContext) {
     };
     let ptr = read(ctx, &spec.ptr_loc);
     if spec.kind == SpecKind::Free as u8 {
+        // Releases still count for a grace after the window closed, as at
+        // `call_enter`.
         crate::release_now(ptr, spec, pid_tgid);
         return;
     }
+    if crate::window_closed() {
+        return;
+    }
+    // No call is in flight here: `entered` and `out` carry the tag and aux
+    // values to `finish_call`, which sends them for USDT specs (ret Void).
     let call = PendingCall {
         entry_sp: 0,
-        entered: 0,
+        entered: read(ctx, &spec.tag_loc),
         size: read(ctx, &spec.size_loc),
         count: 1,
         ptr: 0,
-        out: 0,
+        out: read(ctx, &spec.aux_loc),
         spec: spec.index,
         _pad: [0; 6],
     };

@@ -198,7 +198,10 @@ pub struct TraceArgs {
     #[arg(long, value_name = "FILE")]
     pub pairs: Vec<PathBuf>,
 
-    /// Trace a built-in set of pairs: acl-handles, cuda-handles, fds. Repeatable.
+    /// Trace a built-in set of pairs: acl-handles, cuda-handles, fds, files;
+    /// pytorch (tensors from PyTorch's USDT probes beside the cudaMalloc
+    /// segments) and otel-memory (a sampler's USDT probes: estimates).
+    /// Repeatable.
     #[arg(long, value_name = "NAME")]
     pub preset: Vec<String>,
 

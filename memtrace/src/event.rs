@@ -170,7 +170,7 @@ mod tests {
             kind: kind as u8,
             flags: 0,
             py_stack: 9,
-            _pad: 0,
+            tag: 0,
         }
     }
 

@@ -125,6 +125,7 @@ impl Recorder {
                 memory: spec.memory,
                 domain: spec.domain,
                 module: spec.module.map(str::to_string),
+                estimate: spec.estimate,
             });
         }
         self.specs_written = specs.len();
@@ -269,8 +270,10 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 memory,
                 domain,
                 module,
+                estimate,
             } => {
                 specs.push(SpecEntry {
+                    estimate,
                     module: module.map(|m| &*Box::leak(m.into_boxed_str())),
                     function: Box::leak(function.into_boxed_str()),
                     allocator: Allocator::parse_builtin(&allocator).unwrap_or(Allocator::Custom {
@@ -474,7 +477,7 @@ mod tests {
             kind,
             flags: 0,
             py_stack: 0,
-            _pad: 0,
+            tag: 0,
         };
         let lines = [
             Line::Header {
@@ -495,6 +498,7 @@ mod tests {
                 memory: crate::probe::catalog::Memory::Host,
                 domain: crate::probe::catalog::Domain::Heap,
                 module: Some("/lib/libc.so.6".into()),
+                estimate: false,
             },
             Line::Stack {
                 id: 1,
@@ -665,6 +669,7 @@ mod tests {
             allocator: Allocator::parse_builtin("libc").expect("libc"),
             memory: crate::probe::catalog::Memory::Host,
             domain: crate::probe::catalog::Domain::Heap,
+            estimate: false,
         }];
         let mut table = LiveTable::new(usize::MAX);
         let mut stacks = StackStore::default();
@@ -741,7 +746,7 @@ mod tests {
                 kind,
                 flags: 0,
                 py_stack: py,
-                _pad: 0,
+                tag: 0,
             };
             recorder.event(&wire);
             let event = crate::event::from_wire(&wire).expect("decodes");

@@ -108,6 +108,20 @@ impl Fixture {
         }
     }
 
+    /// Reads the fixture's stdout until a line starting with `prefix`;
+    /// returns the rest of it, trimmed.
+    pub fn line_starting(&mut self, prefix: &str) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.stdout.read_line(&mut line).expect("fixture output");
+            assert!(n > 0, "fixture exited before a `{prefix}` line");
+            if let Some(rest) = line.trim().strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+        }
+    }
+
     pub fn wait(mut self) {
         let _ = self.child.wait();
     }
@@ -132,8 +146,15 @@ pub struct Tracer {
 impl Tracer {
     /// Starts memtrace with `args` and waits until it says it is tracing.
     pub fn attach(args: &[&str]) -> Tracer {
+        Tracer::attach_env(args, &[])
+    }
+
+    /// [`Tracer::attach`] with extra environment variables
+    /// (`MEMTRACE_EBPF_VARIANT=compat`).
+    pub fn attach_env(args: &[&str], env: &[(&str, &str)]) -> Tracer {
         let mut child = Command::new(MEMTRACE)
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

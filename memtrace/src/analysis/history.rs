@@ -139,6 +139,7 @@ mod tests {
             memory: Memory::Host,
             domain: Domain::Heap,
             module: None,
+            estimate: false,
         }];
         let stacks = StackStore::default();
         let mut history = History::default();

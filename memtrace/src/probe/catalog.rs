@@ -173,9 +173,47 @@ pub struct FuncDef {
     /// A parent family other than the allocator's own (libc under
     /// `--allocators python`: its calls inside `PyObject_Malloc` are nested).
     pub parent_family: u8,
+    /// A USDT probe (`usdt = "provider:name"` in a pair), not a function:
+    /// `name` is then `provider:name` and the arguments are the probe's.
+    pub usdt: Option<UsdtPoint>,
 }
 
 const N: u8 = ARG_NONE;
+
+/// What a USDT pair reads at its probe: argument indices (0-based, as in
+/// the note), [`N`] for none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UsdtPoint {
+    /// `provider` of `provider:name`.
+    pub provider: &'static str,
+    /// `name` of `provider:name`.
+    pub probe: &'static str,
+    /// The block's pointer (or handle).
+    pub ptr_arg: u8,
+    /// Its size in bytes (allocations; none: each block weighs 1).
+    pub size_arg: u8,
+    /// Sent along as the event's aux value (PyTorch: the stream).
+    pub aux_arg: u8,
+    /// Sent along as the event's tag (PyTorch: the device index).
+    pub tag_arg: u8,
+    /// The size is an estimate (a sampler's `weighted_bytes`).
+    pub estimate: bool,
+}
+
+impl UsdtPoint {
+    /// A point at `provider:name` reading only the pointer.
+    pub fn new(provider: &'static str, probe: &'static str, ptr_arg: u8) -> Self {
+        UsdtPoint {
+            provider,
+            probe,
+            ptr_arg,
+            size_arg: N,
+            aux_arg: N,
+            tag_arg: N,
+            estimate: false,
+        }
+    }
+}
 
 impl FuncDef {
     pub(crate) const fn new(
@@ -199,6 +237,7 @@ impl FuncDef {
             success_code: 0,
             prefix: "",
             parent_family: N,
+            usdt: None,
         }
     }
 

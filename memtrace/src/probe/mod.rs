@@ -9,6 +9,7 @@ pub mod placement;
 pub mod plan;
 pub mod usdt;
 pub mod usdt_list;
+pub mod usdt_plan;
 
 use catalog::{Allocator, Domain, FuncDef, Memory};
 
@@ -22,6 +23,9 @@ pub struct SpecEntry {
     /// The object defining the function, as the target names it (unknown in
     /// records of older versions).
     pub module: Option<&'static str>,
+    /// Its sizes are estimates (a sampler's weighted bytes: `weight =` in
+    /// a USDT pair, the `otel-memory` preset).
+    pub estimate: bool,
 }
 
 impl From<&FuncDef> for SpecEntry {
@@ -32,6 +36,7 @@ impl From<&FuncDef> for SpecEntry {
             memory: def.memory,
             domain: def.domain,
             module: None,
+            estimate: def.usdt.is_some_and(|point| point.estimate),
         }
     }
 }

@@ -45,6 +45,8 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("cuda-handles", include_str!("presets/cuda-handles.toml")),
     ("fds", include_str!("presets/fds.toml")),
     ("files", include_str!("presets/files.toml")),
+    ("otel-memory", include_str!("presets/otel-memory.toml")),
+    ("pytorch", include_str!("presets/pytorch.toml")),
 ];
 
 /// A pairs file that could not be used, naming where.
@@ -69,8 +71,7 @@ struct PairSpec {
     name: String,
     alloc: Names,
     free: Names,
-    #[serde(default = "default_handle")]
-    handle: String,
+    handle: Option<String>,
     #[serde(default = "default_bits")]
     handle_bits: u8,
     size: Option<String>,
@@ -80,12 +81,38 @@ struct PairSpec {
     free_handle: String,
     #[serde(default)]
     free_checked: bool,
+    /// USDT pairs: `host`, `device` or `handle`.
+    memory: Option<String>,
+    /// USDT pairs: the argument with the device index.
+    device: Option<String>,
+    /// USDT pairs: the argument with the stream.
+    stream: Option<String>,
+    /// USDT pairs: the argument with the bytes a sample stands for.
+    weight: Option<String>,
 }
 
-/// `alloc`/`free`: one function name (the original format) or a list.
+/// `alloc`/`free`: one function name (the original format) or a list, or
+/// `{ usdt = "provider:name" }` (or a list of probe names).
 #[derive(Debug, Deserialize)]
-#[serde(untagged, expecting = "a function name or a list of function names")]
+#[serde(
+    untagged,
+    expecting = "a function name, a list of function names, or { usdt = \"provider:name\" }"
+)]
 enum Names {
+    One(String),
+    Many(Vec<String>),
+    Usdt(UsdtNames),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UsdtNames {
+    usdt: OneOrMany,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
     One(String),
     Many(Vec<String>),
 }
@@ -94,8 +121,16 @@ impl Names {
     /// The names, each once, in the order given.
     fn list(&self) -> Vec<&str> {
         let all: Vec<&str> = match self {
-            Names::One(name) => vec![name.as_str()],
-            Names::Many(names) => names.iter().map(String::as_str).collect(),
+            Names::One(name)
+            | Names::Usdt(UsdtNames {
+                usdt: OneOrMany::One(name),
+            }) => {
+                vec![name.as_str()]
+            }
+            Names::Many(names)
+            | Names::Usdt(UsdtNames {
+                usdt: OneOrMany::Many(names),
+            }) => names.iter().map(String::as_str).collect(),
         };
         let mut unique: Vec<&str> = Vec::with_capacity(all.len());
         for name in all {
@@ -107,9 +142,6 @@ impl Names {
     }
 }
 
-fn default_handle() -> String {
-    "return".into()
-}
 fn default_bits() -> u8 {
     64
 }
@@ -143,6 +175,33 @@ fn parse_slot(text: &str) -> Result<Slot, String> {
         Ok(Slot::Out(index(rest)?))
     } else {
         Err(format!("'{text}': expected return, argN or outN"))
+    }
+}
+
+/// Most arguments an `sdt.h` probe has.
+const USDT_MAX_ARGS: u8 = 12;
+
+/// A USDT probe's argument: `argN`, N from 0 to 11.
+fn parse_usdt_arg(key: &str, text: &str) -> Result<u8, String> {
+    text.strip_prefix("arg")
+        .and_then(|rest| rest.parse::<u8>().ok())
+        .filter(|n| *n < USDT_MAX_ARGS)
+        .ok_or_else(|| {
+            format!("{key} = \"{text}\": expected argN, N from 0 to 11 (the probe's argument)")
+        })
+}
+
+/// `provider:name`, both parts non-empty.
+fn parse_probe_name(text: &str) -> Result<(&'static str, &'static str), String> {
+    match text.split_once(':') {
+        Some((provider, name))
+            if !provider.is_empty() && !name.is_empty() && !name.contains(':') =>
+        {
+            Ok((leak(provider), leak(name)))
+        }
+        _ => Err(format!(
+            "usdt = \"{text}\": expected \"provider:name\" (memtrace probes PID|FILE lists them)"
+        )),
     }
 }
 
@@ -253,12 +312,40 @@ impl PairsParser {
             if index >= MAX_PAIRS {
                 return Err(error(line, format!("at most {MAX_PAIRS} pairs")));
             }
-            self.next_index += 1;
             let family = FIRST_FAMILY + index as u8;
             let allocator = Allocator::Custom {
                 name: leak(&pair.name),
                 family,
             };
+            match (&pair.alloc, &pair.free) {
+                (Names::Usdt(_), Names::Usdt(_)) => {
+                    let usdt = self
+                        .usdt_pair(pair, allocator, &allocs, &frees)
+                        .map_err(|r| error(line, r))?;
+                    self.next_index += 1;
+                    defs.extend(usdt);
+                    continue;
+                }
+                (Names::Usdt(_), _) | (_, Names::Usdt(_)) => {
+                    return Err(error(
+                        line,
+                        "alloc and free must both be USDT probes ({ usdt = \"provider:name\" }) or both functions".into(),
+                    ));
+                }
+                _ => {}
+            }
+            if let Some(key) = [
+                ("memory", &pair.memory),
+                ("device", &pair.device),
+                ("stream", &pair.stream),
+                ("weight", &pair.weight),
+            ]
+            .iter()
+            .find_map(|(key, value)| value.is_some().then_some(*key))
+            {
+                return Err(error(line, format!("{key} is for USDT pairs only")));
+            }
+            self.next_index += 1;
             let memory = if pair.size.is_some() {
                 Memory::Host
             } else {
@@ -267,7 +354,9 @@ impl PairsParser {
 
             // How every alloc function of the pair is called.
             let mut template = FuncDef::new("", allocator, memory, Domain::Custom(family));
-            match parse_slot(&pair.handle).map_err(|r| error(line, r))? {
+            match parse_slot(pair.handle.as_deref().unwrap_or("return"))
+                .map_err(|r| error(line, r))?
+            {
                 Slot::Return => {}
                 Slot::Out(n) => template.out_arg = n,
                 Slot::Arg(_) => {
@@ -405,6 +494,99 @@ impl PairsParser {
                         ..release.clone()
                     });
                 defs.push(&*Box::leak(Box::new(free)));
+            }
+        }
+        Ok(defs)
+    }
+}
+
+impl PairsParser {
+    /// The two or more probe definitions of a USDT pair: its alloc probes
+    /// create blocks at the probe, its free probes release them (no
+    /// return value to check). Its probes belong to it alone.
+    fn usdt_pair(
+        &mut self,
+        pair: &PairSpec,
+        allocator: Allocator,
+        allocs: &[&str],
+        frees: &[&str],
+    ) -> Result<Vec<&'static FuncDef>, String> {
+        let Allocator::Custom { family, .. } = allocator else {
+            return Err("a USDT pair is a custom allocator".into());
+        };
+        let arg = |key: &str, value: &Option<String>| -> Result<u8, String> {
+            value
+                .as_deref()
+                .map_or(Ok(ARG_NONE), |text| parse_usdt_arg(key, text))
+        };
+        let ptr_arg = match pair.handle.as_deref() {
+            Some(text) => parse_usdt_arg("handle", text)?,
+            None => return Err(
+                "a USDT pair needs handle = \"argN\" (the probe's argument holding the pointer)"
+                    .into(),
+            ),
+        };
+        if pair.size.is_some() && pair.weight.is_some() {
+            return Err(
+                "size and weight exclude each other (weight: the bytes a sample stands for)".into(),
+            );
+        }
+        if pair.free_checked {
+            return Err("free_checked: a USDT probe has no result to check".into());
+        }
+        let size_arg = arg("size", &pair.size)?;
+        let weight_arg = arg("weight", &pair.weight)?;
+        let memory = match pair.memory.as_deref() {
+            None if size_arg == ARG_NONE && weight_arg == ARG_NONE => Memory::Handle,
+            None | Some("host") => Memory::Host,
+            Some("device") => Memory::Device,
+            Some("handle") => Memory::Handle,
+            Some(other) => {
+                return Err(format!(
+                    "memory = \"{other}\": expected \"host\", \"device\" or \"handle\""
+                ))
+            }
+        };
+        let quirk = match pair.handle_bits {
+            64 => SpecQuirk::None,
+            32 => SpecQuirk::Handle32,
+            other => return Err(format!("handle_bits = {other}: expected 32 or 64")),
+        };
+        let free_ptr = parse_usdt_arg("free_handle", &pair.free_handle)?;
+        let mut point = super::catalog::UsdtPoint {
+            size_arg: if weight_arg == ARG_NONE {
+                size_arg
+            } else {
+                weight_arg
+            },
+            aux_arg: arg("stream", &pair.stream)?,
+            tag_arg: arg("device", &pair.device)?,
+            estimate: weight_arg != ARG_NONE,
+            ..super::catalog::UsdtPoint::new("", "", ptr_arg)
+        };
+        let domain = Domain::Custom(family);
+        let mut defs = Vec::new();
+        for (names, kind) in [(allocs, SpecKind::Alloc), (frees, SpecKind::Free)] {
+            for name in names {
+                let (provider, probe) = parse_probe_name(name)?;
+                let full = format!("{provider}:{probe}");
+                let key = format!("usdt {full}");
+                if let Some(owner) = self.allocs.get(&key) {
+                    return Err(format!("USDT probe {full} is already pair \"{owner}\"'s"));
+                }
+                self.allocs.insert(key, pair.name.clone());
+                point.provider = provider;
+                point.probe = probe;
+                let mut def = FuncDef::new(leak(&full), allocator, memory, domain);
+                def.kind = kind;
+                def.ret = RetKind::Void;
+                def.quirk = quirk;
+                def.usdt = Some(if kind == SpecKind::Free {
+                    super::catalog::UsdtPoint::new(provider, probe, free_ptr)
+                } else {
+                    point
+                });
+                defs.push(&*Box::leak(Box::new(def)));
             }
         }
         Ok(defs)
@@ -657,5 +839,73 @@ free_checked = true
         let builtin = "[[pair]]\nname = \"cuda\"\nalloc = \"a\"\nfree = \"f\"\n";
         let err = parse(builtin, "p.toml", 0).expect_err("built-in name");
         assert!(err.reason.contains("built-in"), "{err}");
+    }
+
+    #[test]
+    fn usdt_pairs_become_probe_points() {
+        let text = "[[pair]]\nname = \"torch\"\nalloc = { usdt = \"pytorch:malloc\" }\n\
+                    free = { usdt = [\"pytorch:free\", \"pytorch:free2\"] }\nmemory = \"device\"\n\
+                    handle = \"arg0\"\ndevice = \"arg1\"\nsize = \"arg2\"\nstream = \"arg3\"\n\
+                    free_handle = \"arg0\"\n";
+        let defs = parse(text, "p.toml", 0).expect("parses");
+        let names: Vec<&str> = defs.iter().map(|d| d.name).collect();
+        assert_eq!(names, ["pytorch:malloc", "pytorch:free", "pytorch:free2"]);
+        let alloc = defs[0];
+        assert_eq!((alloc.kind, alloc.ret), (SpecKind::Alloc, RetKind::Void));
+        assert_eq!(alloc.memory, Memory::Device);
+        let point = alloc.usdt.expect("a USDT point");
+        assert_eq!((point.provider, point.probe), ("pytorch", "malloc"));
+        assert_eq!(
+            (
+                point.ptr_arg,
+                point.tag_arg,
+                point.size_arg,
+                point.aux_arg,
+                point.estimate
+            ),
+            (0, 1, 2, 3, false)
+        );
+        let free = defs[2].usdt.expect("a USDT point");
+        assert_eq!(defs[2].kind, SpecKind::Free);
+        assert_eq!(
+            (free.probe, free.ptr_arg, free.size_arg),
+            ("free2", 0, ARG_NONE)
+        );
+        assert_eq!(defs[0].domain, defs[1].domain);
+        // A sampler's weight: the size is an estimate.
+        let otel = preset("otel-memory").expect("preset");
+        let defs = parse(otel, "otel", 0).expect("parses");
+        let point = defs[0].usdt.expect("a USDT point");
+        assert_eq!((point.size_arg, point.estimate), (2, true));
+        assert_eq!(defs[0].memory, Memory::Host);
+    }
+
+    #[test]
+    fn malformed_usdt_pairs_are_errors_naming_the_line() {
+        let pair = |body: &str| format!("[[pair]]\nname = \"u\"\n{body}\n");
+        for (body, needle) in [
+            ("alloc = { usdt = \"p\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"", "provider:name"),
+            ("alloc = { usdt = \"p:a:b\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"", "provider:name"),
+            ("alloc = { usdt = \":a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"", "provider:name"),
+            ("alloc = { usdt = \"p:a\" }\nfree = \"f\"\nhandle = \"arg0\"", "both be USDT"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }", "needs handle"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"return\"", "argN"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg12\"", "0 to 11"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"\nsize = \"arg1\"\nweight = \"arg2\"", "exclude"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"\nmemory = \"gpu\"", "memory"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"\nfree_checked = true", "free_checked"),
+            ("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:a\" }\nhandle = \"arg0\"", "already"),
+            ("alloc = \"a\"\nfree = \"f\"\ndevice = \"arg1\"", "USDT pairs only"),
+            ("alloc = { usd = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"", "usdt"),
+        ] {
+            let err = parse(&pair(body), "p.toml", 0).expect_err(body);
+            assert!(err.to_string().contains(needle), "{body}: {err}");
+            assert!(err.to_string().starts_with("p.toml: line "), "{err}");
+            assert!(!err.to_string().contains('\n'), "one line: {err}");
+        }
+        // Two sources naming one probe.
+        let one = pair("alloc = { usdt = \"p:a\" }\nfree = { usdt = \"p:f\" }\nhandle = \"arg0\"");
+        let sources = [("a".to_string(), one.clone()), ("b".to_string(), one)];
+        assert!(parse_sources(&sources).is_err());
     }
 }

@@ -355,7 +355,6 @@ pub struct UsdtProbe {
 
 impl UsdtProbe {
     /// `provider:name`.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub fn full_name(&self) -> String {
         format!("{}:{}", self.provider, self.name)
     }

@@ -41,6 +41,9 @@ pub enum Line<T, F> {
         /// The object defining the function (absent in older records).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         module: Option<String>,
+        /// Its sizes are estimates (absent: they are not).
+        #[serde(default, skip_serializing_if = "is_false")]
+        estimate: bool,
     },
     Stack {
         id: u32,
@@ -87,6 +90,7 @@ pub enum Item<T, F> {
         memory: Memory,
         domain: Domain,
         module: Option<String>,
+        estimate: bool,
     },
     Stack {
         id: u32,
@@ -168,6 +172,7 @@ impl Reader {
                 memory,
                 domain,
                 module,
+                estimate,
             } => {
                 if usize::from(index) != self.domains.len() {
                     return Err(Stop::Truncated(format!(
@@ -182,6 +187,7 @@ impl Reader {
                     memory,
                     domain,
                     module,
+                    estimate,
                 }
             }
             Line::Stack { id, frames } => Item::Stack { id, frames },
@@ -213,6 +219,10 @@ impl Reader {
     }
 }
 
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
 fn is_zero(n: &u32) -> bool {
     *n == 0
 }
@@ -232,7 +242,7 @@ pub fn wire_of(e: &[i64; 10], py_stack: u32) -> WireEvent {
         kind: e[8] as u8,
         flags: e[9] as u8,
         py_stack,
-        _pad: 0,
+        tag: 0,
     }
 }
 
@@ -341,7 +351,7 @@ mod tests {
             kind: 2,
             flags: 0xff,
             py_stack: 0,
-            _pad: 0,
+            tag: 0,
         };
         let back = wire_of(&event_fields(&wire), 0);
         assert_eq!(

@@ -97,6 +97,8 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         stack_truncations_by_cause,
         unwind: None,
         bpf_programs: Vec::new(),
+        device_cache: None,
+        usdt: Vec::new(),
         target: input.target,
         duration_ms: input.duration_ms,
         interim: false,
@@ -303,6 +305,14 @@ fn symbolize_shown(
     symbols.extend(wanted.iter().cloned().zip(symbolizer.symbolize(&wanted)));
 }
 
+/// Whether `allocator`'s sizes are estimates (a sampler's weighted bytes).
+fn estimated(input: &ReportInput<'_>, allocator: Allocator) -> bool {
+    input
+        .specs
+        .iter()
+        .any(|spec| spec.estimate && spec.allocator == allocator)
+}
+
 /// The sites shown, in rank order: frames (native and Python merged),
 /// figures, estimates under sampling, threads and history.
 fn site_reports(
@@ -341,7 +351,9 @@ fn site_reports(
                     growth_bytes_per_s: verdict.growth_bytes_per_s,
                     pattern,
                     survived_intervals: survived_intervals(seconds(acc.oldest_ts), interval_ends),
-                    estimated_live_bytes: (rate > 1).then(|| acc.live_bytes.saturating_mul(rate)),
+                    // A sampler's weighted bytes are the estimate itself.
+                    estimated_live_bytes: (rate > 1 || estimated(input, allocator))
+                        .then(|| acc.live_bytes.saturating_mul(rate)),
                     estimated_live_count: (rate > 1).then(|| acc.live_count.saturating_mul(rate)),
                     functions: acc.functions.into_iter().map(str::to_string).collect(),
                     internal,
@@ -474,6 +486,20 @@ fn notes(
     if rate > 1 {
         notes.push(format!(
             "sampling 1 in {rate} allocations (by address): live figures are of the sample; estimated_* fields scale them by {rate}"
+        ));
+    }
+    let mut sampled: Vec<&str> = input
+        .specs
+        .iter()
+        .filter(|spec| spec.estimate)
+        .map(|spec| spec.allocator.name())
+        .collect();
+    sampled.sort_unstable();
+    sampled.dedup();
+    if !sampled.is_empty() {
+        notes.push(format!(
+            "{}: bytes are estimates: each sampled allocation counts the bytes its probe says it stands for (weighted_bytes), its sites carry them as estimated_live_bytes",
+            sampled.join(", ")
         ));
     }
     if let Some(note) = young_note(young) {

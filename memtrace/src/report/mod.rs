@@ -69,6 +69,50 @@ pub struct Report {
     /// and the kernel time it took (memtrace's own cost in the traced
     /// process, the traps excluded); empty without.
     pub bpf_programs: Vec<ProgramCost>,
+    /// With USDT probes of a caching device allocator (`--preset pytorch`):
+    /// its blocks (tensors) and the device segments held from the CUDA
+    /// runtime, side by side; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_cache: Option<DeviceCache>,
+    /// Each object whose USDT probes are traced (`usdt =` pairs, presets):
+    /// `path` and its `sites` (`probe`, `file_offset`, `semaphore_offset`);
+    /// absent when none are.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub usdt: Vec<serde_json::Value>,
+}
+
+/// A caching device allocator seen two ways: the blocks its USDT probes
+/// hand out (PyTorch's tensors) and the segments it holds from the CUDA
+/// runtime (`cudaMalloc`, nested driver calls counted once). Their
+/// difference is what the cache holds: freed tensors' memory kept for
+/// reuse, and the unused tails of segments.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DeviceCache {
+    /// The USDT allocator(s) whose blocks are the tensors.
+    pub allocators: Vec<String>,
+    pub tensor_live_bytes: u64,
+    pub tensor_live_count: u64,
+    pub segment_live_bytes: u64,
+    pub segment_live_count: u64,
+    /// `segment_live_bytes - tensor_live_bytes`: memory the cache holds
+    /// (negative when segments were allocated before the trace began).
+    pub cached_bytes: i64,
+    /// Live tensors by device index and stream, as the probe gave them.
+    pub tensors_by_device: Vec<DeviceTensors>,
+    /// Tagged allocations whose device and stream were not kept (memtrace's
+    /// map of them was full): they count under device -1.
+    pub tags_dropped: u64,
+}
+
+/// Live tensors of one device and stream.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DeviceTensors {
+    /// The device index (-1: none given).
+    pub device: i64,
+    /// The stream id (`stream.id()`).
+    pub stream: i64,
+    pub live_bytes: u64,
+    pub live_count: u64,
 }
 
 /// One BPF program's runs and run time (`--bpf-stats`).

@@ -231,6 +231,8 @@ pub(crate) mod fixture {
             stack_truncations_by_cause: BTreeMap::new(),
             unwind: None,
             bpf_programs: Vec::new(),
+            device_cache: None,
+            usdt: Vec::new(),
             python: Vec::new(),
             processes: Vec::new(),
             attach_failures: Vec::new(),

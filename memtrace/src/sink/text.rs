@@ -48,6 +48,11 @@ impl Sink for TextSink {
                 total.live_count
             )?;
         }
+        if let Some(cache) = &report.device_cache {
+            for line in device_cache_lines(cache) {
+                writeln!(out, "{line}")?;
+            }
+        }
         for python in &report.python {
             writeln!(out, "{}", python_line(python))?;
         }
@@ -309,6 +314,30 @@ fn reconciliation_words(r: &Reconciliation, pid: Option<u32>, rate: u64) -> Stri
 }
 
 /// What was found of one CPython interpreter.
+/// The tensors and segments of a caching device allocator, side by side.
+fn device_cache_lines(cache: &crate::report::DeviceCache) -> Vec<String> {
+    let mut lines = vec![format!(
+        "device: {} tensors {} in {} blocks | cudaMalloc segments {} in {} | held by the cache {}{}",
+        cache.allocators.join("+"),
+        human_bytes(cache.tensor_live_bytes),
+        cache.tensor_live_count,
+        human_bytes(cache.segment_live_bytes),
+        cache.segment_live_count,
+        if cache.cached_bytes < 0 { "-" } else { "" },
+        human_bytes(cache.cached_bytes.unsigned_abs())
+    )];
+    for d in &cache.tensors_by_device {
+        lines.push(format!(
+            "device: cuda:{} stream {}: tensors {} in {} blocks",
+            d.device,
+            d.stream,
+            human_bytes(d.live_bytes),
+            d.live_count
+        ));
+    }
+    lines
+}
+
 fn python_line(found: &crate::interp::python::Interpreter) -> String {
     let object = found.object.rsplit('/').next().unwrap_or(&found.object);
     let how = if found.frames_read {

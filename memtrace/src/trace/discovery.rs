@@ -1,7 +1,8 @@
 //! Finding what to probe in the target: every mapped object that defines a
 //! catalogue function (libc, another allocator, the executable itself, GPU
 //! runtimes wherever they live), at attach time and again whenever new objects
-//! appear (libraries loaded with `dlopen` after attach).
+//! appear (libraries loaded with `dlopen` after attach); and every object
+//! that carries a USDT probe a pair or preset names (`probe::usdt_plan`).
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -9,6 +10,7 @@ use std::path::PathBuf;
 use crate::probe::catalog::{Allocator, FuncDef};
 use crate::probe::maps;
 use crate::probe::plan::{self, LibraryPlan};
+use crate::probe::usdt_plan::{self, UsdtPlan};
 use crate::target::files::{self, FileId};
 use crate::trace::kernel_support::{unsupported_in, Unsupported};
 use crate::trace::loader::Probes;
@@ -24,6 +26,10 @@ pub struct Discovery {
     /// The functions to look for (built-in catalogue, filtered, plus pairs).
     catalog: Vec<&'static FuncDef>,
     pub libraries: Vec<LibraryPlan>,
+    /// The USDT probes wanted (`usdt =` pairs and presets).
+    usdt_defs: Vec<&'static FuncDef>,
+    /// Objects whose USDT sites are probed.
+    pub usdt: Vec<UsdtPlan>,
     /// Objects that could not be read or attached, with why.
     pub problems: Vec<String>,
     /// The first missing kernel feature an attach ran into.
@@ -39,7 +45,11 @@ impl Discovery {
     /// in a launched child before it execs).
     /// `place`: move probes to cheaper spots where safe (see `probe::placement`).
     pub fn new(exclude: Option<PathBuf>, place: bool, catalog: Vec<&'static FuncDef>) -> Self {
+        let (usdt_defs, catalog): (Vec<_>, Vec<_>) =
+            catalog.into_iter().partition(|def| def.usdt.is_some());
         Discovery {
+            usdt_defs,
+            usdt: Vec::new(),
             considered: HashSet::new(),
             exclude,
             place,
@@ -132,6 +142,7 @@ impl Discovery {
             if !self.considered.insert(id) {
                 continue;
             }
+            attached += self.probe_usdt(&path, &open_path, probes);
             match self.plan(&path, &open_path) {
                 Ok(Some(mut library)) => match probes.attach_library(&mut library) {
                     Ok(count) => {
@@ -173,6 +184,7 @@ impl Discovery {
             if let Ok(meta) = std::fs::metadata(&open_path) {
                 self.considered.insert(files::id_of(&meta));
             }
+            self.probe_usdt(path, &open_path, probes);
             match self.plan(path, &open_path) {
                 Ok(Some(mut library)) => {
                     probes.attach_library(&mut library).map_err(|err| {
@@ -196,6 +208,53 @@ impl Discovery {
             }
         }
         Ok(warnings)
+    }
+
+    /// Attaches the wanted USDT probes of one object not seen before;
+    /// returns how many sites were attached. Malformed notes and sites
+    /// whose arguments do not fit are one warning each, naming the object.
+    fn probe_usdt(
+        &mut self,
+        path: &std::path::Path,
+        open_path: &std::path::Path,
+        probes: &mut Probes,
+    ) -> usize {
+        if self.usdt_defs.is_empty() {
+            return 0;
+        }
+        let (plan, warnings) = match usdt_plan::plan_object(path, open_path, &self.usdt_defs) {
+            Ok(planned) => planned,
+            Err(err @ crate::probe::usdt::ReadError::Usdt { .. }) => {
+                let line = format!("USDT notes unreadable: {err}");
+                eprintln!("memtrace: warning: {line}");
+                self.problems.push(line);
+                return 0;
+            }
+            Err(err) => {
+                log::debug!("skipping USDT notes of {}: {err}", path.display());
+                return 0;
+            }
+        };
+        for line in warnings {
+            eprintln!("memtrace: warning: {line}");
+            self.problems.push(line);
+        }
+        let Some(mut plan) = plan else {
+            return 0;
+        };
+        match probes.attach_usdt(&mut plan) {
+            Ok(count) => {
+                self.usdt.push(plan);
+                count
+            }
+            Err(err) => {
+                if self.unsupported.is_none() {
+                    self.unsupported = unsupported_in(&err).cloned();
+                }
+                self.problems.push(format!("{err:#}"));
+                0
+            }
+        }
     }
 
     /// Catalogue functions of the allocators found that no object defines

@@ -190,7 +190,7 @@ mod tests {
             kind: 0,
             flags: 0,
             py_stack: 0,
-            _pad: 0,
+            tag: 0,
         }
     }
 

@@ -34,6 +34,9 @@ use crate::kernel::variant::{Choice, Variant};
 use crate::probe::plan::LibraryPlan;
 use crate::probe::SpecEntry;
 use crate::trace::kernel_support;
+use crate::trace::usdt_attach::UsdtLink;
+
+mod usdt;
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] =
@@ -121,6 +124,8 @@ impl DetachStage {
 struct ProcessLinks {
     enter: Vec<(DetachStage, UProbeLinkId)>,
     exit: Vec<UProbeLinkId>,
+    /// USDT sites' events (see `usdt`), closed with the entry probes of their stage.
+    usdt: Vec<(DetachStage, UsdtLink)>,
 }
 
 /// The loaded programs and the maps the event loop reads.
@@ -156,6 +161,8 @@ pub struct Probes {
     variant: Choice,
     /// With the compat object: each probed address's spec, per process.
     spec_by_addr: Option<HashMap<MapData, AddrKey, u32>>,
+    /// USDT sites and their per-process events.
+    usdt: usdt::UsdtSites,
 }
 
 /// A probed address in a process (the compat object's `SPEC_BY_ADDR` key).
@@ -330,6 +337,7 @@ impl Probes {
             counters,
             py_procs,
             py_stacks,
+            usdt: usdt::UsdtSites::default(),
         })
     }
 
@@ -503,8 +511,8 @@ impl Probes {
                     let orphan = self.processes.get_mut(&pid).and_then(|l| l.exit.pop());
                     if let Some(orphan) = orphan {
                         self.take_links(ProcessLinks {
-                            enter: Vec::new(),
                             exit: vec![orphan],
+                            ..ProcessLinks::default()
                         })
                         .close();
                     }
@@ -568,6 +576,9 @@ impl Probes {
                 }
             }
         }
+        let (usdt_attached, usdt_error) = self.usdt_add_process(pid);
+        attached += usdt_attached;
+        let first_error = first_error.or(usdt_error);
         match first_error {
             Some(err) if attached == 0 => {
                 self.remove_process(pid);
@@ -585,6 +596,7 @@ impl Probes {
             for function in self.functions.clone() {
                 self.publish_spec_addr(pid, &function, mappings);
             }
+            self.usdt_publish(pid, mappings);
         }
         if let Some(unwind) = self.unwind.as_mut() {
             // A launched child shows memtrace's own image until it execs:
@@ -648,9 +660,10 @@ impl Probes {
         if let Some(unwind) = self.unwind.as_mut() {
             unwind.remove_process(pid);
         }
-        if let Some(links) = self.processes.remove(&pid) {
-            self.take_links(links).close();
-        }
+        let usdt = self.usdt.take_process(pid);
+        let mut links = self.processes.remove(&pid).unwrap_or_default();
+        links.usdt = usdt;
+        self.take_links(links).close();
         if let Some(traced) = self.traced.as_mut() {
             let _ = traced.remove(&pid);
         }
@@ -667,6 +680,7 @@ impl Probes {
             process.enter = later;
             links.enter.extend(now);
         }
+        links.usdt = self.usdt.take_stage(stage);
         self.take_links(links)
     }
 
@@ -679,6 +693,7 @@ impl Probes {
             merged.enter.extend(links.enter);
             merged.exit.extend(links.exit);
         }
+        merged.usdt = self.usdt.take_all();
         self.take_links(merged)
     }
 
@@ -686,11 +701,15 @@ impl Probes {
     /// order, then return probes.
     fn take_links(&mut self, mut links: ProcessLinks) -> Detaching {
         links.enter.sort_by_key(|(stage, _)| *stage);
-        let mut entries = Vec::new();
+        let mut entries: Vec<(DetachStage, Link)> = links
+            .usdt
+            .into_iter()
+            .map(|(stage, link)| (stage, Link::Usdt(link)))
+            .collect();
         if let Some(Ok(program)) = self.ebpf.program_mut(ENTER).map(<&mut UProbe>::try_from) {
             for (stage, id) in links.enter {
                 if let Ok(link) = program.take_link(id) {
-                    entries.push((stage, link));
+                    entries.push((stage, Link::Uprobe(link)));
                 }
             }
         }
@@ -706,7 +725,7 @@ impl Probes {
         if let Some(Ok(program)) = self.ebpf.program_mut(EXIT).map(<&mut UProbe>::try_from) {
             for id in links.exit {
                 if let Ok(link) = program.take_link(id) {
-                    exits.push(link);
+                    exits.push(Link::Uprobe(link));
                 }
             }
         }
@@ -754,7 +773,7 @@ impl Probes {
     /// How often each of memtrace's programs ran and the kernel time it took
     /// (counted only while the kernel's BPF statistics are on: `--bpf-stats`).
     pub fn program_costs(&self) -> Vec<crate::report::ProgramCost> {
-        [ENTER, EXIT, FORKS]
+        [ENTER, EXIT, USDT, FORKS]
             .into_iter()
             .filter_map(|name| {
                 let info = self.ebpf.program(name)?.info().ok()?;
@@ -811,10 +830,17 @@ impl Probes {
     }
 }
 
+/// One probe to close: a uprobe link of aya's, or a USDT site's event.
+enum Link {
+    // Held only to be dropped (closed).
+    Uprobe(#[allow(dead_code)] UProbeLink),
+    Usdt(#[allow(dead_code)] UsdtLink),
+}
+
 /// Probes taken out of their programs, still attached until [`Detaching::close`].
 pub struct Detaching {
     /// Closed one batch after the other.
-    batches: Vec<Vec<UProbeLink>>,
+    batches: Vec<Vec<Link>>,
 }
 
 impl Detaching {

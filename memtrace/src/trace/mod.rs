@@ -16,6 +16,7 @@ mod pipeline;
 mod python;
 mod status;
 pub mod usdt_attach;
+pub mod usdt_probes;
 
 use std::collections::BTreeSet;
 use std::io::IsTerminal;
@@ -192,7 +193,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
         .scan(pid, &mut probes, &extra)
         .with_context(|| format!("cannot read the mappings of pid {pid}"))?;
     // Not `probes.specs()`: a spec is recorded before its attach is tried.
-    if discovery.libraries.iter().all(|l| l.functions.is_empty()) {
+    if discovery.libraries.iter().all(|l| l.functions.is_empty()) && discovery.usdt.is_empty() {
         if let Some(unsupported) = discovery.unsupported.take() {
             return Err(Failure::from(unsupported).into());
         }
@@ -375,7 +376,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                     eprintln!("memtrace: every traced process exited; final report follows");
                     break;
                 }
-                let known = discovery.libraries.len();
+                let (known, known_usdt) = (discovery.libraries.len(), discovery.usdt.len());
                 for traced in session.family.running().collect::<Vec<_>>() {
                     if let Err(err) = discovery.scan(traced, &mut probes, &[]) {
                         log::debug!("rescan of pid {traced}: {err}");
@@ -388,6 +389,7 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
                         library.functions.len()
                     );
                 }
+                usdt_probes::say_new(&discovery.usdt[known_usdt..]);
             }
             _ = name_tick.tick(), if names.is_some() => {
                 if let Some(watch) = names.as_mut() {
@@ -946,6 +948,17 @@ impl Session<'_> {
         if self.args.bpf_stats {
             report.bpf_programs = probes.program_costs();
         }
+        report.device_cache = usdt_probes::device_cache(
+            &discovery.usdt,
+            self.pipeline.table(),
+            probes.specs(),
+            &self.pipeline.usdt_tags,
+        );
+        report.usdt = discovery
+            .usdt
+            .iter()
+            .filter_map(|plan| serde_json::to_value(plan).ok())
+            .collect();
         report
     }
 

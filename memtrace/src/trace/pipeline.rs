@@ -66,6 +66,8 @@ pub struct Pipeline {
     held_buf: Vec<WireEvent>,
     /// The held table's states at its previous scan (see `Take::Unchanged`).
     held_seen: Vec<u64>,
+    /// Device index and stream of live USDT allocations that carry them.
+    pub usdt_tags: crate::trace::usdt_probes::UsdtTags,
 }
 
 impl Pipeline {
@@ -85,6 +87,7 @@ impl Pipeline {
             held_taken: None,
             held_buf: Vec::new(),
             held_seen: Vec::new(),
+            usdt_tags: Default::default(),
         }
     }
 
@@ -208,6 +211,7 @@ impl Pipeline {
         if let Some(recorder) = self.recorder.as_mut() {
             recorder.event(wire);
         }
+        self.usdt_tags.observe(wire, probes.specs());
         match event::from_wire(wire) {
             Ok(event) => self.handle(&event, probes),
             Err(err) => {

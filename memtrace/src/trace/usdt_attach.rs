@@ -10,10 +10,6 @@
 //! spec index, as for every other probe), or on kernels without perf-event
 //! links (before 5.15) with `PERF_EVENT_IOC_SET_BPF` and no cookie.
 
-// Not yet called from the trace: USDT specs come with `usdt =` pairs and
-// the presets (issue 25, next step).
-#![allow(dead_code)]
-
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};

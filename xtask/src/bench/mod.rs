@@ -35,6 +35,7 @@ mod proc;
 mod redis;
 mod report;
 mod tables;
+mod usdt;
 mod watch;
 mod workloads;
 
@@ -99,6 +100,8 @@ pub enum Section {
     Workloads,
     /// How long after its window a trace's report is written and memtrace exits.
     Ending,
+    /// ns per event: USDT probes (semaphore or not) vs a function-entry uprobe.
+    Usdt,
 }
 
 impl Section {
@@ -208,6 +211,9 @@ fn bench_as(task: &str, args: BenchArgs) -> Result<()> {
     eprintln!("xtask bench: end of a trace");
     let mut ending = String::new();
     ending::render(&ending::bench(&env), &mut ending);
+    eprintln!("xtask bench: USDT probes ({pair_rounds} rounds)");
+    let mut usdt = String::new();
+    usdt::render(&usdt::bench(&env), &mut usdt);
 
     let command = std::iter::once("cargo xtask".to_string())
         .chain(std::env::args().skip(1))
@@ -235,6 +241,7 @@ fn bench_as(task: &str, args: BenchArgs) -> Result<()> {
     doc.push_str(&allocators);
     doc.push_str(&python);
     doc.push_str(&ending);
+    doc.push_str(&usdt);
     let out = if args.out.is_absolute() {
         args.out.clone()
     } else {
@@ -319,6 +326,7 @@ fn one_section(section: Section, env: &Env, peers: &Peers, requests: u64) -> Str
         Section::Allocators => s = allocators_section(env),
         Section::Workloads => s = workloads_section(env, peers, env.rounds),
         Section::Ending => ending::render(&ending::bench(env), &mut s),
+        Section::Usdt => usdt::render(&usdt::bench(env), &mut s),
     }
     s
 }
@@ -391,7 +399,8 @@ mod tests {
                 "watch",
                 "allocators",
                 "workloads",
-                "ending"
+                "ending",
+                "usdt"
             ]
         );
         assert_eq!(Section::from_str("python", false), Ok(Section::Workloads));

@@ -58,6 +58,7 @@ fn specs() -> Vec<SpecEntry> {
             memory: Memory::Host,
             domain: Domain::Heap,
             module: Some("/lib/libc.so.6"),
+            estimate: false,
         },
         SpecEntry {
             function: "cudaMalloc",
@@ -65,6 +66,7 @@ fn specs() -> Vec<SpecEntry> {
             memory: Memory::Device,
             domain: Domain::CudaMemory,
             module: None,
+            estimate: false,
         },
     ]
 }

@@ -1,0 +1,244 @@
+//! USDT sites in the loader: each planned site (`probe::usdt_plan`) gets a
+//! spec, and for every traced process its own uprobe perf event with the
+//! site's semaphore as reference counter (`trace::usdt_attach`), so the
+//! kernel raises the semaphore in the traced processes only, for as long as
+//! memtrace holds the event. A process added later (a fork, an adopted
+//! peer) gets every site attached so far; an exec'd or exited process's
+//! events close with its links; ending the trace closes them in
+//! [`DetachStage`] order, like the function probes'.
+//!
+//! The full object finds the spec by the attach cookie; the compat object
+//! by the probed address, published in `SPEC_BY_ADDR` as for functions.
+
+use std::collections::BTreeMap;
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use aya::programs::UProbe;
+
+use super::{AttachedFunction, DetachStage, Probes, USDT};
+use crate::error::Failure;
+use crate::kernel::variant::Variant;
+use crate::probe::usdt_plan::UsdtPlan;
+use crate::probe::SpecEntry;
+use crate::trace::usdt_attach::{self, UsdtLink};
+use memtrace_common::MAX_SPECS;
+
+/// One attached USDT site.
+#[derive(Clone, Debug)]
+struct Site {
+    /// The file as memtrace opens it.
+    path: PathBuf,
+    offset: u64,
+    semaphore: Option<u64>,
+    index: u16,
+    stage: DetachStage,
+}
+
+/// The USDT sites attached so far and each traced process's events.
+#[derive(Default)]
+pub(super) struct UsdtSites {
+    sites: Vec<Site>,
+    links: BTreeMap<u32, Vec<(DetachStage, UsdtLink)>>,
+    /// `usdt_fire` passed the verifier (loaded on the first site).
+    loaded: bool,
+}
+
+impl UsdtSites {
+    /// Takes the links of `pid` (it exited, or exec'd a new image).
+    pub(super) fn take_process(&mut self, pid: u32) -> Vec<(DetachStage, UsdtLink)> {
+        self.links.remove(&pid).unwrap_or_default()
+    }
+
+    /// Takes every process's links of `stage`.
+    pub(super) fn take_stage(&mut self, stage: DetachStage) -> Vec<(DetachStage, UsdtLink)> {
+        let mut taken = Vec::new();
+        for links in self.links.values_mut() {
+            let (now, later): (Vec<_>, Vec<_>) = links.drain(..).partition(|(s, _)| *s == stage);
+            *links = later;
+            taken.extend(now);
+        }
+        taken
+    }
+
+    /// Takes every link left.
+    pub(super) fn take_all(&mut self) -> Vec<(DetachStage, UsdtLink)> {
+        std::mem::take(&mut self.links)
+            .into_values()
+            .flatten()
+            .collect()
+    }
+}
+
+impl Site {
+    /// The site as the compat object's address table sees a function.
+    fn as_function(&self) -> AttachedFunction {
+        AttachedFunction {
+            path: self.path.clone(),
+            entry_offset: self.offset,
+            return_offset: None,
+            index: self.index,
+            stage: self.stage,
+        }
+    }
+}
+
+impl Probes {
+    /// Attaches every site of `plan` in every traced process; returns how
+    /// many were attached. A site that cannot be attached is left out of
+    /// the plan, said once and listed in `attach_failures`.
+    pub fn attach_usdt(&mut self, plan: &mut UsdtPlan) -> anyhow::Result<usize> {
+        self.load_usdt()?;
+        let mut failures = Vec::new();
+        let mut kept = Vec::new();
+        for site in plan.sites.drain(..) {
+            match self.attach_site(&plan.open_path, &plan.path, &site) {
+                Ok(()) => kept.push(site),
+                Err(err) => failures.push(format!(
+                    "USDT probe {} at {:#x}: {err:#}",
+                    site.probe, site.file_offset
+                )),
+            }
+        }
+        plan.sites = kept;
+        if plan.sites.is_empty() && !failures.is_empty() {
+            anyhow::bail!(
+                "cannot attach to {}: {}",
+                plan.path.display(),
+                failures.join("; ")
+            );
+        }
+        for failure in failures {
+            let line = format!("cannot attach {failure} in {}", plan.path.display());
+            eprintln!("memtrace: warning: {line}");
+            self.attach_failures.push(line);
+        }
+        Ok(plan.sites.len())
+    }
+
+    /// Loads `usdt_fire` once.
+    fn load_usdt(&mut self) -> anyhow::Result<()> {
+        if self.usdt.loaded {
+            return Ok(());
+        }
+        let program: &mut UProbe = self
+            .ebpf
+            .program_mut(USDT)
+            .with_context(|| format!("program {USDT} missing from the eBPF object"))?
+            .try_into()?;
+        program
+            .load()
+            .map_err(|err| super::program_load_failure(USDT, &self.options, &err))?;
+        self.usdt.loaded = true;
+        Ok(())
+    }
+
+    fn attach_site(
+        &mut self,
+        path: &std::path::Path,
+        module: &std::path::Path,
+        planned: &crate::probe::usdt_plan::PlannedSite,
+    ) -> anyhow::Result<()> {
+        let index = u16::try_from(self.specs.len())
+            .ok()
+            .filter(|&i| u32::from(i) < MAX_SPECS)
+            .ok_or_else(|| Failure::runtime("too many probed functions"))?;
+        self.spec_map
+            .set(u32::from(index), planned.spec(index), 0)?;
+        let site = Site {
+            path: path.to_path_buf(),
+            offset: planned.file_offset,
+            semaphore: planned.semaphore_offset,
+            index,
+            stage: DetachStage::of(planned.def.kind),
+        };
+        let pids: Vec<u32> = self.processes.keys().copied().collect();
+        let mut attached = 0;
+        let mut first_error = None;
+        for pid in pids {
+            match self.attach_site_for(&site, pid) {
+                Ok(()) => attached += 1,
+                Err(err) => {
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        if let (0, Some(err)) = (attached, first_error) {
+            return Err(err);
+        }
+        self.specs.push(SpecEntry {
+            // Bounded: at most MAX_SPECS specs a session.
+            module: Some(Box::leak(module.display().to_string().into_boxed_str())),
+            ..SpecEntry::from(planned.def)
+        });
+        log::info!(
+            "attached USDT {} in {} at {:#x}{}",
+            planned.probe,
+            path.display(),
+            planned.file_offset,
+            match planned.semaphore_offset {
+                Some(offset) => format!(" (semaphore at {offset:#x})"),
+                None => String::new(),
+            }
+        );
+        self.usdt.sites.push(site);
+        Ok(())
+    }
+
+    /// Opens the site's uprobe for `pid` (raising its semaphore there) and
+    /// attaches `usdt_fire` to it.
+    fn attach_site_for(&mut self, site: &Site, pid: u32) -> anyhow::Result<()> {
+        let cookie = match self.variant.variant {
+            Variant::Full => Some(u64::from(site.index)),
+            Variant::Compat => {
+                if let Ok(mappings) = crate::probe::maps::read(pid) {
+                    self.publish_spec_addr(pid, &site.as_function(), &mappings);
+                }
+                None
+            }
+        };
+        let event = usdt_attach::open_uprobe(&site.path, site.offset, site.semaphore, pid)
+            .with_context(|| format!("pid {pid}: perf_event_open (uprobe)"))?;
+        let program: &UProbe = self
+            .ebpf
+            .program(USDT)
+            .with_context(|| format!("program {USDT} missing"))?
+            .try_into()?;
+        let fd = program.fd()?;
+        let link = usdt_attach::attach(fd.as_fd(), event, cookie)
+            .with_context(|| format!("pid {pid}: attaching {USDT}"))?;
+        self.usdt
+            .links
+            .entry(pid)
+            .or_default()
+            .push((site.stage, link));
+        Ok(())
+    }
+
+    /// Attaches every USDT site so far for a process just added; returns
+    /// how many were attached and the first failure.
+    pub(super) fn usdt_add_process(&mut self, pid: u32) -> (usize, Option<anyhow::Error>) {
+        let sites = self.usdt.sites.clone();
+        let mut attached = 0;
+        let mut first_error = None;
+        for site in &sites {
+            match self.attach_site_for(site, pid) {
+                Ok(()) => attached += 1,
+                Err(err) => {
+                    log::debug!("pid {pid}: cannot attach USDT site: {err:#}");
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        (attached, first_error)
+    }
+
+    /// With the compat object: publishes each USDT site's address in
+    /// process `pid` (an exec or a new mapping moves them).
+    pub(super) fn usdt_publish(&mut self, pid: u32, mappings: &[crate::probe::maps::Mapping]) {
+        for site in self.usdt.sites.clone() {
+            self.publish_spec_addr(pid, &site.as_function(), mappings);
+        }
+    }
+}
