@@ -31,11 +31,16 @@ impl UsdtTags {
     /// Takes one event: a tagged allocation's tags are kept until a
     /// release of its address in its domain.
     pub fn observe(&mut self, wire: &WireEvent, specs: &[SpecEntry]) {
+        let tagged = wire.flags & FLAG_TAGGED != 0;
+        if !tagged && self.live.is_empty() {
+            // No USDT device allocator in this trace: nothing to keep.
+            return;
+        }
         let Some(spec) = specs.get(usize::from(wire.spec)) else {
             return;
         };
         let key = (wire.pid, spec.domain, wire.addr);
-        if wire.kind == EventKind::Alloc as u8 && wire.flags & FLAG_TAGGED != 0 {
+        if wire.kind == EventKind::Alloc as u8 && tagged {
             if self.live.len() >= MAX_TAGGED && !self.live.contains_key(&key) {
                 self.dropped += 1;
                 return;
