@@ -820,8 +820,7 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
         None => return COMPLETE,
     }
     scratch.len = depth + 1;
-    walk.hash = (walk.hash ^ walk.pc).wrapping_mul(0x0000_0100_0000_01b3);
-    walk.hash ^= walk.hash >> 29;
+    walk.hash = hash_frame(walk.hash, walk.pc);
 
     let kind = row.kind;
     let cfa = if kind == RowKind::Rsp as u8 {
@@ -996,7 +995,7 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
             pc,
             sp,
             bp,
-            hash: 0xcbf2_9ce4_8422_2325,
+            hash: STACK_HASH_BASIS,
             slot,
             stop: RUNNING,
             exact: 0,
@@ -1104,9 +1103,21 @@ pub extern "C" fn memtrace_walk_finish(started: u64) -> i32 {
         report_stale(walk.tgid);
     }
     let frames = WALK_SCRATCH.get(0).map_or(0, |scratch| scratch.len);
+    let replay = walk.replay;
     let key = store(walk.hash, frames);
     if key >= 0 && walk.slot != NO_SLOT && walk.stale == 0 {
         remember(walk, key);
+    }
+    if walks_started() != started {
+        // Preempted by another walk on this CPU after the check above: the
+        // state read since may be that walk's, and so may the remembered
+        // entry (its seal is broken, so it is never replayed). The stored
+        // stack itself was checked against its hash (see `stored`).
+        if let Some(entry) = WALK_REPLAYS.get_ptr_mut(replay) {
+            // SAFETY: this CPU's own element; one aligned word.
+            unsafe { (*entry).seal = !(*entry).seal };
+        }
+        return -EAGAIN;
     }
     key
 }
@@ -1294,6 +1305,37 @@ fn store(hash: u64, depth: u32) -> i32 {
     found
 }
 
+/// A stack's hash before its first frame.
+const STACK_HASH_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// A stack's hash with one more frame, `pc`.
+#[inline(always)]
+fn hash_frame(hash: u64, pc: u64) -> u64 {
+    let mixed = (hash ^ pc).wrapping_mul(0x0000_0100_0000_01b3);
+    mixed ^ (mixed >> 29)
+}
+
+/// Whether the stack just stored under `key` is the one hashed `hash`: its
+/// own copy (no other program writes it) hashed again as the walk hashed
+/// the frames it found. The scratch it was copied from is per CPU, and on a
+/// preemptible kernel another walk may have rewritten it meanwhile.
+#[inline(always)]
+fn stored_whole(key: u32, hash: u64) -> bool {
+    // SAFETY: the entry is only read; entries are never rewritten in place.
+    let Some(stack) = (unsafe { DWARF_STACKS.get(&key) }) else {
+        return false;
+    };
+    let len = stack.len as usize;
+    let mut again = STACK_HASH_BASIS;
+    for (depth, &pc) in stack.pcs.iter().enumerate() {
+        if depth >= len {
+            break;
+        }
+        again = hash_frame(again, pc);
+    }
+    again == hash && stack.hash == hash
+}
+
 /// Finds or stores the scratch stack (hash `hash`) under `key`.
 #[inline(always)]
 fn stored(hash: u64, key: u32) -> i32 {
@@ -1314,6 +1356,13 @@ fn stored(hash: u64, key: u32) -> i32 {
     let scratch = unsafe { &mut *scratch };
     scratch.hash = hash;
     match DWARF_STACKS.insert(&key, scratch, 1 /* BPF_NOEXIST */) {
+        Ok(()) if !stored_whole(key, hash) => {
+            // The scratch was rewritten while it was copied (a walk that
+            // preempted this one on its CPU): never keep frames under
+            // another stack's key.
+            let _ = DWARF_STACKS.remove(&key);
+            -EAGAIN
+        }
         Ok(()) => {
             bump(Counter::UnwindNewStack);
             key as i32
