@@ -234,6 +234,9 @@ pub struct Walk {
     replay: u32,
     /// The traced process.
     tgid: u32,
+    /// The thread walking: a walk that finds another thread's here was
+    /// preempted by that thread's walk on this CPU and must not write on.
+    tid: u32,
     /// [`seal`] of the words read so far.
     seal: u64,
     /// The registers the walk started from.
@@ -926,6 +929,11 @@ extern "C" fn frame_callback(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
     // SAFETY: this CPU's own element, set by `memtrace_walk_stack` before
     // the loop.
     let walk = unsafe { &mut *walk };
+    if walk.tid != bpf_get_current_pid_tgid() as u32 {
+        // Another thread's walk took this CPU's state while this one was
+        // preempted: stop without writing it (this walk fails its checks).
+        return 1;
+    }
     let Some(log) = WALK_REPLAYS.get_ptr_mut(walk.replay) else {
         walk.stop = BAD_RULE;
         return 1;
@@ -1003,11 +1011,13 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
             generation,
             replay: 0,
             tgid,
+            tid: 0,
             seal: 0x243F_6A88_85A3_08D3,
             start_pc: pc,
             start_sp: sp,
             start_bp: bp,
         };
+        (*state).tid = bpf_get_current_pid_tgid() as u32;
     }
     let replayed = memtrace_walk_replay(started);
     if replayed != NOT_REPLAYED {
@@ -1098,6 +1108,9 @@ pub extern "C" fn memtrace_walk_finish(started: u64) -> i32 {
     };
     // SAFETY: this CPU's own element (see `WALK_STATE`).
     let walk = unsafe { &*state };
+    if walk.tid != bpf_get_current_pid_tgid() as u32 {
+        return -EAGAIN;
+    }
     count_stop(walk.stop);
     if walk.stale != 0 {
         report_stale(walk.tgid);
