@@ -1080,7 +1080,8 @@ fn boot_vm(
     let started = Instant::now();
     let mut cmd = Command::new("qemu-system-x86_64");
     match accel {
-        "kvm" => cmd.args(["-accel", "kvm", "-cpu", "host"]),
+        // Without arch-capabilities: nested KVM here refuses to set that MSR.
+        "kvm" => cmd.args(["-accel", "kvm", "-cpu", "host,-arch-capabilities"]),
         "tcg" => cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max"]),
         "tcg-single" => cmd.args(["-accel", "tcg,thread=single", "-cpu", "max"]),
         other => bail!("unknown accelerator {other:?} (tcg or kvm)"),
