@@ -6,6 +6,7 @@
 //! and hand the state to the report builder and the chosen sink (and the
 //! Prometheus endpoint).
 
+mod args;
 mod by_name;
 pub mod discovery;
 mod family;
@@ -32,7 +33,6 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::analysis::history::History;
 use crate::analysis::Suppressions;
-use crate::cli::TraceArgs;
 use crate::error::Failure;
 use crate::output::Output;
 use crate::probe::catalog::Allocator;
@@ -44,6 +44,9 @@ use family::{Adoption, Family, Tools};
 use loader::{DetachStage, LoadOptions, Probes};
 use memtrace_common::unwind::STACK_MODE_DWARF;
 use pipeline::Pipeline;
+
+use args::StackMode;
+pub use args::TraceArgs;
 
 /// How often the target's mappings are rescanned for newly loaded libraries.
 const RESCAN_EVERY: Duration = Duration::from_millis(500);
@@ -126,8 +129,8 @@ pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
     let options = LoadOptions {
         stack_mode: match (args.stack_depth, args.stacks) {
             (0, _) => memtrace_common::unwind::STACK_MODE_NONE,
-            (_, crate::cli::StackMode::Fp) => memtrace_common::unwind::STACK_MODE_FP,
-            (_, crate::cli::StackMode::Dwarf) => memtrace_common::unwind::STACK_MODE_DWARF,
+            (_, StackMode::Fp) => memtrace_common::unwind::STACK_MODE_FP,
+            (_, StackMode::Dwarf) => memtrace_common::unwind::STACK_MODE_DWARF,
         },
         stack_depth: args.stack_depth,
         unwind: crate::unwind::kernel::Capacity::from_mib(
