@@ -6,6 +6,7 @@
 mod analysis;
 mod btf;
 mod cli;
+mod doctor;
 mod duration;
 mod error;
 mod event;
@@ -21,6 +22,7 @@ mod probe;
 mod prometheus;
 mod record;
 mod report;
+mod signals;
 mod sink;
 mod stacks;
 mod stats;
@@ -50,7 +52,7 @@ fn main() -> ExitCode {
         Some(cli::Command::Monitor(args)) => monitor::run(*args),
         Some(cli::Command::Report(args)) => run_report(args),
         Some(cli::Command::UnwindTable(args)) => unwind::describe(&args.files),
-        Some(cli::Command::Doctor(args)) => kernel::doctor::run(&args),
+        Some(cli::Command::Doctor(args)) => doctor::run(&args),
         Some(cli::Command::Watch(args)) => watch::run(*args),
         Some(cli::Command::Probes(args)) => probe::usdt_list::run(&args),
         None => run_trace(cli.trace),
@@ -84,7 +86,7 @@ fn run_report(args: cli::ReportArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn run_trace(args: cli::TraceArgs) -> anyhow::Result<ExitCode> {
+fn run_trace(args: trace::TraceArgs) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

@@ -9,7 +9,7 @@
 //! `--container` and `--cgroup` use a v1 pids cgroup named as Docker names
 //! a container's.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 
-use crate::support::{fixture, privileged, FakeContainer, MEMTRACE};
+use crate::support::{fixture, privileged, FakeContainer, Fixture, MEMTRACE};
 
 const BLOCK: u64 = 256 * 1024;
 
@@ -196,54 +196,10 @@ fn wait_json(path: &Path, watch: &Watch) -> Value {
     }
 }
 
-/// A `steady_leak` process: flat until told to leak.
-struct Steady {
-    child: Child,
-    pid: u32,
-    /// Kept open: the fixture's "leaking" line must not meet a closed pipe.
-    _stdout: BufReader<std::process::ChildStdout>,
-}
-
-impl Steady {
-    fn start() -> Steady {
-        Steady::spawn("steady_leak", &["256", "100"], &[])
-    }
-
-    /// Starts fixture `name` (the steady/leak protocol) and reads its pid.
-    fn spawn(name: &str, args: &[&str], env: &[(&str, &Path)]) -> Steady {
-        let mut child = Command::new(fixture(name))
-            .args(args)
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("{name} does not start: {e}"));
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        out.read_line(&mut line).expect("ready line");
-        let pid = line
-            .strip_prefix("ready ")
-            .and_then(|p| p.trim().parse().ok())
-            .unwrap_or_else(|| panic!("{name} said {line:?}"));
-        Steady {
-            child,
-            pid,
-            _stdout: out,
-        }
-    }
-
-    fn toggle_leak(&mut self) {
-        let stdin = self.child.stdin.as_mut().expect("stdin");
-        stdin.write_all(b"\n").expect("line");
-        stdin.flush().expect("flush");
-    }
-}
-
-impl Drop for Steady {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A `steady_leak` process: flat until a line tells it to leak (256 KiB
+/// a period); the next line stops the leak.
+fn steady() -> Fixture {
+    Fixture::start("steady_leak", &["256", "100"])
 }
 
 /// Steady, restarted, then leaking: no probe while healthy (read from the
@@ -257,7 +213,7 @@ fn watch_traces_only_after_the_leak_starts_and_follows_restarts() {
     }
     let dir = reports_dir("leak");
     let dir_s = dir.to_string_lossy().to_string();
-    let first = Steady::start();
+    let first = steady();
     let mut watch = Watch::start(&[
         "--name",
         "steady_leak",
@@ -298,13 +254,13 @@ fn watch_traces_only_after_the_leak_starts_and_follows_restarts() {
     }
     // The target restarts: watching resumes on the new pid.
     drop(first);
-    let mut second = Steady::start();
+    let mut second = steady();
     watch.wait_for(&format!("target restarted: watching pid {}", second.pid));
     assert_eq!(probe_fds(watcher), Vec::<String>::new());
     assert!(!dir.join("episode-0001").exists(), "{}", watch.text());
 
     let leak_start = now_unix_ms();
-    second.toggle_leak();
+    second.send_line();
     // The episode's tracer holds probes (the check above sees them).
     let deadline = Instant::now() + Duration::from_secs(120);
     while probe_fds(watcher).is_empty() {
@@ -316,7 +272,7 @@ fn watch_traces_only_after_the_leak_starts_and_follows_restarts() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let episode = wait_json(&dir.join("episode-0001/episode.json"), &watch);
-    second.toggle_leak();
+    second.send_line();
     let text = watch.text();
     assert_eq!(episode["pid"], second.pid, "{episode}");
     assert_eq!(episode["outcome"], "done", "{episode}\n{text}");
@@ -460,8 +416,9 @@ fn watch_refuses_bad_input_in_one_line() {
 
 /// A `steady_device_leak` process (stub CUDA libraries) whose live device
 /// bytes the stub NVML reports through `dir`: flat until told to leak.
-fn start_device_fixture(usage_dir: &Path) -> Steady {
-    Steady::spawn(
+fn start_device_fixture(usage_dir: &Path) -> Fixture {
+    let usage_dir = usage_dir.to_str().expect("a UTF-8 path");
+    Fixture::start_env(
         "steady_device_leak",
         &["1024", "100"],
         &[("MEMTRACE_STUB_GPU_DIR", usage_dir)],
@@ -540,9 +497,9 @@ fn watch_finds_a_device_memory_leak_through_nvml() {
     }
     assert!(!dir.join("episode-0001").exists(), "{}", watch.text());
     let leak_start = now_unix_ms();
-    target.toggle_leak();
+    target.send_line();
     let episode = wait_json(&dir.join("episode-0001/episode.json"), &watch);
-    target.toggle_leak();
+    target.send_line();
     let text = watch.text();
     assert_eq!(episode["outcome"], "done", "{episode}\n{text}");
     assert_eq!(episode["why"]["family"], "gpu", "{episode}");
@@ -591,9 +548,9 @@ fn watch_container_watches_each_of_its_processes_and_traces_the_leaking_one() {
     };
     let dir = reports_dir("container");
     let dir_s = dir.to_string_lossy().to_string();
-    let first = Steady::start();
+    let first = steady();
     container.enter(first.pid);
-    let outsider = Steady::start();
+    let outsider = steady();
     let prefix = container.id[..12].to_string();
     let mut watch = Watch::start(&[
         "--container",
@@ -615,7 +572,7 @@ fn watch_container_watches_each_of_its_processes_and_traces_the_leaking_one() {
     ]);
     watch.wait_for(&format!("watching container {prefix}"));
     watch.wait_for(&format!("watching pid {}", first.pid));
-    let mut second = Steady::start();
+    let mut second = steady();
     container.enter(second.pid);
     watch.wait_for(&format!("watching pid {}", second.pid));
     // Both judged healthy, the outsider never watched, no probe held.
@@ -645,9 +602,9 @@ fn watch_container_watches_each_of_its_processes_and_traces_the_leaking_one() {
         assert_eq!(probe_fds(watch.child.id()), Vec::<String>::new());
         std::thread::sleep(Duration::from_millis(250));
     }
-    second.toggle_leak();
+    second.send_line();
     let episode = wait_json(&dir.join("episode-0001/episode.json"), &watch);
-    second.toggle_leak();
+    second.send_line();
     assert_eq!(episode["pid"], second.pid, "{episode}");
     assert_eq!(episode["outcome"], "done", "{episode}\n{}", watch.text());
     assert!(
@@ -686,9 +643,9 @@ fn watch_cgroup_watches_the_processes_of_that_cgroup() {
     };
     let dir = reports_dir("cgroup");
     let dir_s = dir.to_string_lossy().to_string();
-    let inside = Steady::start();
+    let inside = steady();
     container.enter(inside.pid);
-    let outsider = Steady::start();
+    let outsider = steady();
     let line = std::fs::read_to_string(format!("/proc/{}/cgroup", inside.pid))
         .expect("cgroup")
         .lines()

@@ -103,17 +103,7 @@ pub fn page(rec: &Recording, judged: &Judged<'_>) -> Result<String, String> {
          <th>slope</th><th>label</th><th>steps</th><th>gaps</th></tr>",
     );
     for v in judged.verdicts {
-        let steps: Vec<String> = v
-            .steps
-            .iter()
-            .map(|s| {
-                format!(
-                    "{}@{:.1}s",
-                    format_value(s.size, v.unit == Unit::Bytes),
-                    s.t_s
-                )
-            })
-            .collect();
+        let steps = v.step_labels();
         let _ = write!(
             out,
             "<tr><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"{}\">{}</td><td>{}</td><td class=\"num\">{}</td></tr>",

@@ -26,7 +26,7 @@ pub(crate) mod verdict;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -264,33 +264,6 @@ pub fn run(args: MonitorArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Sets `flag` on SIGINT or SIGTERM (so a Ctrl-C still writes the outputs).
-fn install_stop_handler(flag: Arc<AtomicBool>) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        return;
-    };
-    let signals = {
-        let _guard = rt.enter();
-        signal(SignalKind::interrupt()).and_then(|i| Ok((i, signal(SignalKind::terminate())?)))
-    };
-    let Ok((mut int, mut term)) = signals else {
-        return;
-    };
-    std::thread::spawn(move || {
-        rt.block_on(async {
-            tokio::select! {
-                _ = int.recv() => {}
-                _ = term.recv() => {}
-            }
-        });
-        flag.store(true, Ordering::SeqCst);
-    });
-}
-
 fn monitor(args: MonitorArgs) -> Result<ExitCode, MonitorError> {
     let target = match (&args.pid, &args.name, args.command.is_empty()) {
         (Some(pid), None, true) => runner::Target::Pid(*pid),
@@ -355,7 +328,7 @@ fn monitor(args: MonitorArgs) -> Result<ExitCode, MonitorError> {
         progress: !args.no_progress && std::io::stderr().is_terminal(),
     };
     let stop = Arc::new(AtomicBool::new(false));
-    install_stop_handler(stop.clone());
+    crate::signals::set_flags_on_signals(stop.clone(), None);
     let rec = runner::run(&cfg, meta, &stop)?;
     finish(&rec, &args.judge, args.output.as_deref())
 }

@@ -86,18 +86,7 @@ pub fn summary(
         let steps = if v.steps.is_empty() {
             String::new()
         } else {
-            let list: Vec<String> = v
-                .steps
-                .iter()
-                .map(|s| {
-                    format!(
-                        "{}@{:.1}s",
-                        format_value(s.size, v.unit == Unit::Bytes),
-                        s.t_s
-                    )
-                })
-                .collect();
-            format!("  steps {}", list.join(" "))
+            format!("  steps {}", v.step_labels().join(" "))
         };
         let gaps = if v.gaps > 0 {
             format!("  gaps {}", v.gaps)

@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::monitor::series::{Family, Series, Unit};
+use crate::monitor::units::format_value;
 
 /// Fewest points that can be judged.
 pub const MIN_POINTS: usize = 6;
@@ -120,6 +121,22 @@ pub struct Verdict {
     pub steps: Vec<Step>,
     /// Gaps in the whole series.
     pub gaps: usize,
+}
+
+impl Verdict {
+    /// Each step as `SIZE@Ts`, for the text and HTML reports.
+    pub fn step_labels(&self) -> Vec<String> {
+        self.steps
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}@{:.1}s",
+                    format_value(s.size, self.unit == Unit::Bytes),
+                    s.t_s
+                )
+            })
+            .collect()
+    }
 }
 
 pub use crate::stats::{median, robust_sigma};

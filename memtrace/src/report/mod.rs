@@ -1,7 +1,7 @@
 //! The report model (serde): what a trace found, field names a stable JSON
 //! contract. How it is built from the live table, the stack store and the
-//! counters is [`build`] (one step per function). Sinks render it; nothing
-//! here prints.
+//! counters is [`build`](fn@build) (one step per function). Sinks render
+//! it; nothing here prints.
 
 mod build;
 

@@ -420,22 +420,7 @@ impl Probes {
             index,
             stage: DetachStage::of(probe.def.kind),
         };
-        // A process may have exited meanwhile: the function counts as attached
-        // when it is attached for at least one process.
-        let pids: Vec<u32> = self.processes.keys().copied().collect();
-        let mut first_error = None;
-        let mut attached = 0;
-        for pid in pids {
-            match self.attach_for(&function, pid) {
-                Ok(()) => attached += 1,
-                Err(err) => {
-                    first_error.get_or_insert(err);
-                }
-            }
-        }
-        if let (0, Some(err)) = (attached, first_error) {
-            return Err(err);
-        }
+        self.in_every_process(|probes, pid| probes.attach_for(&function, pid))?;
         self.specs.push(SpecEntry {
             // Bounded: at most MAX_SPECS specs a session.
             module: Some(Box::leak(module.display().to_string().into_boxed_str())),
@@ -451,6 +436,30 @@ impl Probes {
             probe.placement
         );
         Ok(())
+    }
+
+    /// Runs `attach` for every traced process. A process may have exited
+    /// meanwhile: it is enough that `attach` works for one of them; when it
+    /// works for none, the first error is the answer.
+    fn in_every_process(
+        &mut self,
+        mut attach: impl FnMut(&mut Self, u32) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let pids: Vec<u32> = self.processes.keys().copied().collect();
+        let mut first_error = None;
+        let mut attached = 0;
+        for pid in pids {
+            match attach(self, pid) {
+                Ok(()) => attached += 1,
+                Err(err) => {
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        match (attached, first_error) {
+            (0, Some(err)) => Err(err),
+            _ => Ok(()),
+        }
     }
 
     /// Attaches one function's probes for one process.

@@ -109,7 +109,7 @@ impl Watcher {
         let th = args.sensitivity.thresholds();
         let stop = Arc::new(AtomicBool::new(false));
         let hup = Arc::new(AtomicBool::new(false));
-        install_signals(stop.clone(), hup.clone());
+        crate::signals::set_flags_on_signals(stop.clone(), Some(hup.clone()));
         say(&format!(
             "watching {} every {:?} (judged over {:?}, triggers {}); sources: {}",
             target.describe(),
@@ -355,37 +355,4 @@ impl Watcher {
             say(&e.to_string());
         }
     }
-}
-
-/// Sets `stop` on SIGINT/SIGTERM and `hup` on SIGHUP.
-fn install_signals(stop: Arc<AtomicBool>, hup: Arc<AtomicBool>) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        return;
-    };
-    let signals = {
-        let _guard = rt.enter();
-        (
-            signal(SignalKind::interrupt()),
-            signal(SignalKind::terminate()),
-            signal(SignalKind::hangup()),
-        )
-    };
-    let (Ok(mut int), Ok(mut term), Ok(mut hang)) = signals else {
-        return;
-    };
-    std::thread::spawn(move || {
-        rt.block_on(async {
-            loop {
-                tokio::select! {
-                    _ = int.recv() => { stop.store(true, Ordering::SeqCst); }
-                    _ = term.recv() => { stop.store(true, Ordering::SeqCst); }
-                    _ = hang.recv() => { hup.store(true, Ordering::SeqCst); }
-                }
-            }
-        });
-    });
 }

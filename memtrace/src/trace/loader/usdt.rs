@@ -153,20 +153,7 @@ impl Probes {
             index,
             stage: DetachStage::of(planned.def.kind),
         };
-        let pids: Vec<u32> = self.processes.keys().copied().collect();
-        let mut attached = 0;
-        let mut first_error = None;
-        for pid in pids {
-            match self.attach_site_for(&site, pid) {
-                Ok(()) => attached += 1,
-                Err(err) => {
-                    first_error.get_or_insert(err);
-                }
-            }
-        }
-        if let (0, Some(err)) = (attached, first_error) {
-            return Err(err);
-        }
+        self.in_every_process(|probes, pid| probes.attach_site_for(&site, pid))?;
         self.specs.push(SpecEntry {
             // Bounded: at most MAX_SPECS specs a session.
             module: Some(Box::leak(module.display().to_string().into_boxed_str())),

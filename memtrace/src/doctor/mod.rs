@@ -1,13 +1,14 @@
 //! `memtrace doctor [--format text|json]`: what this kernel and this process
 //! allow, on one screen, and whether memtrace's eBPF programs load here.
 //!
-//! It probes the kernel's features ([`super::features`]), reads the
-//! privileges, loads the embedded eBPF object once per stack mode (default
+//! It probes the kernel's features ([`crate::kernel::features`]), reads
+//! the privileges, loads the embedded eBPF object once per stack mode (default
 //! `--stacks dwarf`, `--stacks fp`, `--stack-depth 0`) and each of its
 //! programs in it (`call_enter`, `call_exit`, `usdt_fire`, `task_new`; nothing is
 //! attached), computes the object's stack budget per call chain
-//! ([`super::stack_budget`]) and says which modes will work. Exit 0 when the
-//! default mode's programs load, 1 otherwise.
+//! ([`crate::kernel::stack_budget`]) and says which modes will work. Exit 0
+//! when the default mode's programs load, 1 otherwise. The text screen is
+//! `text`'s.
 //!
 //! JSON (`--format json`), one object; keys are stable:
 //! - `schema`: 1
@@ -38,15 +39,16 @@
 //!   and `default` runs with frame-pointer stacks), `missing` (feature keys),
 //!   `notice` (what it does instead, or null)
 
-use std::fmt::Write as _;
+mod text;
+
 use std::process::ExitCode;
 
 use memtrace_common::unwind::{STACK_MODE_DWARF, STACK_MODE_FP, STACK_MODE_NONE};
 use serde::Serialize;
 
-use super::features::{self, Feature, FeatureCheck, Features, Mode, Presence, Privileges};
-use super::stack_budget::{self, Budget};
-use super::verifier;
+use crate::kernel::features::{self, Feature, FeatureCheck, Features, Mode, Presence, Privileges};
+use crate::kernel::stack_budget::{self, Budget};
+use crate::kernel::verifier;
 use crate::trace::loader::{self, LoadOptions};
 
 /// Output of `memtrace doctor`.
@@ -372,7 +374,7 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
     };
     let text = match args.format {
         DoctorFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
-        DoctorFormat::Text => render_text(&report),
+        DoctorFormat::Text => text::render_text(&report),
     };
     print!("{text}");
     Ok(if default_loads {
@@ -388,162 +390,6 @@ fn kernel_of(features: &Features) -> Kernel {
         version: features.version.map(|v| v.to_string()),
         arch: features.arch.clone(),
     }
-}
-
-fn yes(flag: bool) -> &'static str {
-    if flag {
-        "yes"
-    } else {
-        "no"
-    }
-}
-
-fn or_unknown<T: ToString>(value: &Option<T>) -> String {
-    value
-        .as_ref()
-        .map_or_else(|| "unknown".to_string(), ToString::to_string)
-}
-
-fn render_text(report: &Report) -> String {
-    let mut out = String::new();
-    let k = &report.kernel;
-    let _ = writeln!(out, "kernel      {} ({})", k.release, k.arch);
-    let _ = writeln!(out, "features");
-    for check in &report.features {
-        let _ = writeln!(
-            out,
-            "  {:<18} {:<8} {} [{}+]: {}",
-            check.key,
-            check.presence.word(),
-            check.describe,
-            check.since,
-            check.detail
-        );
-    }
-    let p = &report.privileges;
-    let _ = writeln!(
-        out,
-        "privileges  euid {}, CapEff {}: CAP_BPF {}, CAP_PERFMON {}, CAP_SYS_PTRACE {}, CAP_SYS_ADMIN {}",
-        p.euid,
-        p.cap_eff,
-        yes(p.cap_bpf),
-        yes(p.cap_perfmon),
-        yes(p.cap_sys_ptrace),
-        yes(p.cap_sys_admin)
-    );
-    let _ = writeln!(
-        out,
-        "            perf_event_paranoid {}, unprivileged_bpf_disabled {}, lockdown {}",
-        or_unknown(&p.perf_event_paranoid),
-        or_unknown(&p.unprivileged_bpf_disabled),
-        or_unknown(&p.lockdown)
-    );
-    if let Some(blocker) = p.blocker() {
-        let _ = writeln!(out, "            cannot trace: {blocker}");
-    }
-    let _ = writeln!(
-        out,
-        "load test   (verifier's processed instructions, limit {})",
-        verifier::INSN_LIMIT
-    );
-    for test in &report.load_tests {
-        if let Some(skipped) = &test.skipped {
-            let _ = writeln!(out, "  {:<16} skipped: {skipped}", test.flags);
-            continue;
-        }
-        if let Some(err) = &test.maps_error {
-            let _ = writeln!(out, "  {:<16} FAILED creating maps: {err}", test.flags);
-            continue;
-        }
-        let cells: Vec<String> = test
-            .programs
-            .iter()
-            .map(|p| match (p.loaded, p.verified_insns) {
-                (true, Some(insns)) => format!("{} ok {insns}", p.program),
-                (true, None) => format!("{} ok", p.program),
-                (false, _) => format!("{} FAILED", p.program),
-            })
-            .collect();
-        let _ = writeln!(out, "  {:<16} {}", test.flags, cells.join(", "));
-        for p in test.programs.iter().filter(|p| !p.loaded) {
-            let log = p
-                .log
-                .as_deref()
-                .map(|l| format!(" (log: {l})"))
-                .unwrap_or_default();
-            let _ = writeln!(
-                out,
-                "  {:<16}   {}: {}{log}",
-                "",
-                p.program,
-                p.error.as_deref().unwrap_or("failed")
-            );
-        }
-    }
-    match (&report.stack_budget, &report.stack_budget_error) {
-        (Some(budget), _) => {
-            let _ = writeln!(
-                out,
-                "stack per chain (static upper bound, frames rounded to {} B; limit {} B, goal < {} B)",
-                budget.rounding, budget.limit, budget.goal
-            );
-            let mut shown = budget.worst_per_program();
-            for chain in budget.over_goal() {
-                if !shown.contains(&chain) {
-                    shown.push(chain);
-                }
-            }
-            shown.sort_by_key(|chain| std::cmp::Reverse(chain.bytes));
-            for chain in shown {
-                let mark = if chain.bytes >= budget.limit {
-                    "  OVER LIMIT"
-                } else if chain.bytes >= budget.goal {
-                    "  over goal"
-                } else {
-                    ""
-                };
-                let _ = writeln!(out, "  {}{mark}", chain.describe());
-            }
-        }
-        (None, Some(err)) => {
-            let _ = writeln!(out, "stack per chain: {err}");
-        }
-        (None, None) => {}
-    }
-    let _ = writeln!(out, "modes");
-    for mode in &report.modes {
-        let word = match mode.works {
-            Some(true) => "yes",
-            Some(false) => "NO",
-            None => "?",
-        };
-        let why = if mode.why.is_empty() {
-            String::new()
-        } else {
-            format!(": {}", mode.why.join("; "))
-        };
-        let _ = writeln!(out, "  {word:<4} {:<14} {}{why}", mode.mode, mode.flags);
-    }
-    let _ = writeln!(
-        out,
-        "ebpf object {}{}",
-        report.ebpf_object.variant,
-        report
-            .ebpf_object
-            .notice
-            .as_deref()
-            .map_or_else(String::new, |notice| format!(": {notice}"))
-    );
-    let _ = writeln!(
-        out,
-        "verdict     {}",
-        if report.default_loads {
-            "the default mode loads on this kernel"
-        } else {
-            "the default mode does NOT load on this kernel (exit 1)"
-        }
-    );
-    out
 }
 
 #[cfg(test)]

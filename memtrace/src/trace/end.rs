@@ -1,0 +1,106 @@
+//! Stage 4 of a trace, the end: the window closes in one step (the
+//! programs stop recording allocations; releases of earlier blocks still
+//! count for a short grace), what the ring buffer and the kernel hold is
+//! read, and the report is the state at that moment: written to the output,
+//! the `--record` file and the metrics endpoint. Detaching the probes
+//! (seconds for many) comes after; on a kernel where the window cannot be
+//! closed, the probes are detached first, in a safe order, while the ring
+//! is still read.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aya::maps::{MapData, RingBuf};
+use tokio::io::unix::AsyncFd;
+
+use super::event_loop::DRAIN_EVERY;
+use super::loader::{self, DetachStage, Probes};
+use super::session::{monotonic_ns, Session};
+use super::Trace;
+
+/// At the end of a trace, releases are still watched this long after the
+/// allocation probes are detached (and again after the reallocation probes),
+/// so blocks made just before the end and released just after are not
+/// reported live.
+const DETACH_GRACE: Duration = Duration::from_millis(50);
+/// How long after the window closes releases of blocks made before it are
+/// still applied (a block in use at that moment and freed just after is not
+/// reported live), and programs that read the flag just before it flipped
+/// finish.
+const WINDOW_SETTLE: Duration = Duration::from_millis(50);
+
+impl Trace<'_> {
+    /// Ends the trace and writes the final report.
+    pub async fn end(mut self) -> anyhow::Result<()> {
+        // The terminal is given back before the final report is written.
+        self.live = None;
+        let session = &mut self.session;
+        let probes = &mut self.probes;
+        let ring = &mut self.ring;
+        session.ended = Some((Instant::now(), monotonic_ns()));
+        let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
+        // The window closes in one step: the programs stop recording
+        // allocations (releases of earlier blocks still count for a short
+        // grace), what they sent is read and what the kernel holds is taken,
+        // and the report is the state at this moment. Detaching (seconds for
+        // many probes) comes after the report is written.
+        let closed = probes.close_window();
+        if closed {
+            // A program that read the flag just before it flipped finishes
+            // within microseconds.
+            tokio::time::sleep(WINDOW_SETTLE).await;
+            session.pipeline.drain_all(ring.get_mut(), probes);
+        }
+        session.pipeline.close(ended_ns);
+        if !closed {
+            let watched = session.family.running().next().is_some();
+            probes.mark_ending();
+            for stage in DetachStage::ORDER {
+                let detaching = probes.detach_stage(stage);
+                close_while_draining(detaching, session, ring, probes).await;
+                if watched && stage != DetachStage::Releases {
+                    tokio::time::sleep(DETACH_GRACE).await;
+                    session.pipeline.drain(ring.get_mut(), probes);
+                }
+            }
+            let detaching = probes.detach();
+            close_while_draining(detaching, session, ring, probes).await;
+        }
+        session.snapshot(probes);
+        let report = session.report(probes, &self.discovery);
+        if let Some(tx) = &self.metrics {
+            let _ = tx.send(Arc::new(crate::prometheus::render(&report)));
+        }
+        if let Some(recorder) = session.pipeline.recorder.take() {
+            let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
+            recorder.finish(&report, ended_ns, session.pipeline.thread_names())?;
+        }
+        self.output.finish(&report)?;
+        if closed {
+            // Nothing is recorded any more: the probes only need to go.
+            let detaching = probes.detach();
+            let _ = tokio::task::spawn_blocking(move || detaching.close_at_once()).await;
+        }
+        Ok(())
+    }
+}
+
+/// Detaches probes on a blocking thread while the event loop keeps reading
+/// the ring buffer: closing a uprobe waits for an RCU grace period (seconds
+/// for a few dozen in a VM), and a busy target fills the ring meanwhile, so
+/// releases after the end would otherwise be lost.
+async fn close_while_draining(
+    detaching: loader::Detaching,
+    session: &mut Session<'_>,
+    ring: &mut AsyncFd<RingBuf<MapData>>,
+    probes: &Probes,
+) {
+    let mut closing = tokio::task::spawn_blocking(move || detaching.close());
+    loop {
+        tokio::select! {
+            _ = &mut closing => break,
+            _ = tokio::time::sleep(DRAIN_EVERY) => session.pipeline.drain(ring.get_mut(), probes),
+        }
+    }
+    session.pipeline.drain_all(ring.get_mut(), probes);
+}
