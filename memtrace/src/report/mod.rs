@@ -4,6 +4,7 @@
 //! here prints.
 
 mod build;
+pub mod device_cache;
 
 pub use build::build;
 
