@@ -111,6 +111,10 @@ pub fn render(report: &Report) -> String {
             ("container_id", placement.container_id.as_deref()),
             ("container_runtime", placement.container_runtime.as_deref()),
             ("pod_uid", placement.pod_uid.as_deref()),
+            // Not `pod`/`namespace`: a scrape of memtrace's own pod sets those.
+            ("pod_name", placement.pod_name.as_deref()),
+            ("pod_namespace", placement.pod_namespace.as_deref()),
+            ("container_name", placement.container_name.as_deref()),
             ("cgroup", placement.cgroup.as_deref()),
         ] {
             if let Some(value) = value {
@@ -614,6 +618,46 @@ mod tests {
             ],
         );
         assert!(site.is_some());
+    }
+
+    #[test]
+    fn processes_in_pods_are_labelled_with_the_pod() {
+        let mut report = fixture::report();
+        report.processes = vec![crate::report::ProcessInfo {
+            pid: 4242,
+            comm: "server".into(),
+            live_bytes: 64,
+            placement: crate::target::container::Placement {
+                ns_pid: Some(7),
+                container_id: Some("ab".repeat(32)),
+                container_runtime: Some("containerd".into()),
+                pod_uid: Some("0a1b2c3d-4e5f-6789-abcd-ef0123456789".into()),
+                pod_name: Some("web-0".into()),
+                pod_namespace: Some("shop".into()),
+                container_name: Some("app".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }];
+        let samples = parse(&render(&report));
+        let id = "ab".repeat(32);
+        let value = find(
+            &samples,
+            "memtrace_process_live_bytes",
+            &[
+                ("pid", "4242"),
+                ("comm", "server"),
+                ("ns_pid", "7"),
+                ("container_id", &id),
+                ("container_runtime", "containerd"),
+                ("pod_uid", "0a1b2c3d-4e5f-6789-abcd-ef0123456789"),
+                ("pod_name", "web-0"),
+                ("pod_namespace", "shop"),
+                ("container_name", "app"),
+            ],
+        )
+        .map(|line| line.2);
+        assert_eq!(value, Some(64.0));
     }
 
     #[test]
