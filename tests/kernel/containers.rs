@@ -8,6 +8,11 @@
 //! lines, its own native frames named from its file as on the host.
 //! `--follow-forks` in a container: children and grandchildren started in
 //! its pid namespace traced exactly, each with its host and namespace pid.
+//! A pod's container in a cgroup v2 hierarchy named as the systemd driver
+//! and containerd name it, selected by `--cgroup` (memtrace in its own mount
+//! namespace, the host's files under `MEMTRACE_HOST_ROOT`) and by
+//! `--container`: exact bytes, pod name, namespace and container name from
+//! the kubelet's files.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
@@ -572,4 +577,198 @@ fn host_child_of(pid: u32) -> u32 {
         .collect();
     assert_eq!(children.len(), 1, "{path}: {text:?}");
     children[0]
+}
+
+/// Where a cgroup v2 hierarchy is mounted (`/sys/fs/cgroup/unified` on a
+/// hybrid host, `/sys/fs/cgroup` on a v2-only one).
+fn cgroup2_mount() -> Option<PathBuf> {
+    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    text.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        if right.split_whitespace().next() != Some("cgroup2") {
+            return None;
+        }
+        left.split_whitespace().nth(4).map(PathBuf::from)
+    })
+}
+
+/// A Kubernetes pod's container as the systemd cgroup driver and containerd
+/// name it, in the cgroup v2 hierarchy
+/// (`/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid>.slice/cri-containerd-<id>.scope`),
+/// and the files the kubelet leaves for it on the host
+/// (`/var/log/pods/<namespace>_<pod>_<uid>/<container>/0.log`, the link
+/// `/var/log/containers/<pod>_<namespace>_<container>-<id>.log`). Everything
+/// made is removed on drop, processes moved back to the root cgroup first.
+struct KubePod {
+    v2: PathBuf,
+    /// The cgroups made, outermost first.
+    cgroups: Vec<PathBuf>,
+    /// The container's cgroup path as `/proc/PID/cgroup` shows it.
+    path: String,
+    id: String,
+    uid: String,
+    namespace: String,
+    /// Files, links and directories made on the host, removed in reverse.
+    made: Vec<PathBuf>,
+}
+
+impl KubePod {
+    fn create() -> Option<KubePod> {
+        let v2 = cgroup2_mount()?;
+        let tag = format!("{:012x}", std::process::id());
+        let uid = format!("0a1b2c3d-4e5f-6789-abcd-{tag}");
+        let id = format!("c0ffee{tag}").repeat(4)[..64].to_string();
+        let namespace = format!("memtrace-test-{}", std::process::id());
+        let path = format!(
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{id}.scope",
+            uid.replace('-', "_")
+        );
+        let mut pod = KubePod {
+            v2: v2.clone(),
+            cgroups: Vec::new(),
+            path: path.clone(),
+            id,
+            uid,
+            namespace,
+            made: Vec::new(),
+        };
+        let mut dir = v2;
+        for part in path.split('/').filter(|p| !p.is_empty()) {
+            dir = dir.join(part);
+            if !dir.exists() {
+                fs::create_dir(&dir).ok()?;
+                pod.cgroups.push(dir.clone());
+            }
+        }
+        // The kubelet's files.
+        for dir in ["/var/log/pods", "/var/log/containers"] {
+            let dir = PathBuf::from(dir);
+            if !dir.exists() {
+                fs::create_dir_all(&dir).expect("kubelet log directory");
+                pod.made.push(dir);
+            }
+        }
+        let pod_dir = PathBuf::from(format!("/var/log/pods/{}_web-0_{}", pod.namespace, pod.uid));
+        fs::create_dir_all(pod_dir.join("app")).expect("pod log directory");
+        pod.made.push(pod_dir.clone());
+        fs::write(pod_dir.join("app/0.log"), "").expect("container log");
+        let link = PathBuf::from(format!(
+            "/var/log/containers/web-0_{}_app-{}.log",
+            pod.namespace, pod.id
+        ));
+        std::os::unix::fs::symlink(pod_dir.join("app/0.log"), &link).expect("log link");
+        pod.made.push(link);
+        Some(pod)
+    }
+
+    fn enter(&self, pid: u32) {
+        let scope = self.cgroups.last().expect("the container's cgroup");
+        fs::write(scope.join("cgroup.procs"), pid.to_string()).expect("join the cgroup");
+    }
+}
+
+impl Drop for KubePod {
+    fn drop(&mut self) {
+        for dir in self.cgroups.iter().rev() {
+            if let Ok(procs) = fs::read_to_string(dir.join("cgroup.procs")) {
+                for pid in procs.lines() {
+                    let _ = fs::write(self.v2.join("cgroup.procs"), pid);
+                }
+            }
+            let _ = fs::remove_dir(dir);
+        }
+        for path in self.made.iter().rev() {
+            if path.is_symlink() || path.is_file() {
+                let _ = fs::remove_file(path);
+            } else {
+                let _ = fs::remove_dir_all(path);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_pod_in_cgroup_v2_is_named_from_the_kubelets_files_on_the_host() {
+    if !privileged() {
+        return;
+    }
+    let Some(pod) = KubePod::create() else {
+        eprintln!("SKIPPED: no writable cgroup v2 hierarchy");
+        return;
+    };
+    let mut first = crate::support::Fixture::start("leak_sites", &["30", "30"]);
+    pod.enter(first.pid);
+    let line = format!("0::{}", pod.path);
+    let cgroup = fs::read_to_string(format!("/proc/{}/cgroup", first.pid)).expect("cgroup");
+    assert!(cgroup.lines().any(|l| l == line), "{cgroup}");
+    // memtrace in a mount namespace of its own whose /var/log is empty, as
+    // in a DaemonSet's container, the host's /var/log mounted under
+    // MEMTRACE_HOST_ROOT (as agents mount the host's / at /host).
+    let host =
+        Removed(std::env::temp_dir().join(format!("memtrace-host-root-{}", std::process::id())));
+    fs::create_dir_all(host.0.join("var/log")).expect("host root");
+    let mut command = Command::new("unshare");
+    command.env("MEMTRACE_HOST_ROOT", &host.0).args([
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        "mount --bind /var/log \"$MEMTRACE_HOST_ROOT/var/log\" && mount -t tmpfs memtrace-test /var/log && exec \"$0\" \"$@\"",
+        crate::support::MEMTRACE,
+        "--cgroup",
+        &line,
+        "--format",
+        "json",
+        "--top",
+        "500",
+    ]);
+    let tracer = Tracer::attach_command(command);
+    first.go();
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report();
+    assert_eq!(site_totals(&report, "leak_a"), (4800, 100), "{stderr}");
+    let target = &report["target"];
+    assert_eq!(target["pid"], first.pid, "{stderr}");
+    assert_eq!(target["cgroup"], pod.path.as_str());
+    assert_eq!(target["container_id"], pod.id.as_str());
+    assert_eq!(target["container_runtime"], "containerd");
+    assert_eq!(target["pod_uid"], pod.uid.as_str());
+    assert_eq!(target["pod_name"], "web-0", "{target}");
+    assert_eq!(target["pod_namespace"], pod.namespace.as_str());
+    assert_eq!(target["container_name"], "app");
+    assert_eq!(report["processes"][0]["pod_name"], "web-0");
+    // By container id prefix, memtrace in the host's mount namespace: the
+    // same names, read from the host's own /var/log.
+    drop(first);
+    let mut second = crate::support::Fixture::start("leak_sites", &["30", "30"]);
+    pod.enter(second.pid);
+    let tracer = Tracer::attach(&[
+        "--container",
+        &pod.id[..12],
+        "--format",
+        "json",
+        "--top",
+        "500",
+    ]);
+    second.go();
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report();
+    assert_eq!(site_totals(&report, "leak_a"), (4800, 100), "{stderr}");
+    let target = &report["target"];
+    assert_eq!(target["pid"], second.pid, "{stderr}");
+    assert_eq!(target["container_id"], pod.id.as_str());
+    assert_eq!(
+        (
+            &target["pod_namespace"],
+            &target["pod_name"],
+            &target["container_name"]
+        ),
+        (
+            &Value::from(pod.namespace.as_str()),
+            &Value::from("web-0"),
+            &Value::from("app")
+        ),
+        "{target}"
+    );
 }

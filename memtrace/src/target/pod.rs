@@ -18,9 +18,11 @@
 //! Pod names are DNS subdomains and namespaces and container names DNS
 //! labels: none holds a `_`, so the names split without ambiguity.
 //!
-//! The files are looked for under the host's root: where memtrace runs in a
-//! mount namespace of its own (a DaemonSet's container with `hostPID`), the
-//! host's is `/proc/1/root` (readable with `CAP_SYS_PTRACE`), else `/`.
+//! The files are looked for under the host's root: `MEMTRACE_HOST_ROOT`
+//! where set (the host's `/` mounted into memtrace's container, as
+//! node agents mount it at `/host`), then, where memtrace runs in a mount
+//! namespace of its own (a DaemonSet's container with `hostPID`),
+//! `/proc/1/root` (readable with `CAP_SYS_PTRACE`), then `/`.
 
 use std::path::{Path, PathBuf};
 
@@ -33,12 +35,17 @@ pub struct PodNames {
     pub container_name: Option<String>,
 }
 
-/// Where the host's files are seen from this process: `/proc/1/root` first
-/// when memtrace's mount namespace is not pid 1's, then `/`.
+/// Where the host's files are seen from this process: `MEMTRACE_HOST_ROOT`
+/// where set, `/proc/1/root` when memtrace's mount namespace is not pid 1's,
+/// then `/`.
 pub fn host_roots() -> Vec<PathBuf> {
     let own = std::fs::read_link("/proc/self/ns/mnt").ok();
     let init = std::fs::read_link("/proc/1/ns/mnt").ok();
-    let mut roots = Vec::new();
+    let mut roots: Vec<PathBuf> = std::env::var_os("MEMTRACE_HOST_ROOT")
+        .filter(|root| !root.is_empty())
+        .map(PathBuf::from)
+        .into_iter()
+        .collect();
     if init.is_some() && own != init {
         roots.push(PathBuf::from("/proc/1/root"));
     }
