@@ -11,7 +11,8 @@
 //! blocks exact, under its pid) and 0 in it again after memtrace ends.
 //! `--preset pytorch` on a stub of PyTorch's allocator driven from Python:
 //! the leaked tensors at their Python line, beside the cudaMalloc segment
-//! (its nested driver call counted once) and what the cache holds.
+//! (its nested driver call counted once) and what the cache holds; its
+//! `--record` replays to the same `device_cache` and `usdt`.
 //! `--preset otel-memory` on a byte sampler: the estimate is the sampled
 //! blocks' weighted bytes exactly, within three standard deviations of the
 //! true live bytes, and marked an estimate.
@@ -532,11 +533,31 @@ fn pytorch_preset_finds_the_leaked_tensors_python_line_beside_the_segments() {
         return;
     }
     let lib = fixture("libc10_cuda.so");
+    let record = std::env::temp_dir().join(format!("memtrace-torch-{}.rec", std::process::id()));
     let report = trace_python(
         "torch_leak.py",
         &[lib.to_str().expect("path")],
-        &["--preset", "pytorch"],
+        &[
+            "--preset",
+            "pytorch",
+            "--record",
+            record.to_str().expect("path"),
+        ],
     );
+    // The record replays to the same device cache view and USDT objects.
+    let out = memtrace(&[
+        "report",
+        record.to_str().expect("path"),
+        "--format",
+        "json",
+        "--top",
+        "200",
+    ]);
+    let _ = std::fs::remove_file(&record);
+    assert!(out.status.success(), "{out:?}");
+    let replayed: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(replayed["device_cache"], report["device_cache"]);
+    assert_eq!(replayed["usdt"], report["usdt"]);
     const MIB: u64 = 1 << 20;
     // Three 1 MiB tensors kept; the 4 KiB ones were freed.
     assert_eq!(total_for(&report, "pytorch"), (3 * MIB, 3), "{report}");
