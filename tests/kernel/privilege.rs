@@ -3,7 +3,8 @@
 //! the same exact leaks as root; without CAP_BPF it refuses in one line
 //! naming it (exit 4); `--container` and `--cgroup` trace the processes of a
 //! cgroup named as a runtime names its containers, one that joins later
-//! included.
+//! included. `memtrace doctor` names the kernel's uprobe rule (CAP_SYS_ADMIN on
+//! 6.16+) as the tracer applies it.
 
 use std::io::Read;
 use std::process::{Command, Stdio};
@@ -207,4 +208,52 @@ fn cgroup_line_traces_that_cgroup_and_no_match_is_exit_2() {
     );
     let out = crate::support::memtrace(&["--container", "ffffffffffffffff0"]);
     assert_one_clear_line(&out, 2, "no running process is in a container");
+}
+
+#[test]
+fn doctor_names_the_uprobe_rule_the_tracer_applies() {
+    if !privileged() {
+        return;
+    }
+    let doctor = |drop_admin: bool, format: &str| -> std::process::Output {
+        let mut command = Command::new("setpriv");
+        if drop_admin {
+            command.arg("--bounding-set=-sys_admin");
+        }
+        command
+            .args([MEMTRACE, "doctor", "--format", format])
+            .output()
+            .expect("setpriv runs")
+    };
+    let rule_of = |out: &std::process::Output| -> Option<bool> {
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor JSON");
+        json["privileges"]["uprobes_need_sys_admin"].as_bool()
+    };
+    // Root asks from a thread without CAP_SYS_ADMIN: the same answer as a
+    // process that lacks it.
+    let rule = rule_of(&doctor(true, "json")).expect("probed: CAP_PERFMON is held");
+    assert_eq!(rule_of(&doctor(false, "json")), Some(rule));
+    let text = String::from_utf8_lossy(&doctor(true, "text").stdout).to_string();
+    let blocked = text.contains("cannot trace: missing CAP_SYS_ADMIN");
+    if rule {
+        assert!(
+            text.contains("uprobes     CAP_SYS_ADMIN needed") && text.contains("6.16"),
+            "{text}"
+        );
+    } else {
+        assert!(text.contains("uprobes     CAP_PERFMON is enough"), "{text}");
+    }
+    assert_eq!(blocked, rule, "{text}");
+    // The tracer agrees with what doctor said.
+    let out = Command::new("setpriv")
+        .args(["--bounding-set=-sys_admin", MEMTRACE])
+        .args(["--duration", "1s", "--format", "json", "--", "/bin/true"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("setpriv runs");
+    if rule {
+        assert_one_clear_line(&out, 4, "missing CAP_SYS_ADMIN");
+    } else {
+        assert!(out.status.success(), "{out:?}");
+    }
 }
