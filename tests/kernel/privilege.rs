@@ -13,6 +13,15 @@ use crate::support::{
     assert_one_clear_line, privileged, site_totals, FakeContainer, Fixture, Tracer, MEMTRACE,
 };
 
+/// A directory removed (with what it holds) on drop.
+struct Removed(std::path::PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// `setpriv` as `nobody` holding exactly `caps` (`bpf,perfmon,...`).
 fn as_nobody(caps: &str) -> Command {
     let list: Vec<String> = caps.split(',').map(|c| format!("+{c}")).collect();
@@ -141,6 +150,23 @@ fn container_prefix_traces_its_processes_and_one_that_joins_later() {
         eprintln!("SKIPPED: no writable v1 pids hierarchy at /sys/fs/cgroup/pids");
         return;
     };
+    // Docker's state names the container (`docker run --name`).
+    let state = std::path::PathBuf::from("/var/lib/docker/containers").join(&container.id);
+    let made_docker = !std::path::Path::new("/var/lib/docker").exists();
+    std::fs::create_dir_all(&state).expect("docker state directory");
+    std::fs::write(
+        state.join("config.v2.json"),
+        format!(
+            r#"{{"ID":"{}","Name":"/memtrace-test-web","Driver":"overlay2"}}"#,
+            container.id
+        ),
+    )
+    .expect("config.v2.json");
+    let _state = Removed(if made_docker {
+        std::path::PathBuf::from("/var/lib/docker")
+    } else {
+        state
+    });
     let mut first = Fixture::start("leak_sites", &["30", "30"]);
     container.enter(first.pid);
     let prefix = &container.id[..12];
@@ -158,6 +184,7 @@ fn container_prefix_traces_its_processes_and_one_that_joins_later() {
         "{stderr}"
     );
     assert_eq!(report["target"]["container_runtime"], "docker");
+    assert_eq!(report["target"]["container_name"], "memtrace-test-web");
     let pids: Vec<u64> = report["processes"]
         .as_array()
         .into_iter()

@@ -35,7 +35,8 @@ pub struct Placement {
     /// The pod's namespace, with its name.
     #[serde(default)]
     pub pod_namespace: Option<String>,
-    /// The container's name in the pod, where the node's files name it.
+    /// The container's name: in its pod, or as a plain container was named
+    /// (`docker run --name`), where the node's files name it.
     #[serde(default)]
     pub container_name: Option<String>,
 }
@@ -55,6 +56,11 @@ impl Placement {
         placement.cgroup = cgroup;
         if placement.pod_uid.is_some() {
             placement.name_pod(&super::pod::host_roots());
+        } else if let (Some(runtime), Some(id)) =
+            (&placement.container_runtime, &placement.container_id)
+        {
+            placement.container_name =
+                super::pod::container_name_in(&super::pod::host_roots(), runtime, id);
         }
         placement
     }

@@ -15,6 +15,9 @@
 //! 3. the kubelet's pod log directories, `/var/log/pods/<namespace>_<pod>_<uid>`,
 //!    by pod uid (no container name).
 //!
+//! A plain container (Docker, Podman; no pod) gets its name from the
+//! runtime's state ([`container_name_in`]).
+//!
 //! Pod names are DNS subdomains and namespaces and container names DNS
 //! labels: none holds a `_`, so the names split without ambiguity.
 //!
@@ -188,6 +191,53 @@ pub fn from_oci_config(text: &str, pod_uid: Option<&str>) -> Option<PodNames> {
             "io.kubernetes.container.name",
         ]),
     })
+}
+
+/// The name a plain (not Kubernetes) container was given, from its
+/// runtime's state under `roots`: Docker's
+/// `/var/lib/docker/containers/<id>/config.v2.json` (`Name`, `/web`) or
+/// Podman's `/var/lib/containers/storage/overlay-containers/containers.json`
+/// (`names`).
+pub fn container_name_in(roots: &[PathBuf], runtime: &str, id: &str) -> Option<String> {
+    roots.iter().find_map(|root| match runtime {
+        "docker" => std::fs::read_to_string(
+            root.join("var/lib/docker/containers")
+                .join(id)
+                .join("config.v2.json"),
+        )
+        .ok()
+        .and_then(|text| docker_name(&text, id)),
+        "podman" => std::fs::read_to_string(
+            root.join("var/lib/containers/storage/overlay-containers/containers.json"),
+        )
+        .ok()
+        .and_then(|text| podman_name(&text, id)),
+        _ => None,
+    })
+}
+
+/// The `Name` of Docker's `config.v2.json` of container `id`, without its
+/// leading `/`.
+pub fn docker_name(text: &str, id: &str) -> Option<String> {
+    let config: serde_json::Value = serde_json::from_str(text).ok()?;
+    if config.get("ID")?.as_str()? != id {
+        return None;
+    }
+    let name = config.get("Name")?.as_str()?.trim_start_matches('/');
+    (!name.is_empty()).then(|| name.to_string())
+}
+
+/// The first of the `names` Podman's `containers.json` lists for `id`.
+pub fn podman_name(text: &str, id: &str) -> Option<String> {
+    let list: serde_json::Value = serde_json::from_str(text).ok()?;
+    list.as_array()?
+        .iter()
+        .find(|container| container.get("id").and_then(|v| v.as_str()) == Some(id))?
+        .get("names")?
+        .as_array()?
+        .first()?
+        .as_str()
+        .map(str::to_string)
 }
 
 /// A pod uid: a UUID, or a static pod's 32-digit hash.
@@ -374,6 +424,28 @@ mod tests {
             names_in(std::slice::from_ref(&node.0), Some(UID), Some(ID)),
             names("web-1", "shop", None)
         );
+    }
+
+    #[test]
+    fn plain_docker_and_podman_containers_are_named() {
+        let docker = include_str!("testdata/docker-config.v2.json");
+        assert_eq!(docker_name(docker, ID), Some("web".to_string()));
+        assert_eq!(docker_name(docker, &"0".repeat(64)), None);
+        let podman = include_str!("testdata/podman-containers.json");
+        assert_eq!(podman_name(podman, ID), Some("db".to_string()));
+        assert_eq!(podman_name(podman, &"0".repeat(64)), None);
+        assert_eq!(podman_name("[]", ID), None);
+        let node = Node::new("docker");
+        let dir = node.0.join("var/lib/docker/containers").join(ID);
+        std::fs::create_dir_all(&dir).expect("docker dir");
+        std::fs::write(dir.join("config.v2.json"), docker).expect("config");
+        let roots = [node.0.clone()];
+        assert_eq!(
+            container_name_in(&roots, "docker", ID),
+            Some("web".to_string())
+        );
+        assert_eq!(container_name_in(&roots, "podman", ID), None);
+        assert_eq!(container_name_in(&roots, "crio", ID), None);
     }
 
     #[test]
