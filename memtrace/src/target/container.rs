@@ -80,6 +80,14 @@ impl Placement {
     /// `pid 1234 (ns pid 7, container docker 0123456789ab)` style suffix
     /// for a text line; empty for a process on the host.
     pub fn describe(&self) -> String {
+        self.summary()
+            .map(|summary| format!(" ({summary})"))
+            .unwrap_or_default()
+    }
+
+    /// `ns pid 7, container containerd 0123456789ab "app", pod shop/web-0`:
+    /// what differs from a process on the host, `None` for one.
+    pub fn summary(&self) -> Option<String> {
         let mut parts = Vec::new();
         if let Some(ns_pid) = self.ns_pid {
             parts.push(format!("ns pid {ns_pid}"));
@@ -100,11 +108,7 @@ impl Placement {
             (_, _, Some(uid)) => parts.push(format!("pod {uid}")),
             _ => {}
         }
-        if parts.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", parts.join(", "))
-        }
+        (!parts.is_empty()).then(|| parts.join(", "))
     }
 }
 
