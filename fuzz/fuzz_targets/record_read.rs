@@ -54,7 +54,7 @@ fuzz_target!(|data: &[u8]| {
             Item::Header { .. } => header = true,
             _ if !header => panic!("line {} accepted before a header", number + 1),
             Item::Spec { domain, .. } => domains.push(domain),
-            Item::Event { event, domain } => {
+            Item::Event { event, domain, .. } => {
                 assert_eq!(domains.get(usize::from(event.spec)), Some(&domain));
             }
             Item::Stack { .. }

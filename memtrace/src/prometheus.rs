@@ -20,6 +20,7 @@ use tokio::sync::{watch, Semaphore};
 
 use crate::report::Report;
 use crate::sink::frame_name;
+use crate::target::container::Placement;
 
 /// At most this many sites get a `memtrace_site_live_bytes` series.
 pub const TOP_SITES: usize = 20;
@@ -103,20 +104,9 @@ pub fn render(report: &Report) -> String {
     );
     for process in &report.processes {
         let pid = process.pid.to_string();
-        let ns_pid = process.placement.ns_pid.map(|p| p.to_string());
+        let placed = placement_labels(&process.placement);
         let mut labels = vec![("pid", pid.as_str()), ("comm", process.comm.as_str())];
-        let placement = &process.placement;
-        for (key, value) in [
-            ("ns_pid", ns_pid.as_deref()),
-            ("container_id", placement.container_id.as_deref()),
-            ("container_runtime", placement.container_runtime.as_deref()),
-            ("pod_uid", placement.pod_uid.as_deref()),
-            ("cgroup", placement.cgroup.as_deref()),
-        ] {
-            if let Some(value) = value {
-                labels.push((key, value));
-            }
-        }
+        labels.extend(placed.iter().map(|(key, value)| (*key, value.as_str())));
         out.sample("memtrace_process_live_bytes", &labels, process.live_bytes);
     }
 
@@ -216,6 +206,38 @@ impl Text {
         }
         self.0.push('}');
     }
+}
+
+/// The labels of where a process lives, those it has, in a fixed order:
+/// `ns_pid`, `container_id`, `container_runtime`, `pod_uid`, `pod_name`,
+/// `pod_namespace`, `container_name`, `cgroup`. Not `pod`/`namespace`: a
+/// scrape of memtrace's own pod sets those.
+pub fn placement_labels(placement: &Placement) -> Vec<(&'static str, String)> {
+    [
+        ("ns_pid", placement.ns_pid.map(|p| p.to_string())),
+        ("container_id", placement.container_id.clone()),
+        ("container_runtime", placement.container_runtime.clone()),
+        ("pod_uid", placement.pod_uid.clone()),
+        ("pod_name", placement.pod_name.clone()),
+        ("pod_namespace", placement.pod_namespace.clone()),
+        ("container_name", placement.container_name.clone()),
+        ("cgroup", placement.cgroup.clone()),
+    ]
+    .into_iter()
+    .filter_map(|(key, value)| Some((key, value?)))
+    .collect()
+}
+
+/// `{k="v",...}` for `labels`, values escaped (empty: no braces).
+pub fn label_set(labels: &[(&str, &str)]) -> String {
+    if labels.is_empty() {
+        return String::new();
+    }
+    let inner: Vec<String> = labels
+        .iter()
+        .map(|(key, value)| format!("{key}=\"{}\"", escape_label(value)))
+        .collect();
+    format!("{{{}}}", inner.join(","))
 }
 
 /// Label values escape backslash, double quote and line feed.
@@ -614,6 +636,46 @@ mod tests {
             ],
         );
         assert!(site.is_some());
+    }
+
+    #[test]
+    fn processes_in_pods_are_labelled_with_the_pod() {
+        let mut report = fixture::report();
+        report.processes = vec![crate::report::ProcessInfo {
+            pid: 4242,
+            comm: "server".into(),
+            live_bytes: 64,
+            placement: crate::target::container::Placement {
+                ns_pid: Some(7),
+                container_id: Some("ab".repeat(32)),
+                container_runtime: Some("containerd".into()),
+                pod_uid: Some("0a1b2c3d-4e5f-6789-abcd-ef0123456789".into()),
+                pod_name: Some("web-0".into()),
+                pod_namespace: Some("shop".into()),
+                container_name: Some("app".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }];
+        let samples = parse(&render(&report));
+        let id = "ab".repeat(32);
+        let value = find(
+            &samples,
+            "memtrace_process_live_bytes",
+            &[
+                ("pid", "4242"),
+                ("comm", "server"),
+                ("ns_pid", "7"),
+                ("container_id", &id),
+                ("container_runtime", "containerd"),
+                ("pod_uid", "0a1b2c3d-4e5f-6789-abcd-ef0123456789"),
+                ("pod_name", "web-0"),
+                ("pod_namespace", "shop"),
+                ("container_name", "app"),
+            ],
+        )
+        .map(|line| line.2);
+        assert_eq!(value, Some(64.0));
     }
 
     #[test]

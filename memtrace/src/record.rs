@@ -26,6 +26,7 @@ use crate::interp::python::resolve::PyFrame;
 use crate::probe::catalog::Allocator;
 use crate::probe::maps::{AddressSpace, FileAddr};
 use crate::probe::SpecEntry;
+use crate::report::device_cache::{self, UsdtTags};
 use crate::report::{self, ProcessInfo, Reconciliation, Report, Settings, TargetInfo};
 use crate::stacks::{RawFrame, StackStore};
 use crate::table::LiveTable;
@@ -64,6 +65,13 @@ struct Footer {
     /// The Python interpreters found (absent in records of older versions).
     #[serde(default)]
     python: Vec<crate::interp::python::Interpreter>,
+    /// The USDT device allocators whose blocks are tensors (the live
+    /// report's `device_cache.allocators`; absent: none, or an older record).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    device_allocators: Vec<String>,
+    /// The live report's `usdt` (the objects whose USDT probes were traced).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    usdt: Vec<serde_json::Value>,
 }
 
 /// Writes a record file as the trace goes.
@@ -163,6 +171,7 @@ impl Recorder {
         self.line(&Line::Event {
             e: format::event_fields(wire),
             py: wire.py_stack,
+            tag: wire.tag,
         });
     }
 
@@ -208,6 +217,12 @@ impl Recorder {
             unwind: report.unwind.clone(),
             bpf_programs: report.bpf_programs.clone(),
             python: report.python.clone(),
+            device_allocators: report
+                .device_cache
+                .as_ref()
+                .map(|cache| cache.allocators.clone())
+                .unwrap_or_default(),
+            usdt: report.usdt.clone(),
         }));
         let flushed = self.out.flush();
         match self.failed.take() {
@@ -241,6 +256,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     let mut last_ts = 0u64;
     let mut problem: Option<String> = None;
     let mut reader = Reader::default();
+    let mut usdt_tags = UsdtTags::default();
     for (number, line) in BufReader::new(file).lines().enumerate() {
         let number = number + 1;
         let text = match line {
@@ -316,8 +332,13 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                     stacks.python.mark_truncated(id);
                 }
             }
-            Item::Event { event, domain } => {
+            Item::Event {
+                event,
+                domain,
+                wire,
+            } => {
                 last_ts = last_ts.max(event.ts_ns);
+                usdt_tags.observe(&wire, &specs);
                 table.apply(&event, domain);
             }
             Item::Snapshot { t_s } => history.record(&table, &specs, &stacks, t_s),
@@ -339,6 +360,10 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     let bpf_programs = footer
         .as_ref()
         .map(|f| f.bpf_programs.clone())
+        .unwrap_or_default();
+    let (device_allocators, usdt) = footer
+        .as_ref()
+        .map(|f| (f.device_allocators.clone(), f.usdt.clone()))
         .unwrap_or_default();
     let (
         duration_ms,
@@ -367,6 +392,8 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
             unwind: _,
             bpf_programs: _,
             python: _,
+            device_allocators: _,
+            usdt: _,
         }) => {
             notes.extend(recorded);
             let thread_names: HashMap<u32, String> = thread_names.into_iter().collect();
@@ -446,6 +473,8 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     let mut report = report::build(input, &mut symbolizer);
     report.unwind = unwind;
     report.bpf_programs = bpf_programs;
+    report.device_cache = device_cache::build(&device_allocators, &table, &specs, &usdt_tags);
+    report.usdt = usdt;
     Ok(report)
 }
 
@@ -510,15 +539,18 @@ mod tests {
             Line::Event {
                 e: format::event_fields(&wire(2_000_000, 0x1000, 0)),
                 py: 0,
+                tag: 0,
             },
             Line::Event {
                 e: format::event_fields(&wire(3_000_000, 0x2000, 0)),
                 py: 0,
+                tag: 0,
             },
             Line::Snapshot { t_s: 0.5 },
             Line::Event {
                 e: format::event_fields(&wire(4_000_000, 0x2000, 1)),
                 py: 0,
+                tag: 0,
             },
             Line::Footer(Footer {
                 duration_ms: 900,
@@ -538,6 +570,8 @@ mod tests {
                 unwind: None,
                 bpf_programs: Vec::new(),
                 python: Vec::new(),
+                device_allocators: Vec::new(),
+                usdt: Vec::new(),
             }),
         ];
         let mut text = String::new();
@@ -850,6 +884,186 @@ mod tests {
                 String::from_utf8_lossy(&b)
             );
         }
+    }
+
+    /// A trace of a caching device allocator probed through USDT (its
+    /// allocations tagged with a device index and stream) beside the CUDA
+    /// runtime's segments, recorded to `path`; returns the live report.
+    fn trace_with_device_tags(path: &Path) -> Report {
+        use crate::probe::catalog::{Domain, Memory};
+        let started_ns = 1_000_000_000;
+        let target = TargetInfo {
+            pid: 9,
+            comm: "python3".into(),
+            exe: "/nonexistent/python3".into(),
+            ..TargetInfo::default()
+        };
+        let mut recorder = Recorder::create(path, &target, started_ns).expect("creates");
+        let specs = [
+            SpecEntry {
+                module: Some("/nonexistent/libc10_cuda.so"),
+                function: "pytorch:malloc",
+                allocator: Allocator::Custom {
+                    name: "pytorch",
+                    family: 9,
+                },
+                memory: Memory::Device,
+                domain: Domain::Custom(9),
+                estimate: false,
+            },
+            SpecEntry {
+                module: Some("/nonexistent/libcudart.so.12"),
+                function: "cudaMalloc",
+                allocator: Allocator::parse_builtin("cuda").expect("cuda"),
+                memory: Memory::Device,
+                domain: Domain::CudaMemory,
+                estimate: false,
+            },
+        ];
+        recorder.specs(&specs);
+        let mut table = LiveTable::new(usize::MAX);
+        let mut stacks = StackStore::default();
+        let mut tags = UsdtTags::default();
+        // (address, size, kind, spec, device index as the wire carries it, stream)
+        let events: [(u64, u64, u8, u16, u32, u64); 7] = [
+            (0x7000_0000, 8 << 20, 0, 1, 0, 0),
+            (0x7000_0000, 1 << 20, 0, 0, 0, 7),
+            (0x7010_0000, 2 << 20, 0, 0, 1, 7),
+            (0x7030_0000, 512, 0, 0, 1, u64::MAX),
+            // Device -1 (a signed byte, sign extended), stream 0.
+            (0x7040_0000, 4096, 0, 0, u32::MAX, 0),
+            (0x7010_0000, 0, 1, 0, 0, 0),
+            (0x7050_0000, 3 << 20, 0, 0, 2, 12),
+        ];
+        for (n, (addr, size, kind, spec, tag, aux)) in events.into_iter().enumerate() {
+            let wire = WireEvent {
+                ts_ns: started_ns + (n as u64 + 1) * 1_000_000,
+                addr,
+                size,
+                aux,
+                pid: 9,
+                tid: 9,
+                stack_id: if kind == 0 { 1 } else { -1 },
+                spec,
+                kind,
+                flags: if spec == 0 && kind == 0 {
+                    memtrace_common::FLAG_TAGGED
+                } else {
+                    0
+                },
+                py_stack: 0,
+                tag,
+            };
+            recorder.event(&wire);
+            tags.observe(&wire, &specs);
+            if !stacks.contains(1) {
+                stacks.insert(1, &[0x40_1000, 0x40_2000], &AddressSpace::default());
+                if let Some(frames) = stacks.get(1) {
+                    recorder.stack(1, frames);
+                }
+            }
+            let event = crate::event::from_wire(&wire).expect("decodes");
+            table.apply(&event, specs[usize::from(spec)].domain);
+        }
+        let ended_ns = started_ns + 100_000_000;
+        table.close(ended_ns);
+        recorder.end(ended_ns);
+        let thread_names: HashMap<u32, String> = HashMap::new();
+        let input = report::ReportInput {
+            target,
+            duration_ms: 100,
+            now_ns: ended_ns,
+            started_ns,
+            table: &table,
+            specs: &specs,
+            stacks: &stacks,
+            history: None,
+            suppressions: None,
+            thread_names: &thread_names,
+            kernel_counters: BTreeMap::new(),
+            libraries: Vec::new(),
+            missing_functions: Vec::new(),
+            settings: Settings {
+                top: 20,
+                stack_depth: 32,
+                sample_rate: 1,
+                ..Settings::default()
+            },
+            notes: Vec::new(),
+            reconciliation: None,
+            processes: Vec::new(),
+            attach_failures: Vec::new(),
+        };
+        let mut symbolizer =
+            crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
+        let mut live = report::build(input, &mut symbolizer);
+        live.device_cache = device_cache::build(&["pytorch".to_string()], &table, &specs, &tags);
+        live.usdt = vec![serde_json::json!({
+            "path": "/nonexistent/libc10_cuda.so",
+            "sites": [{"probe": "pytorch:malloc", "file_offset": 4096, "semaphore_offset": 0x867ca}],
+        })];
+        recorder
+            .finish(&live, ended_ns, &thread_names)
+            .expect("finishes");
+        live
+    }
+
+    #[test]
+    fn replay_keeps_usdt_device_indexes_and_streams() {
+        let file = TempFile::new("device");
+        let live = trace_with_device_tags(&file.0);
+        let cache = live.device_cache.clone().expect("a device cache");
+        let by_device: Vec<(i64, i64, u64, u64)> = cache
+            .tensors_by_device
+            .iter()
+            .map(|d| (d.device, d.stream, d.live_bytes, d.live_count))
+            .collect();
+        // The freed tensor is gone; device -1 and stream -1 keep their signs.
+        assert_eq!(
+            by_device,
+            [
+                (-1, 0, 4096, 1),
+                (0, 7, 1 << 20, 1),
+                (1, -1, 512, 1),
+                (2, 12, 3 << 20, 1)
+            ]
+        );
+        assert_eq!(cache.segment_live_bytes, 8 << 20);
+        let text = std::fs::read_to_string(&file.0).expect("record");
+        assert!(text.contains(r#","tag":4294967295}"#), "{text}");
+        assert!(
+            text.contains(r#""device_allocators":["pytorch"]"#),
+            "{text}"
+        );
+        let replayed = replay(&file.0, options()).expect("replays");
+        assert_eq!(replayed.device_cache, live.device_cache);
+        assert_eq!(replayed.usdt, live.usdt);
+        for format in [crate::sink::Format::Json, crate::sink::Format::Text] {
+            let (a, b) = (rendered(&live, format), rendered(&replayed, format));
+            assert!(
+                a == b,
+                "{format:?} differs:\n--- live\n{}\n--- replay\n{}",
+                String::from_utf8_lossy(&a),
+                String::from_utf8_lossy(&b)
+            );
+        }
+        // A record of an older memtrace (no tags, no device allocators)
+        // replays without a device view rather than with made-up devices.
+        let older: String = text
+            .lines()
+            .map(|line| {
+                let mut value: serde_json::Value = serde_json::from_str(line).expect("json");
+                if let Some(object) = value.as_object_mut() {
+                    object.remove("tag");
+                    object.remove("device_allocators");
+                }
+                value.to_string() + "\n"
+            })
+            .collect();
+        std::fs::write(&file.0, older).expect("write");
+        let old = replay(&file.0, options()).expect("replays");
+        assert_eq!(old.device_cache, None);
+        assert_eq!(old.usdt, live.usdt);
     }
 
     #[test]

@@ -3,11 +3,13 @@
 //! [`files`]: opening its files as it sees them (containers);
 //! [`maps`]: its `/proc/PID/maps`, parsed;
 //! [`container`]: its namespaces and container identity;
+//! [`pod`]: its Kubernetes pod's and container's names, from the node's files;
 //! [`select`]: which processes `--name`, `--container` and `--cgroup` mean.
 
 pub mod container;
 pub mod files;
 pub mod maps;
+pub mod pod;
 pub mod select;
 
 use std::ffi::{CString, OsString};
@@ -108,7 +110,8 @@ pub struct TargetInfo {
     pub comm: String,
     pub exe: String,
     /// Its pid in its own pid namespace and its container (keys `ns_pid`,
-    /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`).
+    /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`,
+    /// `pod_name`, `pod_namespace`, `container_name`).
     #[serde(flatten, default)]
     pub placement: container::Placement,
 }

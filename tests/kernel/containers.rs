@@ -3,6 +3,16 @@
 //! libraries it links, traced from the host by its host pid. Its files are
 //! read as it sees them (symbols, unwind tables, probes), never the host's
 //! file at the same path; the report shows its pid inside the namespace.
+//! Debian's python3.11 at a prefix the host lacks, its standard library and
+//! /usr bind-mounted into the container's root: its leak at its Python
+//! lines, its own native frames named from its file as on the host.
+//! `--follow-forks` in a container: children and grandchildren started in
+//! its pid namespace traced exactly, each with its host and namespace pid.
+//! A pod's container in a cgroup v2 hierarchy named as the systemd driver
+//! and containerd name it, selected by `--cgroup` (memtrace in its own mount
+//! namespace, the host's files under `MEMTRACE_HOST_ROOT`) and by
+//! `--container`: exact bytes, pod name, namespace and container name from
+//! the kubelet's files.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
@@ -35,10 +45,18 @@ fn linked_files(binary: &Path) -> Vec<(PathBuf, PathBuf)> {
         .collect()
 }
 
+/// Held while a file is open for writing and while a contained program is
+/// forked: a fork of another test's thread would otherwise inherit the
+/// writer of a program being copied, and its exec fail with ETXTBSY.
+static FILES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Copies `from` to `root` + `inside`, creating directories.
 fn place(root: &Path, inside: &Path, from: &Path) {
     let to = root.join(inside.strip_prefix("/").unwrap_or(inside));
     fs::create_dir_all(to.parent().expect("a parent")).expect("mkdir");
+    let _files = FILES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     fs::copy(from, &to)
         .unwrap_or_else(|err| panic!("copy {} -> {}: {err}", from.display(), to.display()));
 }
@@ -72,6 +90,18 @@ impl Contained {
     /// Builds a root file system holding fixture `name` at `inside` plus its
     /// libraries and starts it there.
     fn start(name: &str, inside: &Path) -> Contained {
+        let dir = Contained::new_dir();
+        let root = dir.0.join("root");
+        let program = fixture(name);
+        place(&root, inside, &program);
+        for (loaded, real) in linked_files(&program) {
+            place(&root, &loaded, &real);
+        }
+        Contained::spawn(dir, inside, &["30", "30"], &[])
+    }
+
+    /// A fresh directory for a root file system (`root` under it).
+    fn new_dir() -> Removed {
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let dir = Removed(std::env::temp_dir().join(format!(
             "memtrace-container-{}-{}",
@@ -79,17 +109,30 @@ impl Contained {
             NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         )));
         let _ = fs::remove_dir_all(&dir.0);
+        dir
+    }
+
+    /// Starts `program` (a path inside the root `dir`/root) with `args` as
+    /// pid 1 of new mount and pid namespaces; `binds` (host directory, path
+    /// inside the root) are bind-mounted in the new mount namespace only.
+    fn spawn(dir: Removed, program: &Path, args: &[&str], binds: &[(&str, &str)]) -> Contained {
         let root = dir.0.join("root");
-        let program = fixture(name);
-        place(&root, inside, &program);
-        for (loaded, real) in linked_files(&program) {
-            place(&root, &loaded, &real);
-        }
         fs::create_dir_all(root.join("old")).expect("mkdir old");
         let root_c = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()).expect("path");
-        let mut command = Command::new(inside);
+        let binds: Vec<(std::ffi::CString, std::ffi::CString)> = binds
+            .iter()
+            .map(|(host, inside)| {
+                let target = root.join(inside.trim_start_matches('/'));
+                fs::create_dir_all(&target).expect("bind target");
+                (
+                    std::ffi::CString::new(*host).expect("path"),
+                    std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).expect("path"),
+                )
+            })
+            .collect();
+        let mut command = Command::new(program);
         command
-            .args(["30", "30"])
+            .args(args)
             .env_clear()
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -99,9 +142,15 @@ impl Contained {
         // mount, chdir, pivot_root, umount2, _exit) on pointers to
         // NUL-terminated strings that live until after the spawn.
         unsafe {
-            command.pre_exec(move || enter(&root_c));
+            command.pre_exec(move || enter(&root_c, &binds));
         }
-        let mut waiter = command.spawn().expect("the contained program starts");
+        let spawned = {
+            let _files = FILES
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            command.spawn()
+        };
+        let mut waiter = spawned.expect("the contained program starts");
         let stdout = BufReader::new(waiter.stdout.take().expect("stdout piped"));
         let mut contained = Contained {
             waiter,
@@ -115,13 +164,34 @@ impl Contained {
         contained.ns_pid = line
             .strip_prefix("ready ")
             .and_then(|p| p.trim().parse().ok())
-            .unwrap_or_else(|| panic!("contained {name} said {line:?}"));
+            .unwrap_or_else(|| panic!("contained {} said {line:?}", program.display()));
         let children = format!("/proc/{0}/task/{0}/children", contained.waiter.id());
         contained.host_pid = fs::read_to_string(&children)
             .ok()
             .and_then(|text| text.split_whitespace().next()?.parse().ok())
             .unwrap_or_else(|| panic!("no child of the waiter in {children}"));
         contained
+    }
+
+    /// Sends one line to the program.
+    fn send(&mut self) {
+        let stdin = self.waiter.stdin.as_mut().expect("stdin piped");
+        stdin.write_all(b"\n").expect("line");
+        stdin.flush().expect("flush");
+    }
+
+    /// Reads the program's output until a line starting with `prefix`;
+    /// returns the rest of it.
+    fn line_starting(&mut self, prefix: &str) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.stdout.read_line(&mut line).expect("program output");
+            assert!(n > 0, "exited before a `{prefix}` line");
+            if let Some(rest) = line.trim().strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+        }
     }
 
     fn go(&mut self) {
@@ -153,7 +223,10 @@ impl Drop for Contained {
 /// In the child before exec: new mount and pid namespaces; a waiting
 /// parent stays outside (as `unshare --fork` does), the program becomes pid
 /// 1 inside, with `root` as its root (`pivot_root`, the old root detached).
-fn enter(root: &std::ffi::CStr) -> std::io::Result<()> {
+fn enter(
+    root: &std::ffi::CStr,
+    binds: &[(std::ffi::CString, std::ffi::CString)],
+) -> std::io::Result<()> {
     let check = |rc: libc::c_int| {
         if rc < 0 {
             Err(std::io::Error::last_os_error())
@@ -185,6 +258,15 @@ fn enter(root: &std::ffi::CStr) -> std::io::Result<()> {
             libc::MS_REC | libc::MS_PRIVATE,
             std::ptr::null(),
         ))?;
+        for (host, inside) in binds {
+            check(libc::mount(
+                host.as_ptr(),
+                inside.as_ptr(),
+                none,
+                libc::MS_BIND | libc::MS_REC,
+                std::ptr::null(),
+            ))?;
+        }
         check(libc::mount(
             root.as_ptr(),
             root.as_ptr(),
@@ -298,4 +380,395 @@ fn another_file_at_the_same_path_on_the_host_is_not_read() {
     // Nothing of the planted program was read.
     let libraries = report["libraries"].to_string();
     assert!(!libraries.contains("balanced"), "{libraries}");
+}
+
+/// The native frames of a site as (symbol, module), innermost first.
+fn native_frames(site: &Value) -> Vec<(String, String)> {
+    site["frames"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["kind"] == "native")
+        .map(|f| {
+            (
+                f["symbol"].as_str().unwrap_or("??").to_string(),
+                f["module"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The one site whose innermost Python frame is `render` (leaky.py).
+fn render_site(report: &Value) -> &Value {
+    let sites = crate::python::sites_in(report, "render");
+    assert_eq!(sites.len(), 1, "one render site: {}", report["sites"]);
+    sites[0]
+}
+
+#[test]
+fn python_in_a_container_gets_its_lines_and_its_own_native_frames() {
+    if !privileged() {
+        return;
+    }
+    let python = Path::new("/usr/bin/python3.11");
+    assert!(
+        python.exists(),
+        "Debian's python3.11 is required (apt-get install python3.11)"
+    );
+    // Debian's python3.11 (static libpython) at a prefix the host does not
+    // have, its standard library bind-mounted beside it, /usr (libc,
+    // libffi, ld.so) bind-mounted from the host, as an image would hold it.
+    let prefix = PathBuf::from(format!("/opt/memtrace-py-{}", std::process::id()));
+    assert!(!prefix.exists());
+    let dir = Contained::new_dir();
+    let root = dir.0.join("root");
+    let inside = prefix.join("bin/python3.11");
+    place(&root, &inside, python);
+    place(
+        &root,
+        Path::new("/app/leaky.py"),
+        &crate::python::script_named("leaky.py"),
+    );
+    for (link, to) in [
+        ("lib", "usr/lib"),
+        ("lib64", "usr/lib64"),
+        ("bin", "usr/bin"),
+    ] {
+        std::os::unix::fs::symlink(to, root.join(link)).expect("symlink");
+    }
+    let stdlib = prefix.join("lib/python3.11");
+    let binds = [
+        ("/usr", "/usr"),
+        ("/usr/lib/python3.11", stdlib.to_str().expect("path")),
+    ];
+    let mut contained = Contained::spawn(dir, &inside, &["/app/leaky.py", "30"], &binds);
+    let report = trace(&mut contained, false);
+    assert_eq!(report["target"]["ns_pid"], 1);
+    assert_eq!(report["target"]["pid"], u64::from(contained.host_pid));
+    let found = &report["python"][0];
+    assert_eq!(found["frames_read"], true, "{found}");
+    assert!(
+        found["version"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("3.11")),
+        "{found}"
+    );
+    // The leak at its Python lines.
+    let site = render_site(&report);
+    assert_eq!(
+        crate::python::py_frames(site),
+        vec![
+            crate::python::expect("render", "render"),
+            crate::python::expect("handle", "handle"),
+            crate::python::expect("<module>", "module_handle"),
+        ]
+    );
+    assert_eq!(site["live_count"], 10, "{site}");
+    assert_eq!(site["live_bytes"], 10 * 100_001, "{site}");
+    // The interpreter's own native frames are named from the container's
+    // file, exactly as the same interpreter's are on the host.
+    let contained_native = native_frames(site);
+    let own: Vec<&(String, String)> = contained_native
+        .iter()
+        .filter(|(_, module)| Path::new(module) == inside)
+        .collect();
+    assert!(
+        !own.is_empty(),
+        "frames of the container's python3.11: {contained_native:?}"
+    );
+    assert!(
+        own.iter().any(|(symbol, _)| symbol != "??"),
+        "named, not ??: {contained_native:?}"
+    );
+    drop(contained);
+    let host = crate::python::trace_by_pid(&python.to_path_buf());
+    let symbols = |frames: Vec<(String, String)>| -> Vec<String> {
+        frames.into_iter().map(|(symbol, _)| symbol).collect()
+    };
+    assert_eq!(
+        symbols(contained_native),
+        symbols(native_frames(render_site(&host))),
+        "the container's native frames as the host's"
+    );
+    assert_eq!(report["stack_truncations_by_cause"]["no_table"], 0);
+}
+
+#[test]
+fn follow_forks_in_a_container_traces_its_children_exactly() {
+    if !privileged() {
+        return;
+    }
+    let inside = PathBuf::from(format!(
+        "/memtrace-ct-forks-{}/app/fork_leaks",
+        std::process::id()
+    ));
+    let dir = Contained::new_dir();
+    let root = dir.0.join("root");
+    let program = fixture("fork_leaks");
+    place(&root, &inside, &program);
+    for (loaded, real) in linked_files(&program) {
+        place(&root, &loaded, &real);
+    }
+    let mut family = Contained::spawn(dir, &inside, &["60", "30"], &[]);
+    let parent = family.host_pid;
+    let pid = parent.to_string();
+    let mut tracer = Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--follow-forks",
+        "--format",
+        "json",
+        "--top",
+        "500",
+    ]);
+    family.send();
+    let child_ns: u32 = family.line_starting("child ").parse().expect("ns pid");
+    let child = host_child_of(parent);
+    tracer.wait_for_stderr(&format!("following child pid {child} of pid {parent}"));
+    family.send();
+    let grandchild_ns: u32 = family.line_starting("grandchild ").parse().expect("ns pid");
+    let grandchild = host_child_of(child);
+    tracer.wait_for_stderr(&format!("following child pid {grandchild} of pid {child}"));
+    family.send();
+    family.line_starting("done");
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report();
+    // Each process's leaks, exactly, under its host pid.
+    assert_eq!(site_totals(&report, "parent_leak"), (3000, 3), "{stderr}");
+    assert_eq!(site_totals(&report, "child_leak"), (10000, 5));
+    assert_eq!(site_totals(&report, "grandchild_leak"), (21000, 7));
+    for (symbol, pid) in [
+        ("parent_leak", parent),
+        ("child_leak", child),
+        ("grandchild_leak", grandchild),
+    ] {
+        let sites = sites_of(&report, symbol);
+        assert_eq!(sites.len(), 1, "{symbol}");
+        assert_eq!(sites[0]["pids"], serde_json::json!([pid]), "{symbol}");
+        // Named from the container's file, down to main.
+        let frames = symbols(sites[0]);
+        assert!(frames.contains(&"main".to_string()), "{symbol}: {frames:?}");
+    }
+    // Both pids of each process: the host's and the namespace's.
+    let process = |pid: u32| -> &Value {
+        report["processes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["pid"].as_u64() == Some(u64::from(pid)))
+            .unwrap_or_else(|| panic!("pid {pid} not in {}", report["processes"]))
+    };
+    assert_eq!(process(parent)["ns_pid"], 1);
+    assert_eq!(process(child)["ns_pid"], child_ns);
+    assert_eq!(process(grandchild)["ns_pid"], grandchild_ns);
+    assert_eq!(process(child)["parent"], parent);
+    assert_eq!(process(grandchild)["parent"], child);
+    assert_ne!(child_ns, child);
+    assert_eq!(report["events"]["lost"], 0);
+}
+
+/// The one child of host pid `pid`.
+fn host_child_of(pid: u32) -> u32 {
+    let path = format!("/proc/{pid}/task/{pid}/children");
+    let text = fs::read_to_string(&path).unwrap_or_default();
+    let children: Vec<u32> = text
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    assert_eq!(children.len(), 1, "{path}: {text:?}");
+    children[0]
+}
+
+/// Where a cgroup v2 hierarchy is mounted (`/sys/fs/cgroup/unified` on a
+/// hybrid host, `/sys/fs/cgroup` on a v2-only one).
+fn cgroup2_mount() -> Option<PathBuf> {
+    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    text.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        if right.split_whitespace().next() != Some("cgroup2") {
+            return None;
+        }
+        left.split_whitespace().nth(4).map(PathBuf::from)
+    })
+}
+
+/// A Kubernetes pod's container as the systemd cgroup driver and containerd
+/// name it, in the cgroup v2 hierarchy
+/// (`/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid>.slice/cri-containerd-<id>.scope`),
+/// and the files the kubelet leaves for it on the host
+/// (`/var/log/pods/<namespace>_<pod>_<uid>/<container>/0.log`, the link
+/// `/var/log/containers/<pod>_<namespace>_<container>-<id>.log`). Everything
+/// made is removed on drop, processes moved back to the root cgroup first.
+struct KubePod {
+    v2: PathBuf,
+    /// The cgroups made, outermost first.
+    cgroups: Vec<PathBuf>,
+    /// The container's cgroup path as `/proc/PID/cgroup` shows it.
+    path: String,
+    id: String,
+    uid: String,
+    namespace: String,
+    /// Files, links and directories made on the host, removed in reverse.
+    made: Vec<PathBuf>,
+}
+
+impl KubePod {
+    fn create() -> Option<KubePod> {
+        let v2 = cgroup2_mount()?;
+        let tag = format!("{:012x}", std::process::id());
+        let uid = format!("0a1b2c3d-4e5f-6789-abcd-{tag}");
+        let id = format!("c0ffee{tag}").repeat(4)[..64].to_string();
+        let namespace = format!("memtrace-test-{}", std::process::id());
+        let path = format!(
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{id}.scope",
+            uid.replace('-', "_")
+        );
+        let mut pod = KubePod {
+            v2: v2.clone(),
+            cgroups: Vec::new(),
+            path: path.clone(),
+            id,
+            uid,
+            namespace,
+            made: Vec::new(),
+        };
+        let mut dir = v2;
+        for part in path.split('/').filter(|p| !p.is_empty()) {
+            dir = dir.join(part);
+            if !dir.exists() {
+                fs::create_dir(&dir).ok()?;
+                pod.cgroups.push(dir.clone());
+            }
+        }
+        // The kubelet's files.
+        for dir in ["/var/log/pods", "/var/log/containers"] {
+            let dir = PathBuf::from(dir);
+            if !dir.exists() {
+                fs::create_dir_all(&dir).expect("kubelet log directory");
+                pod.made.push(dir);
+            }
+        }
+        let pod_dir = PathBuf::from(format!("/var/log/pods/{}_web-0_{}", pod.namespace, pod.uid));
+        fs::create_dir_all(pod_dir.join("app")).expect("pod log directory");
+        pod.made.push(pod_dir.clone());
+        fs::write(pod_dir.join("app/0.log"), "").expect("container log");
+        let link = PathBuf::from(format!(
+            "/var/log/containers/web-0_{}_app-{}.log",
+            pod.namespace, pod.id
+        ));
+        std::os::unix::fs::symlink(pod_dir.join("app/0.log"), &link).expect("log link");
+        pod.made.push(link);
+        Some(pod)
+    }
+
+    fn enter(&self, pid: u32) {
+        let scope = self.cgroups.last().expect("the container's cgroup");
+        fs::write(scope.join("cgroup.procs"), pid.to_string()).expect("join the cgroup");
+    }
+}
+
+impl Drop for KubePod {
+    fn drop(&mut self) {
+        for dir in self.cgroups.iter().rev() {
+            if let Ok(procs) = fs::read_to_string(dir.join("cgroup.procs")) {
+                for pid in procs.lines() {
+                    let _ = fs::write(self.v2.join("cgroup.procs"), pid);
+                }
+            }
+            let _ = fs::remove_dir(dir);
+        }
+        for path in self.made.iter().rev() {
+            if path.is_symlink() || path.is_file() {
+                let _ = fs::remove_file(path);
+            } else {
+                let _ = fs::remove_dir_all(path);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_pod_in_cgroup_v2_is_named_from_the_kubelets_files_on_the_host() {
+    if !privileged() {
+        return;
+    }
+    let Some(pod) = KubePod::create() else {
+        eprintln!("SKIPPED: no writable cgroup v2 hierarchy");
+        return;
+    };
+    let mut first = crate::support::Fixture::start("leak_sites", &["30", "30"]);
+    pod.enter(first.pid);
+    let line = format!("0::{}", pod.path);
+    let cgroup = fs::read_to_string(format!("/proc/{}/cgroup", first.pid)).expect("cgroup");
+    assert!(cgroup.lines().any(|l| l == line), "{cgroup}");
+    // memtrace in a mount namespace of its own whose /var/log is empty, as
+    // in a DaemonSet's container, the host's /var/log mounted under
+    // MEMTRACE_HOST_ROOT (as agents mount the host's / at /host).
+    let host =
+        Removed(std::env::temp_dir().join(format!("memtrace-host-root-{}", std::process::id())));
+    fs::create_dir_all(host.0.join("var/log")).expect("host root");
+    let mut command = Command::new("unshare");
+    command.env("MEMTRACE_HOST_ROOT", &host.0).args([
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        "mount --bind /var/log \"$MEMTRACE_HOST_ROOT/var/log\" && mount -t tmpfs memtrace-test /var/log && exec \"$0\" \"$@\"",
+        crate::support::MEMTRACE,
+        "--cgroup",
+        &line,
+        "--format",
+        "json",
+        "--top",
+        "500",
+    ]);
+    let tracer = Tracer::attach_command(command);
+    first.go();
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report();
+    assert_eq!(site_totals(&report, "leak_a"), (4800, 100), "{stderr}");
+    let target = &report["target"];
+    assert_eq!(target["pid"], first.pid, "{stderr}");
+    assert_eq!(target["cgroup"], pod.path.as_str());
+    assert_eq!(target["container_id"], pod.id.as_str());
+    assert_eq!(target["container_runtime"], "containerd");
+    assert_eq!(target["pod_uid"], pod.uid.as_str());
+    assert_eq!(target["pod_name"], "web-0", "{target}");
+    assert_eq!(target["pod_namespace"], pod.namespace.as_str());
+    assert_eq!(target["container_name"], "app");
+    assert_eq!(report["processes"][0]["pod_name"], "web-0");
+    // By container id prefix, memtrace in the host's mount namespace: the
+    // same names, read from the host's own /var/log.
+    drop(first);
+    let mut second = crate::support::Fixture::start("leak_sites", &["30", "30"]);
+    pod.enter(second.pid);
+    let tracer = Tracer::attach(&[
+        "--container",
+        &pod.id[..12],
+        "--format",
+        "json",
+        "--top",
+        "500",
+    ]);
+    second.go();
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report();
+    assert_eq!(site_totals(&report, "leak_a"), (4800, 100), "{stderr}");
+    let target = &report["target"];
+    assert_eq!(target["pid"], second.pid, "{stderr}");
+    assert_eq!(target["container_id"], pod.id.as_str());
+    assert_eq!(
+        (
+            &target["pod_namespace"],
+            &target["pod_name"],
+            &target["container_name"]
+        ),
+        (
+            &Value::from(pod.namespace.as_str()),
+            &Value::from("web-0"),
+            &Value::from("app")
+        ),
+        "{target}"
+    );
 }

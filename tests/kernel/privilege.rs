@@ -3,7 +3,8 @@
 //! the same exact leaks as root; without CAP_BPF it refuses in one line
 //! naming it (exit 4); `--container` and `--cgroup` trace the processes of a
 //! cgroup named as a runtime names its containers, one that joins later
-//! included.
+//! included. `memtrace doctor` names the kernel's uprobe rule (CAP_SYS_ADMIN on
+//! 6.16+) as the tracer applies it.
 
 use std::io::Read;
 use std::process::{Command, Stdio};
@@ -11,6 +12,15 @@ use std::process::{Command, Stdio};
 use crate::support::{
     assert_one_clear_line, privileged, site_totals, FakeContainer, Fixture, Tracer, MEMTRACE,
 };
+
+/// A directory removed (with what it holds) on drop.
+struct Removed(std::path::PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 /// `setpriv` as `nobody` holding exactly `caps` (`bpf,perfmon,...`).
 fn as_nobody(caps: &str) -> Command {
@@ -140,6 +150,23 @@ fn container_prefix_traces_its_processes_and_one_that_joins_later() {
         eprintln!("SKIPPED: no writable v1 pids hierarchy at /sys/fs/cgroup/pids");
         return;
     };
+    // Docker's state names the container (`docker run --name`).
+    let state = std::path::PathBuf::from("/var/lib/docker/containers").join(&container.id);
+    let made_docker = !std::path::Path::new("/var/lib/docker").exists();
+    std::fs::create_dir_all(&state).expect("docker state directory");
+    std::fs::write(
+        state.join("config.v2.json"),
+        format!(
+            r#"{{"ID":"{}","Name":"/memtrace-test-web","Driver":"overlay2"}}"#,
+            container.id
+        ),
+    )
+    .expect("config.v2.json");
+    let _state = Removed(if made_docker {
+        std::path::PathBuf::from("/var/lib/docker")
+    } else {
+        state
+    });
     let mut first = Fixture::start("leak_sites", &["30", "30"]);
     container.enter(first.pid);
     let prefix = &container.id[..12];
@@ -157,6 +184,7 @@ fn container_prefix_traces_its_processes_and_one_that_joins_later() {
         "{stderr}"
     );
     assert_eq!(report["target"]["container_runtime"], "docker");
+    assert_eq!(report["target"]["container_name"], "memtrace-test-web");
     let pids: Vec<u64> = report["processes"]
         .as_array()
         .into_iter()
@@ -207,4 +235,52 @@ fn cgroup_line_traces_that_cgroup_and_no_match_is_exit_2() {
     );
     let out = crate::support::memtrace(&["--container", "ffffffffffffffff0"]);
     assert_one_clear_line(&out, 2, "no running process is in a container");
+}
+
+#[test]
+fn doctor_names_the_uprobe_rule_the_tracer_applies() {
+    if !privileged() {
+        return;
+    }
+    let doctor = |drop_admin: bool, format: &str| -> std::process::Output {
+        let mut command = Command::new("setpriv");
+        if drop_admin {
+            command.arg("--bounding-set=-sys_admin");
+        }
+        command
+            .args([MEMTRACE, "doctor", "--format", format])
+            .output()
+            .expect("setpriv runs")
+    };
+    let rule_of = |out: &std::process::Output| -> Option<bool> {
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor JSON");
+        json["privileges"]["uprobes_need_sys_admin"].as_bool()
+    };
+    // Root asks from a thread without CAP_SYS_ADMIN: the same answer as a
+    // process that lacks it.
+    let rule = rule_of(&doctor(true, "json")).expect("probed: CAP_PERFMON is held");
+    assert_eq!(rule_of(&doctor(false, "json")), Some(rule));
+    let text = String::from_utf8_lossy(&doctor(true, "text").stdout).to_string();
+    let blocked = text.contains("cannot trace: missing CAP_SYS_ADMIN");
+    if rule {
+        assert!(
+            text.contains("uprobes     CAP_SYS_ADMIN needed") && text.contains("6.16"),
+            "{text}"
+        );
+    } else {
+        assert!(text.contains("uprobes     CAP_PERFMON is enough"), "{text}");
+    }
+    assert_eq!(blocked, rule, "{text}");
+    // The tracer agrees with what doctor said.
+    let out = Command::new("setpriv")
+        .args(["--bounding-set=-sys_admin", MEMTRACE])
+        .args(["--duration", "1s", "--format", "json", "--", "/bin/true"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("setpriv runs");
+    if rule {
+        assert_one_clear_line(&out, 4, "missing CAP_SYS_ADMIN");
+    } else {
+        assert!(out.status.success(), "{out:?}");
+    }
 }

@@ -15,19 +15,19 @@ fn script() -> PathBuf {
     script_named("leaky.py")
 }
 
-fn script_named(name: &str) -> PathBuf {
+pub fn script_named(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/python")
         .join(name)
 }
 
 /// The line of the `# L:name` marker in leaky.py.
-fn line_of(name: &str) -> u64 {
+pub fn line_of(name: &str) -> u64 {
     line_in("leaky.py", name)
 }
 
 /// The line of the `# L:name` marker in `file`.
-fn line_in(file: &str, name: &str) -> u64 {
+pub fn line_in(file: &str, name: &str) -> u64 {
     let text = std::fs::read_to_string(script_named(file)).expect("script");
     let marker = format!("# L:{name}");
     text.lines()
@@ -61,7 +61,7 @@ fn interpreters() -> Vec<(String, PathBuf)> {
 }
 
 /// The Python frames of a site as (name, line), innermost first.
-fn py_frames(site: &Value) -> Vec<(String, u64)> {
+pub fn py_frames(site: &Value) -> Vec<(String, u64)> {
     site["frames"]
         .as_array()
         .into_iter()
@@ -77,7 +77,7 @@ fn py_frames(site: &Value) -> Vec<(String, u64)> {
 }
 
 /// The sites whose innermost Python frame is `name`.
-fn sites_in<'a>(report: &'a Value, name: &str) -> Vec<&'a Value> {
+pub fn sites_in<'a>(report: &'a Value, name: &str) -> Vec<&'a Value> {
     report["sites"]
         .as_array()
         .into_iter()
@@ -86,12 +86,12 @@ fn sites_in<'a>(report: &'a Value, name: &str) -> Vec<&'a Value> {
         .collect()
 }
 
-fn expect(name: &str, marker: &str) -> (String, u64) {
+pub fn expect(name: &str, marker: &str) -> (String, u64) {
     (name.to_string(), line_of(marker))
 }
 
 /// Starts leaky.py and traces it by pid while it runs its workloads.
-fn trace_by_pid(python: &PathBuf) -> Value {
+pub fn trace_by_pid(python: &PathBuf) -> Value {
     trace_script_by_pid(python, "leaky.py", &[])
 }
 

@@ -152,9 +152,15 @@ impl Tracer {
     /// [`Tracer::attach`] with extra environment variables
     /// (`MEMTRACE_EBPF_VARIANT=compat`).
     pub fn attach_env(args: &[&str], env: &[(&str, &str)]) -> Tracer {
-        let mut child = Command::new(MEMTRACE)
-            .args(args)
-            .envs(env.iter().copied())
+        let mut command = Command::new(MEMTRACE);
+        command.args(args).envs(env.iter().copied());
+        Tracer::attach_command(command)
+    }
+
+    /// [`Tracer::attach`] of a command that ends in an `exec` of memtrace
+    /// (same pid), e.g. through `unshare`.
+    pub fn attach_command(mut command: Command) -> Tracer {
+        let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

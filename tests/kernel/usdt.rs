@@ -6,10 +6,13 @@
 //! blocks and bytes from probes with semaphores (PIE and non-PIE
 //! executables) and without (a library dlopened late), each semaphore
 //! raised while memtrace is attached and back to 0 after a normal end and
-//! after `kill -9` of memtrace (read from the fixture's /proc/PID/mem).
+//! after `kill -9` of memtrace (read from the fixture's /proc/PID/mem);
+//! with `--follow-forks`, raised in a forked child that is traced (its
+//! blocks exact, under its pid) and 0 in it again after memtrace ends.
 //! `--preset pytorch` on a stub of PyTorch's allocator driven from Python:
 //! the leaked tensors at their Python line, beside the cudaMalloc segment
-//! (its nested driver call counted once) and what the cache holds.
+//! (its nested driver call counted once) and what the cache holds; its
+//! `--record` replays to the same `device_cache` and `usdt`.
 //! `--preset otel-memory` on a byte sampler: the estimate is the sampled
 //! blocks' weighted bytes exactly, within three standard deviations of the
 //! true live bytes, and marked an estimate.
@@ -370,6 +373,72 @@ fn semaphores_fall_back_to_zero_when_memtrace_is_killed() {
 }
 
 #[test]
+fn follow_forks_raises_a_forked_childs_semaphores_while_traced_and_drops_them_after() {
+    if !privileged() {
+        return;
+    }
+    let pairs = pairs_file("fork");
+    let mut family = Fixture::start("usdt_fork", &["60", "1"]);
+    let line = family.line_starting("semaphores");
+    let addrs: Vec<u64> = line
+        .split_whitespace()
+        .map(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).expect("hex address"))
+        .collect();
+    let addrs = [addrs[0], addrs[1]];
+    let parent = family.pid;
+    assert_eq!(semaphores(parent, addrs), [0, 0], "before");
+    let pid = parent.to_string();
+    let mut tracer = Tracer::attach(&[
+        "--pid",
+        pid.as_str(),
+        "--follow-forks",
+        "--pairs",
+        pairs.to_str().expect("path"),
+        "--format",
+        "json",
+        "--top",
+        "500",
+    ]);
+    assert_eq!(semaphores(parent, addrs), [1, 1], "parent attached");
+    family.send_line();
+    let child: u32 = family.line_starting("child ").parse().expect("child pid");
+    tracer.wait_for_stderr(&format!("following child pid {child} of pid {parent}"));
+    assert_eq!(semaphores(child, addrs), [1, 1], "followed child");
+    family.send_line();
+    // The child saw its semaphores raised and fired its probes.
+    family.expect_line("child sema 1 1");
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report_last_line();
+    // Exactly the child's blocks: 5 of 100..500 bytes, the first two freed.
+    assert_eq!(
+        total_for(&report, "test-pool"),
+        (1200, 3),
+        "{stderr}\n{report}"
+    );
+    let pids: Vec<u64> = report["sites"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["allocator"] == "test-pool")
+        .flat_map(|s| s["pids"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p.as_u64())
+        .collect();
+    assert!(
+        !pids.is_empty() && pids.iter().all(|&p| p == u64::from(child)),
+        "the child's blocks, the child's pid: {pids:?}"
+    );
+    assert_eq!(report["events"]["unmatched_frees"], 0);
+    // memtrace has ended: both processes' semaphores are down again.
+    assert_eq!(semaphores(child, addrs), [0, 0], "child after");
+    assert_eq!(semaphores(parent, addrs), [0, 0], "parent after");
+    family.send_line();
+    family.expect_line("done");
+    if let Some(dir) = pairs.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[test]
 fn malformed_usdt_pairs_are_one_line() {
     if !privileged() {
         return;
@@ -464,11 +533,31 @@ fn pytorch_preset_finds_the_leaked_tensors_python_line_beside_the_segments() {
         return;
     }
     let lib = fixture("libc10_cuda.so");
+    let record = std::env::temp_dir().join(format!("memtrace-torch-{}.rec", std::process::id()));
     let report = trace_python(
         "torch_leak.py",
         &[lib.to_str().expect("path")],
-        &["--preset", "pytorch"],
+        &[
+            "--preset",
+            "pytorch",
+            "--record",
+            record.to_str().expect("path"),
+        ],
     );
+    // The record replays to the same device cache view and USDT objects.
+    let out = memtrace(&[
+        "report",
+        record.to_str().expect("path"),
+        "--format",
+        "json",
+        "--top",
+        "200",
+    ]);
+    let _ = std::fs::remove_file(&record);
+    assert!(out.status.success(), "{out:?}");
+    let replayed: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(replayed["device_cache"], report["device_cache"]);
+    assert_eq!(replayed["usdt"], report["usdt"]);
     const MIB: u64 = 1 << 20;
     // Three 1 MiB tensors kept; the 4 KiB ones were freed.
     assert_eq!(total_for(&report, "pytorch"), (3 * MIB, 3), "{report}");

@@ -597,6 +597,17 @@ fn watch_container_watches_each_of_its_processes_and_traces_the_leaking_one() {
                 });
             if h["phase"] == "watching" && both_judged {
                 judged += 1;
+                // Each process with its container, as the reports name it.
+                for pid in [first.pid, second.pid] {
+                    let process = h["processes"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .find(|p| p["pid"] == pid)
+                        .unwrap_or_else(|| panic!("pid {pid} in processes: {h}"));
+                    assert_eq!(process["container_id"], container.id.as_str(), "{h}");
+                    assert_eq!(process["container_runtime"], "docker", "{h}");
+                }
             }
         }
         assert_eq!(probe_fds(watch.child.id()), Vec::<String>::new());

@@ -20,7 +20,9 @@
 //!   `describe`, `detail` (how it was found out)
 //! - `privileges`: `euid`, `cap_eff` (hex), `cap_bpf`, `cap_perfmon`,
 //!   `cap_sys_ptrace`, `cap_sys_admin`, `perf_event_paranoid`,
-//!   `unprivileged_bpf_disabled`, `lockdown` (null when unknown), `can_trace`
+//!   `unprivileged_bpf_disabled`, `lockdown` (null when unknown), `can_trace`,
+//!   `uprobes_need_sys_admin` (this kernel lets only CAP_SYS_ADMIN create
+//!   uprobes: Linux 6.16+; probed, null when unknown)
 //! - `load_tests[]`: `mode` (`default` | `stacks_fp` | `stack_depth_0`),
 //!   `flags`, `skipped` (why it was not run, or null), `maps_error` (the
 //!   object's maps could not be created, or null), `programs[]`: `program`,
@@ -330,13 +332,13 @@ pub fn verdicts(presence: impl Fn(Feature) -> Presence, loads: &[ModeLoad]) -> V
 
 /// Runs `memtrace doctor`.
 pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
-    let privileges = Privileges::read();
+    let privileges = Privileges::read().with_uprobe_rule(crate::kernel::privilege::uprobe_rule());
     let features = features::probe(privileges.can_trace);
     let object = loader::object();
     let skip = if object.is_empty() {
         Some("this memtrace was built without its eBPF object (`cargo xtask build-ebpf`)")
     } else if !privileges.can_trace {
-        Some("needs root, or CAP_BPF and CAP_PERFMON")
+        Some("needs root, or CAP_BPF and CAP_PERFMON (and CAP_SYS_ADMIN where the kernel lets only it create uprobes)")
     } else {
         None
     };

@@ -54,6 +54,7 @@ pub(super) fn render_text(report: &Report) -> String {
         or_unknown(&p.unprivileged_bpf_disabled),
         or_unknown(&p.lockdown)
     );
+    let _ = writeln!(out, "{}", p.uprobe_line());
     if let Some(blocker) = p.blocker() {
         let _ = writeln!(out, "            cannot trace: {blocker}");
     }

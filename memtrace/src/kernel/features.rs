@@ -502,8 +502,14 @@ pub struct Privileges {
     /// The active lockdown mode (`none`, `integrity`, `confidentiality`);
     /// `None` without the lockdown LSM or securityfs.
     pub lockdown: Option<String>,
-    /// Root, or CAP_BPF and CAP_PERFMON: enough to load and attach.
+    /// Root, or CAP_BPF and CAP_PERFMON: enough to load the programs (to
+    /// attach them, CAP_SYS_ADMIN too where [`Privileges::uprobes_need_sys_admin`]).
     pub can_trace: bool,
+    /// Whether this kernel lets only CAP_SYS_ADMIN create uprobes (Linux
+    /// 6.16, and the 5.15/6.1/6.6/6.12 stable kernels that took the change
+    /// in 2025); probed ([`crate::kernel::privilege::uprobe_rule`]), `None`
+    /// when unknown.
+    pub uprobes_need_sys_admin: Option<bool>,
 }
 
 impl Privileges {
@@ -530,6 +536,33 @@ impl Privileges {
             unprivileged_bpf_disabled: unprivileged_bpf,
             lockdown,
             can_trace: euid == 0 || cap_sys_admin || (cap_bpf && cap_perfmon),
+            uprobes_need_sys_admin: None,
+        }
+    }
+
+    /// With the kernel's uprobe rule (see [`Privileges::uprobes_need_sys_admin`]):
+    /// where only CAP_SYS_ADMIN may create uprobes, a process without it
+    /// loads the programs but cannot attach them ([`Privileges::blocker`]).
+    pub fn with_uprobe_rule(mut self, need: Option<bool>) -> Self {
+        self.uprobes_need_sys_admin = need;
+        self
+    }
+
+    /// What this kernel asks of uprobes, in one line for `memtrace doctor`.
+    pub fn uprobe_line(&self) -> String {
+        let have = if self.cap_sys_admin {
+            "this process has it"
+        } else {
+            "this process lacks it"
+        };
+        match self.uprobes_need_sys_admin {
+            Some(true) => format!(
+                "uprobes     CAP_SYS_ADMIN needed: this kernel lets only CAP_SYS_ADMIN create uprobes (Linux 6.16+ and stable kernels with the 2025 backport); {have}"
+            ),
+            Some(false) => "uprobes     CAP_PERFMON is enough: this kernel lets CAP_PERFMON create uprobes (before Linux 6.16)".to_string(),
+            None => format!(
+                "uprobes     CAP_SYS_ADMIN may be needed: Linux 6.16+ (and stable kernels with the 2025 backport) let only CAP_SYS_ADMIN create uprobes; this kernel's rule could not be probed; {have}"
+            ),
         }
     }
 
@@ -557,10 +590,26 @@ impl Privileges {
 
     /// What keeps this process from tracing, if anything.
     pub fn blocker(&self) -> Option<String> {
-        if !self.can_trace {
-            return Some(
-                "needs root, or CAP_BPF and CAP_PERFMON (and CAP_SYS_PTRACE to launch)".to_string(),
-            );
+        let admin = self.uprobes_need_sys_admin == Some(true) && !self.cap_sys_admin;
+        if !self.can_trace || admin {
+            let mut missing: Vec<&str> =
+                [(self.cap_bpf, "CAP_BPF"), (self.cap_perfmon, "CAP_PERFMON")]
+                    .iter()
+                    .filter(|(has, _)| !has)
+                    .map(|(_, name)| *name)
+                    .collect();
+            if admin {
+                missing.push("CAP_SYS_ADMIN");
+            }
+            let uprobes = match self.uprobes_need_sys_admin {
+                Some(true) => "CAP_SYS_ADMIN to create uprobes (this kernel lets only it: Linux 6.16+ and stable kernels with the 2025 backport)",
+                Some(false) => "no CAP_SYS_ADMIN (this kernel lets CAP_PERFMON create uprobes)",
+                None => "CAP_SYS_ADMIN too on Linux 6.16+ (and stable kernels with the 2025 backport), where only it may create uprobes",
+            };
+            return Some(format!(
+                "missing {}: memtrace needs CAP_BPF, CAP_PERFMON, {uprobes}, and CAP_SYS_PTRACE to trace processes it did not start; or run it as root",
+                missing.join(", ")
+            ));
         }
         if self.lockdown.as_deref() == Some("confidentiality") {
             return Some(
@@ -718,6 +767,47 @@ mod tests {
             .is_some_and(|b| b.contains("CAP_PERFMON")));
         let root = Privileges::from_parts(0, 0, None, None, None);
         assert!(root.can_trace);
+    }
+
+    #[test]
+    fn where_only_cap_sys_admin_creates_uprobes_doctor_says_so() {
+        let caps = (1u64 << CAP_BPF) | (1u64 << CAP_PERFMON) | (1u64 << CAP_SYS_PTRACE);
+        let old = Privileges::from_parts(1000, caps, Some(2), Some(2), None)
+            .with_uprobe_rule(Some(false));
+        assert!(old.can_trace);
+        assert_eq!(old.blocker(), None);
+        assert!(
+            old.uprobe_line().contains("CAP_PERFMON is enough"),
+            "{}",
+            old.uprobe_line()
+        );
+        let new =
+            Privileges::from_parts(1000, caps, Some(2), Some(2), None).with_uprobe_rule(Some(true));
+        // It loads the programs, but cannot attach them.
+        assert!(new.can_trace);
+        let blocker = new.blocker().expect("blocked");
+        assert!(blocker.starts_with("missing CAP_SYS_ADMIN: "), "{blocker}");
+        assert!(blocker.contains("6.16"), "{blocker}");
+        assert!(
+            new.uprobe_line().contains("CAP_SYS_ADMIN needed"),
+            "{}",
+            new.uprobe_line()
+        );
+        assert!(new.uprobe_line().ends_with("this process lacks it"));
+        // With CAP_SYS_ADMIN the same kernel is fine, and still named.
+        let admin = Privileges::from_parts(1000, caps | (1u64 << CAP_SYS_ADMIN), None, None, None)
+            .with_uprobe_rule(Some(true));
+        assert!(admin.can_trace && admin.blocker().is_none());
+        assert!(admin.uprobe_line().ends_with("this process has it"));
+        // Unknown: the 6.16 rule is still named.
+        let unknown = Privileges::from_parts(1000, 1u64 << CAP_BPF, None, None, None);
+        let blocker = unknown.blocker().expect("blocked");
+        assert!(blocker.starts_with("missing CAP_PERFMON: "), "{blocker}");
+        assert!(
+            blocker.contains("CAP_SYS_ADMIN too on Linux 6.16+"),
+            "{blocker}"
+        );
+        assert!(unknown.uprobe_line().contains("may be needed"));
     }
 
     #[test]

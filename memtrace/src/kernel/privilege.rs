@@ -158,6 +158,71 @@ pub fn check(attaching: bool) -> Result<(), Failure> {
     )))
 }
 
+/// Whether this kernel lets only `CAP_SYS_ADMIN` create uprobes, asked also
+/// where this process holds it (root, for `memtrace doctor`): the probe runs
+/// on a thread of its own that first drops `CAP_SYS_ADMIN` from its
+/// effective set (capabilities are per thread; the thread ends with it).
+/// `None` when that cannot be asked (no `CAP_PERFMON`, no uprobe PMU).
+pub fn uprobe_rule() -> Option<bool> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let cap_eff = parse_cap_eff(&status).unwrap_or(0);
+    if cap_eff & (1u64 << CAP_PERFMON) == 0 {
+        return None;
+    }
+    if cap_eff & (1u64 << CAP_SYS_ADMIN) == 0 {
+        return uprobe_needs_sys_admin();
+    }
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                drop_effective(CAP_SYS_ADMIN).ok()?;
+                uprobe_needs_sys_admin()
+            })
+            .join()
+            .ok()
+            .flatten()
+    })
+}
+
+/// Drops capability `cap` from the calling thread's effective set.
+fn drop_effective(cap: u32) -> std::io::Result<()> {
+    /// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
+    const VERSION_3: u32 = 0x2008_0522;
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget with a version 3 header and room for its two data
+    // words, both alive for the call; pid 0 is the calling thread.
+    if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let word = (cap / 32) as usize;
+    let Some(slot) = data.get_mut(word) else {
+        return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+    };
+    slot.effective &= !(1u32 << (cap % 32));
+    // SAFETY: capset of the calling thread with the sets capget gave, less
+    // one effective bit (always allowed); the pointers live for the call.
+    if unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Whether this kernel refuses a uprobe PMU event to this process for want of
 /// `CAP_SYS_ADMIN`: a `perf_event_open` of the `uprobe` PMU with no path
 /// fails with `EACCES` at the capability check, which comes first, or with
@@ -276,6 +341,15 @@ mod tests {
     fn the_probe_answers_without_side_effects() {
         // Whatever this machine says, asking twice gives the same answer.
         assert_eq!(uprobe_needs_sys_admin(), uprobe_needs_sys_admin());
+        // Asking from a thread without CAP_SYS_ADMIN leaves this one's set.
+        let before = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| parse_cap_eff(&s));
+        assert_eq!(uprobe_rule(), uprobe_rule());
+        let after = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| parse_cap_eff(&s));
+        assert_eq!(before, after);
     }
 
     /// The capabilities `deploy/kubernetes/daemonset.yaml` adds: the items

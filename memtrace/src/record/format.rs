@@ -13,7 +13,9 @@ use crate::probe::catalog::{Domain, Memory};
 use memtrace_common::WireEvent;
 
 /// The format written: version 2 adds Python stacks (`py_stack` lines and
-/// an event's `py`, the Python stack it was made under).
+/// an event's `py`, the Python stack it was made under) and an event's
+/// `tag` (a USDT allocation's device index; absent in older version 2
+/// records, which replay without a device cache's devices).
 pub const FORMAT: &str = "memtrace-record/2";
 /// Formats read: version 1 (no Python stacks) reads as version 2 without
 /// them.
@@ -51,11 +53,15 @@ pub enum Line<T, F> {
         frames: Vec<(u64, Option<String>, Option<u64>)>,
     },
     /// ts, addr, size, aux, pid, tid, stack_id, spec, kind, flags; `py`:
-    /// the kernel's id of the Python stack it was made under (absent: none).
+    /// the kernel's id of the Python stack it was made under (absent: none);
+    /// `tag`: a tagged USDT allocation's device index, bits as the wire
+    /// carried them (absent: 0; the stream is `aux`).
     Event {
         e: [i64; 10],
         #[serde(default, skip_serializing_if = "is_zero")]
         py: u32,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        tag: u32,
     },
     /// A Python stack as resolved while the target ran (its code objects are
     /// gone with it): (qualified name, file, line) per frame, innermost
@@ -101,10 +107,12 @@ pub enum Item<T, F> {
         frames: Vec<(String, Option<String>, Option<u32>)>,
         truncated: bool,
     },
-    /// A decoded event of a known spec, with that spec's domain.
+    /// A decoded event of a known spec, with that spec's domain, and the
+    /// wire event it was decoded from (USDT tags are read from it).
     Event {
         event: Event,
         domain: Domain,
+        wire: WireEvent,
     },
     Snapshot {
         t_s: f64,
@@ -200,8 +208,9 @@ impl Reader {
                 frames,
                 truncated,
             },
-            Line::Event { e, py } => {
-                let event = event::from_wire(&wire_of(&e, py))
+            Line::Event { e, py, tag } => {
+                let wire = wire_of(&e, py, tag);
+                let event = event::from_wire(&wire)
                     .map_err(|_| Stop::Truncated(format!("line {number}: undecodable event")))?;
                 let Some(domain) = self.domains.get(usize::from(event.spec)).copied() else {
                     return Err(Stop::Truncated(format!(
@@ -209,7 +218,11 @@ impl Reader {
                         event.spec
                     )));
                 };
-                Item::Event { event, domain }
+                Item::Event {
+                    event,
+                    domain,
+                    wire,
+                }
             }
             Line::Snapshot { t_s } => Item::Snapshot { t_s },
             Line::End { ended_ns } => Item::End { ended_ns },
@@ -227,9 +240,9 @@ fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
-/// The fields of an `event` line, and its Python stack, as the ring buffer
-/// carried them (each narrowed back to its wire width).
-pub fn wire_of(e: &[i64; 10], py_stack: u32) -> WireEvent {
+/// The fields of an `event` line, its Python stack and its tag, as the ring
+/// buffer carried them (each narrowed back to its wire width).
+pub fn wire_of(e: &[i64; 10], py_stack: u32, tag: u32) -> WireEvent {
     WireEvent {
         ts_ns: e[0] as u64,
         addr: e[1] as u64,
@@ -242,7 +255,7 @@ pub fn wire_of(e: &[i64; 10], py_stack: u32) -> WireEvent {
         kind: e[8] as u8,
         flags: e[9] as u8,
         py_stack,
-        tag: 0,
+        tag,
     }
 }
 
@@ -307,7 +320,7 @@ mod tests {
             Stop::Truncated("line 4: spec 0 out of order".into())
         );
         let read: Read = reader.line(5, event);
-        let Ok(Some(Item::Event { event, domain })) = read else {
+        let Ok(Some(Item::Event { event, domain, .. })) = read else {
             panic!("event: {read:?}");
         };
         assert_eq!((event.ts_ns, domain), (9, Domain::Heap));
@@ -351,9 +364,10 @@ mod tests {
             kind: 2,
             flags: 0xff,
             py_stack: 0,
-            tag: 0,
+            tag: 0xffff_fffe,
         };
-        let back = wire_of(&event_fields(&wire), 0);
+        let back = wire_of(&event_fields(&wire), 0, wire.tag);
+        assert_eq!(back.tag, 0xffff_fffe);
         assert_eq!(
             (
                 back.ts_ns,
@@ -405,7 +419,11 @@ mod tests {
         assert_eq!(event.py_stack, 7);
         // Written without `py` when there is none, and without `truncated`
         // when it is not.
-        let line: Line<(), ()> = Line::Event { e: [0; 10], py: 0 };
+        let line: Line<(), ()> = Line::Event {
+            e: [0; 10],
+            py: 0,
+            tag: 0,
+        };
         let text = serde_json::to_string(&line).expect("serializes");
         assert_eq!(text, r#"{"type":"event","e":[0,0,0,0,0,0,0,0,0,0]}"#);
         let line: Line<(), ()> = Line::PyStack {

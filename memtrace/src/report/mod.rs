@@ -4,6 +4,7 @@
 //! it; nothing here prints.
 
 mod build;
+pub mod device_cache;
 
 pub use build::build;
 
@@ -175,7 +176,8 @@ pub struct ProcessInfo {
     pub live_bytes: u64,
     pub live_count: u64,
     /// Its pid in its own pid namespace and its container (keys `ns_pid`,
-    /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`).
+    /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`, `pod_name`,
+    /// `pod_namespace`, `container_name`).
     #[serde(flatten, default)]
     pub placement: Placement,
 }

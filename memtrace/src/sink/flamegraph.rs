@@ -53,8 +53,14 @@ pub fn draw(report: &Report, embedded: Option<usize>, out: &mut dyn Write) -> st
 }
 
 fn title(report: &Report) -> String {
+    let placement = report
+        .target
+        .placement
+        .summary()
+        .map(|summary| format!("; {summary}"))
+        .unwrap_or_default();
     format!(
-        "memtrace: live bytes by allocation site (pid {} {})",
+        "memtrace: live bytes by allocation site (pid {} {}{placement})",
         report.target.pid, report.target.comm
     )
 }

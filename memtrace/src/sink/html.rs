@@ -95,9 +95,15 @@ pub fn page(report: &Report) -> std::io::Result<String> {
     banners(&mut out, report);
     let _ = write!(
         out,
-        "<header><h1>{}</h1><p class=\"sub\">{} &middot; traced {} &middot; {} allocs, {} frees</p></header>",
+        "<header><h1>{}</h1><p class=\"sub\">{}{} &middot; traced {} &middot; {} allocs, {} frees</p></header>",
         escape(&title),
         escape(&report.target.exe),
+        report
+            .target
+            .placement
+            .summary()
+            .map(|summary| format!(" &middot; {}", escape(&summary)))
+            .unwrap_or_default(),
         escape(&duration(report.duration_ms)),
         report.events.allocs,
         report.events.frees

@@ -325,4 +325,51 @@ mod tests {
         assert_eq!(human_bytes(1536), "1.5 KiB");
         assert_eq!(human_bytes(8 << 20), "8.0 MiB");
     }
+
+    #[test]
+    fn every_format_but_folded_names_the_pod() {
+        let mut report = fixture::report();
+        report.target.placement = crate::target::container::Placement {
+            ns_pid: Some(7),
+            container_id: Some("ab".repeat(32)),
+            container_runtime: Some("containerd".into()),
+            pod_uid: Some("0a1b2c3d-4e5f-6789-abcd-ef0123456789".into()),
+            pod_name: Some("web-0".into()),
+            pod_namespace: Some("shop".into()),
+            container_name: Some("app".into()),
+            ..Default::default()
+        };
+        for format in [
+            Format::Text,
+            Format::Json,
+            Format::Flamegraph,
+            Format::Pprof,
+            Format::Timeline,
+            Format::Html,
+        ] {
+            let mut out = Vec::new();
+            for_format(format)
+                .write(&report, false, &mut out)
+                .expect("renders");
+            if format == Format::Pprof {
+                let mut plain = Vec::new();
+                std::io::Read::read_to_end(
+                    &mut flate2::read::GzDecoder::new(out.as_slice()),
+                    &mut plain,
+                )
+                .expect("gzip");
+                out = plain;
+            }
+            let text = String::from_utf8_lossy(&out);
+            let (pod, container) = if format == Format::Json {
+                ("\"pod_name\":\"web-0\"", "\"container_name\":\"app\"")
+            } else {
+                ("pod shop/web-0", "app")
+            };
+            assert!(
+                text.contains(pod) && text.contains(container),
+                "{format:?}: {text}"
+            );
+        }
+    }
 }

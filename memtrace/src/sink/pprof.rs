@@ -355,8 +355,11 @@ pub(crate) fn profile(report: &Report) -> proto::Profile {
         b.sample(site, bytes, count);
     }
     let comment = format!(
-        "memtrace: live allocations of pid {} ({}) {}",
-        report.target.pid, report.target.comm, report.target.exe
+        "memtrace: live allocations of pid {} ({}) {}{}",
+        report.target.pid,
+        report.target.comm,
+        report.target.exe,
+        report.target.placement.describe()
     );
     let mut comments = vec![b.string(&comment)];
     if let Some(note) = scaling_note(report) {

@@ -60,7 +60,11 @@ pub(super) fn trace(report: &Report) -> Value {
     let mut events = vec![
         json!({
             "name": "process_name", "ph": "M", "pid": pid, "tid": tid,
-            "args": {"name": format!("{} (pid {pid})", report.target.comm)},
+            "args": {"name": format!(
+                "{} (pid {pid}{})",
+                report.target.comm,
+                report.target.placement.summary().map(|s| format!(", {s}")).unwrap_or_default()
+            )},
         }),
         json!({
             "name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
@@ -102,6 +106,9 @@ pub(super) fn trace(report: &Report) -> Value {
         "exe": report.target.exe,
         "complete": report.complete.to_string(),
     });
+    if let Some(summary) = report.target.placement.summary() {
+        other["placement"] = summary.into();
+    }
     if let Some(note) = scaling_note(report) {
         other["sample_rate"] = sample_rate(report).to_string().into();
         other["note"] = note.into();

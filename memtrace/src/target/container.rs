@@ -3,7 +3,9 @@
 //! (`/proc/PID/cgroup`, v1 or v2) the way the runtimes name them: Docker
 //! (`docker-<id>.scope`, `/docker/<id>`), containerd (`cri-containerd-<id>`),
 //! CRI-O (`crio-<id>`), Podman (`libpod-<id>`), Kubernetes' cgroupfs layout
-//! (`/kubepods/<qos>/pod<uid>/<id>`).
+//! (`/kubepods/<qos>/pod<uid>/<id>`); a Kubernetes pod's name and
+//! namespace and the container's name come from the node's files
+//! ([`super::pod`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +29,16 @@ pub struct Placement {
     /// The Kubernetes pod's uid, when the cgroup path names it.
     #[serde(default)]
     pub pod_uid: Option<String>,
+    /// The pod's name, when the node's files name the pod ([`super::pod`]).
+    #[serde(default)]
+    pub pod_name: Option<String>,
+    /// The pod's namespace, with its name.
+    #[serde(default)]
+    pub pod_namespace: Option<String>,
+    /// The container's name: in its pod, or as a plain container was named
+    /// (`docker run --name`), where the node's files name it.
+    #[serde(default)]
+    pub container_name: Option<String>,
 }
 
 impl Placement {
@@ -42,31 +54,61 @@ impl Placement {
         let mut placement = cgroup.as_deref().map(container).unwrap_or_default();
         placement.ns_pid = ns_pid;
         placement.cgroup = cgroup;
+        if placement.pod_uid.is_some() {
+            placement.name_pod(&super::pod::host_roots());
+        } else if let (Some(runtime), Some(id)) =
+            (&placement.container_runtime, &placement.container_id)
+        {
+            placement.container_name =
+                super::pod::container_name_in(&super::pod::host_roots(), runtime, id);
+        }
         placement
+    }
+
+    /// Fills in the pod's and the container's names from the node's files
+    /// under `roots` (see [`super::pod`]); left empty where none names them.
+    pub fn name_pod(&mut self, roots: &[std::path::PathBuf]) {
+        let found =
+            super::pod::names_in(roots, self.pod_uid.as_deref(), self.container_id.as_deref());
+        if let Some(names) = found {
+            self.pod_name = Some(names.pod_name);
+            self.pod_namespace = Some(names.pod_namespace);
+            self.container_name = names.container_name;
+        }
     }
 
     /// `pid 1234 (ns pid 7, container docker 0123456789ab)` style suffix
     /// for a text line; empty for a process on the host.
     pub fn describe(&self) -> String {
+        self.summary()
+            .map(|summary| format!(" ({summary})"))
+            .unwrap_or_default()
+    }
+
+    /// `ns pid 7, container containerd 0123456789ab "app", pod shop/web-0`:
+    /// what differs from a process on the host, `None` for one.
+    pub fn summary(&self) -> Option<String> {
         let mut parts = Vec::new();
         if let Some(ns_pid) = self.ns_pid {
             parts.push(format!("ns pid {ns_pid}"));
         }
         if let Some(id) = &self.container_id {
             let short = id.get(..12).unwrap_or(id);
-            parts.push(match &self.container_runtime {
+            let mut text = match &self.container_runtime {
                 Some(runtime) => format!("container {runtime} {short}"),
                 None => format!("container {short}"),
-            });
+            };
+            if let Some(name) = &self.container_name {
+                text.push_str(&format!(" \"{name}\""));
+            }
+            parts.push(text);
         }
-        if let Some(pod) = &self.pod_uid {
-            parts.push(format!("pod {pod}"));
+        match (&self.pod_namespace, &self.pod_name, &self.pod_uid) {
+            (Some(namespace), Some(name), _) => parts.push(format!("pod {namespace}/{name}")),
+            (_, _, Some(uid)) => parts.push(format!("pod {uid}")),
+            _ => {}
         }
-        if parts.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", parts.join(", "))
-        }
+        (!parts.is_empty()).then(|| parts.join(", "))
     }
 }
 
@@ -276,6 +318,31 @@ mod tests {
             placement.describe(),
             " (ns pid 7, container docker 3f1c8f4c9a2b)"
         );
+        let pod = Placement {
+            container_runtime: some("containerd"),
+            pod_uid: some("0a1b2c3d-4e5f-6789-abcd-ef0123456789"),
+            ..placement.clone()
+        };
+        assert_eq!(
+            pod.describe(),
+            " (ns pid 7, container containerd 3f1c8f4c9a2b, pod 0a1b2c3d-4e5f-6789-abcd-ef0123456789)"
+        );
+        let named = Placement {
+            pod_name: some("web-0"),
+            pod_namespace: some("shop"),
+            container_name: some("app"),
+            ..pod
+        };
+        assert_eq!(
+            named.describe(),
+            " (ns pid 7, container containerd 3f1c8f4c9a2b \"app\", pod shop/web-0)"
+        );
+        // The JSON keys are added beside the others.
+        let json = serde_json::to_value(&named).expect("serializes");
+        assert_eq!(json["pod_name"], "web-0");
+        assert_eq!(json["pod_namespace"], "shop");
+        assert_eq!(json["container_name"], "app");
+        assert_eq!(json["pod_uid"], "0a1b2c3d-4e5f-6789-abcd-ef0123456789");
         let own = Placement::of(std::process::id());
         assert!(own.cgroup.is_some() || !std::path::Path::new("/proc/self/cgroup").exists());
     }

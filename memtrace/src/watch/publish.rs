@@ -57,6 +57,15 @@ pub struct MetricView {
     pub triggers: bool,
 }
 
+/// A process watched and where it lives (its container, its pod), for the
+/// heartbeat (`processes[]`) and Prometheus (`memtrace_watch_process_info`).
+#[derive(Clone, Debug, Serialize)]
+pub struct WatchedProcess {
+    pub pid: u32,
+    #[serde(flatten)]
+    pub placement: crate::target::container::Placement,
+}
+
 /// The last episode, for the heartbeat and Prometheus.
 #[derive(Clone, Debug, Serialize)]
 pub struct LastEpisode {
@@ -80,6 +89,8 @@ pub struct Heartbeat<'a> {
     pub pid: Option<u32>,
     /// Every pid watched.
     pub pids: Vec<u32>,
+    /// Every process watched, with its container and pod.
+    pub processes: Vec<WatchedProcess>,
     pub restarts_seen: u64,
     pub dry_run: bool,
     pub metrics: &'a [MetricView],
@@ -194,6 +205,21 @@ pub fn render_prometheus(h: &Heartbeat<'_>) -> String {
     );
     let _ = writeln!(
         out,
+        "# HELP memtrace_watch_process_info Each process watched and where it lives (container, pod), to join on pid.\n# TYPE memtrace_watch_process_info gauge"
+    );
+    for process in &h.processes {
+        let pid = process.pid.to_string();
+        let placed = crate::prometheus::placement_labels(&process.placement);
+        let mut labels = vec![("pid", pid.as_str())];
+        labels.extend(placed.iter().map(|(key, value)| (*key, value.as_str())));
+        let _ = writeln!(
+            out,
+            "memtrace_watch_process_info{} 1",
+            crate::prometheus::label_set(&labels)
+        );
+    }
+    let _ = writeln!(
+        out,
         "# HELP memtrace_watch_episodes_total Episodes started (across the watcher's restarts).\n# TYPE memtrace_watch_episodes_total counter\nmemtrace_watch_episodes_total {}",
         h.episodes_total
     );
@@ -258,6 +284,18 @@ mod tests {
             target: "pid 1".into(),
             pid: Some(42),
             pids: vec![42],
+            processes: vec![WatchedProcess {
+                pid: 42,
+                placement: crate::target::container::Placement {
+                    container_id: Some("ab".repeat(32)),
+                    container_runtime: Some("containerd".into()),
+                    pod_uid: Some("0a1b2c3d-4e5f-6789-abcd-ef0123456789".into()),
+                    pod_name: Some("web-0".into()),
+                    pod_namespace: Some("shop".into()),
+                    container_name: Some("app".into()),
+                    ..Default::default()
+                },
+            }],
             restarts_seen: 0,
             dry_run: false,
             metrics: &views,
@@ -278,6 +316,11 @@ mod tests {
         assert!(text.contains("memtrace_watch_episodes_total 3"));
         assert!(text.contains("memtrace_watch_target_pid 42"));
         assert!(text.contains("memtrace_watch_processes 1"));
+        let info = format!(
+            "memtrace_watch_process_info{{pid=\"42\",container_id=\"{}\",container_runtime=\"containerd\",pod_uid=\"0a1b2c3d-4e5f-6789-abcd-ef0123456789\",pod_name=\"web-0\",pod_namespace=\"shop\",container_name=\"app\"}} 1",
+            "ab".repeat(32)
+        );
+        assert!(text.contains(&info), "{text}");
         assert!(text.contains("function=\"leak \\\"here\\\"\"} 4096"));
         assert!(text.contains("label=\"growth\"} 3600"));
     }

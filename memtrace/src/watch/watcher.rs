@@ -25,6 +25,8 @@ pub struct Watched {
     /// Judging starts at this time on the watcher's axis (its warm-up end).
     pub judge_from: f64,
     pub windows: BTreeMap<(Family, String), Window>,
+    /// Its container and pod, read when it was found.
+    pub placement: crate::target::container::Placement,
 }
 
 pub struct Watcher {
@@ -231,6 +233,7 @@ impl Watcher {
                 Watched {
                     judge_from,
                     windows: BTreeMap::new(),
+                    placement: crate::target::container::Placement::of(pid),
                 },
             );
             self.last_hold_note = None;
@@ -314,6 +317,14 @@ impl Watcher {
             target: self.target.describe(),
             pid: pids.first().copied(),
             pids,
+            processes: self
+                .procs
+                .iter()
+                .map(|(&pid, watched)| publish::WatchedProcess {
+                    pid,
+                    placement: watched.placement.clone(),
+                })
+                .collect(),
             restarts_seen: self.restarts_seen.saturating_sub(1),
             dry_run: self.args.dry_run,
             metrics: &self.views,
