@@ -1165,12 +1165,24 @@ fn ending_a_trace_of_a_busy_cpp_program_pairs_every_return_and_loses_nothing() {
         "{} {stderr}",
         report["lost_by_cause"]
     );
-    let live: u64 = report["sites"].as_array().map_or(0, |sites| {
-        sites
-            .iter()
-            .filter_map(|site| site["live_bytes"].as_u64())
-            .sum()
-    });
-    assert_eq!(live, 0, "balanced churn reported live: {}", report["sites"]);
+    // A block in use when the window closed and not released within its
+    // grace (the churn thread descheduled by the tests beside this one) is
+    // live at the end, as the report says: it is young, and the report's
+    // young note counts it. Nothing older may be live.
+    let sites = report["sites"].as_array().cloned().unwrap_or_default();
+    let live = |site: &serde_json::Value| site["live_bytes"].as_u64().unwrap_or(0);
+    let old: Vec<&serde_json::Value> = sites
+        .iter()
+        .filter(|site| live(site) > 0 && site["oldest_age_ms"].as_u64().unwrap_or(u64::MAX) >= 1000)
+        .collect();
+    assert!(old.is_empty(), "balanced churn reported live: {old:?}");
+    let young: u64 = sites.iter().map(live).sum();
+    if young > 0 {
+        let notes = report["notes"].to_string();
+        assert!(
+            notes.contains("made in the trace's last second"),
+            "{young} young bytes live without the young note: {notes}"
+        );
+    }
     drop(churn);
 }
