@@ -60,7 +60,7 @@ use aya_ebpf::{
     bindings::{pt_regs, BPF_F_USER_STACK},
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
     macros::{map, raw_tracepoint, uprobe, uretprobe},
-    maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
+    maps::{Array, HashMap, PerCpuArray, ProgramArray, RingBuf, StackTrace},
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
     EbpfContext, Global,
 };
@@ -134,9 +134,39 @@ fn window_closed() -> bool {
     CONTROL.get(CONTROL_CLOSED).is_some_and(|&flag| flag != 0)
 }
 
+/// A `NULL_MODE` value the loader never sets (see [`no_private_stack`]).
+const NULL_MODE_NEVER: u32 = u32::MAX;
+
+/// Never filled: the target of [`no_private_stack`]'s tail call.
+#[map]
+static NO_PRIVATE_STACK: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// Keeps the kernel from running this program on a private stack.
+///
+/// Since 6.13 an x86-64 kernel may give each BPF function with 64 B or more
+/// of stack a private stack: one per CPU, not per task. A uprobe's program
+/// is preemptible (it runs under `migrate_disable` only, and 7.x kernels
+/// with `PREEMPT(lazy)` do preempt it), so a run preempted on its CPU and
+/// another run of the same program there share that stack, and the second
+/// overwrites the first's locals: on 7.3 an allocation event came out with
+/// another thread's fields and the first thread's event was lost. The
+/// verifier gives no private stack to a program that holds a tail call, so
+/// each uprobe program holds one, behind a mode the loader never sets: the
+/// verifier sees it, it never runs. Every call chain fits the shared
+/// 512-byte stack without private stacks by design (`memtrace doctor`).
+#[inline(always)]
+fn no_private_stack<C: EbpfContext>(ctx: &C) {
+    if NULL_MODE.load() == NULL_MODE_NEVER {
+        // SAFETY: the program array is empty, so the tail call fails and
+        // returns; nothing else happens.
+        unsafe { NO_PRIVATE_STACK.tail_call(ctx, 0) };
+    }
+}
+
 /// Entry of every probed function.
 #[uprobe]
 pub fn call_enter(ctx: ProbeContext) -> u32 {
+    no_private_stack(&ctx);
     if NULL_MODE.load() == 0 {
         on_enter(&ctx);
     }
@@ -146,6 +176,7 @@ pub fn call_enter(ctx: ProbeContext) -> u32 {
 /// Every USDT probe (a uprobe at an `sdt.h` probe site, see `usdt`).
 #[uprobe]
 pub fn usdt_fire(ctx: ProbeContext) -> u32 {
+    no_private_stack(&ctx);
     if NULL_MODE.load() == 0 {
         usdt::on_fire(&ctx);
     }
@@ -155,6 +186,7 @@ pub fn usdt_fire(ctx: ProbeContext) -> u32 {
 /// Return of every probed function that has a result to check.
 #[uretprobe]
 pub fn call_exit(ctx: RetProbeContext) -> u32 {
+    no_private_stack(&ctx);
     if NULL_MODE.load() == 0 {
         on_exit(&ctx);
     }

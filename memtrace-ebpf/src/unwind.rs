@@ -1119,7 +1119,7 @@ pub extern "C" fn memtrace_walk_finish(started: u64) -> i32 {
     let replay = walk.replay;
     let key = store(walk.hash, frames);
     if key >= 0 && walk.slot != NO_SLOT && walk.stale == 0 {
-        remember(walk, key);
+        remember(walk, key, started);
     }
     if walks_started() != started {
         // Preempted by another walk on this CPU after the check above: the
@@ -1209,12 +1209,13 @@ extern "C" fn span_word(i: u64, _ctx: *mut core::ffi::c_void) -> i64 {
 /// `WALK_REPLAYS` element as it read them; this seals them with the start
 /// registers (`walk` itself holds the final ones) and the answer.
 #[inline(always)]
-fn remember(walk: &Walk, key: i32) {
+fn remember(walk: &Walk, key: i32, started: u64) {
     let (pc, sp, bp, tgid) = (walk.start_pc, walk.start_sp, walk.start_bp, walk.tgid);
-    if walk.stop == FAULT || walk.stop == BAD_RULE {
+    let (replay, generation, stop, words_seal) = (walk.replay, walk.generation, walk.stop, walk.seal);
+    if stop == FAULT || stop == BAD_RULE {
         return;
     }
-    let Some(entry) = WALK_REPLAYS.get_ptr_mut(walk.replay) else {
+    let Some(entry) = WALK_REPLAYS.get_ptr_mut(replay) else {
         return;
     };
     // SAFETY: this CPU's own element; see `WalkReplay::seal`.
@@ -1232,7 +1233,7 @@ fn remember(walk: &Walk, key: i32) {
         // SAFETY: this CPU's own element; the loop below is synchronous.
         unsafe {
             *span = ReplayState {
-                index: walk.replay,
+                index: replay,
                 mismatch: 0,
                 lo: u64::MAX,
                 hi: 0,
@@ -1248,6 +1249,15 @@ fn remember(walk: &Walk, key: i32) {
         }
         (span_lo, bytes as u32)
     };
+    // `walk` is this CPU's shared state: every field above must be this
+    // walk's, or a preempting walk's registers would be sealed with this
+    // walk's key and replayed for that call site from then on (seen on 7.3:
+    // a thread's stack given to the main thread's `mmap`). No walk started
+    // since this one did, so none wrote `walk`; one that starts from here on
+    // tears the entry's fields, which breaks its seal.
+    if walks_started() != started {
+        return;
+    }
     // SAFETY: as above.
     let entry = unsafe { &mut *entry };
     entry.pc = pc;
@@ -1258,12 +1268,12 @@ fn remember(walk: &Walk, key: i32) {
     entry.uses_bp = uses_bp & 1;
     entry.lo = lo;
     entry.tgid = tgid;
-    entry.generation = walk.generation;
+    entry.generation = generation;
     entry.count = logged;
-    entry.stop = walk.stop;
+    entry.stop = stop;
     entry.key = key;
     entry.bytes = bytes;
-    entry.seal = seal_header(walk.seal, entry, key, walk.stop);
+    entry.seal = seal_header(words_seal, entry, key, stop);
 }
 
 /// The slot of process `tgid` in `PROC_MAPS`.

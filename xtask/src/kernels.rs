@@ -1097,7 +1097,8 @@ fn boot_vm(
     .arg(vmlinuz)
     .arg("-initrd")
     .arg(initrd)
-    .args(["-append", "console=ttyS0 panic=-1 quiet rdinit=/init"])
+    .arg("-append")
+    .arg(kernel_command_line())
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());
@@ -1620,6 +1621,17 @@ pub fn check_assertion(report: &Value, assertion: &str) -> Result<String, String
         };
     }
     Err(format!("unknown assertion {assertion:?}"))
+}
+
+/// The guest kernel's command line: the runner's own, then whatever
+/// `MEMTRACE_VM_APPEND` adds (e.g. `preempt=none` to compare preemption
+/// models of one kernel build).
+fn kernel_command_line() -> String {
+    let base = "console=ttyS0 panic=-1 quiet rdinit=/init";
+    match std::env::var("MEMTRACE_VM_APPEND") {
+        Ok(extra) if !extra.trim().is_empty() => format!("{base} {}", extra.trim()),
+        _ => base.to_string(),
+    }
 }
 
 #[cfg(test)]
