@@ -1157,11 +1157,16 @@ pub(crate) fn bump_cpu_sequence(map: &PerCpuArray<u64>) -> u64 {
     let Some(count) = map.get_ptr_mut(0) else {
         return 0;
     };
-    // SAFETY: this CPU's own element; one aligned word.
+    // SAFETY: this CPU's own element; one aligned word. The add is atomic
+    // (BPF_ATOMIC with fetch, which this object's kernels have): a program
+    // preempted between a read and a write would otherwise hand the same
+    // count to the program that preempted it, and neither would see the
+    // other.
     unsafe {
-        let next = core::ptr::read_volatile(count).wrapping_add(1);
-        core::ptr::write_volatile(count, next);
-        next
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            count, 1,
+        )
+        .wrapping_add(1)
     }
 }
 

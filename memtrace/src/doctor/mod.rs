@@ -31,7 +31,9 @@
 //!   (the file holding the verifier's whole log, or null)
 //! - `stack_budget`: `limit` (512), `goal` (448), `rounding` (32), `frames`
 //!   (function -> deepest stack byte), `chains[]`: `functions` (program
-//!   first), `frames` (rounded), `bytes`; or null with `stack_budget_error`
+//!   first), `frames` (rounded), `bytes`; `private_stack_refused[]` (the
+//!   programs holding a tail call, which 6.13+ kernels never run on a
+//!   per-CPU private stack); or null with `stack_budget_error`
 //! - `modes[]`: `mode` (`default`, `stacks_fp`, `stack_depth_0`, `settling`,
 //!   `python_frames`, `follow_forks`), `flags`, `works` (true | false | null:
 //!   not known without the load test), `why[]` (what keeps it from working)

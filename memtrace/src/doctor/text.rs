@@ -121,6 +121,13 @@ pub(super) fn render_text(report: &Report) -> String {
                 };
                 let _ = writeln!(out, "  {}{mark}", chain.describe());
             }
+            if !budget.private_stack_refused.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "  no private stacks (a preempted program would share one per CPU): {}",
+                    budget.private_stack_refused.join(", ")
+                );
+            }
         }
         (None, Some(err)) => {
             let _ = writeln!(out, "stack per chain: {err}");

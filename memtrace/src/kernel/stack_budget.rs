@@ -34,6 +34,8 @@ pub const ROUNDING: u64 = 32;
 const BPF_PSEUDO_CALL: u8 = 1;
 const BPF_PSEUDO_FUNC: u8 = 4;
 const CALL: u8 = 0x85;
+/// `BPF_FUNC_tail_call`.
+const HELPER_TAIL_CALL: i32 = 12;
 const LD_IMM64: u8 = 0x18;
 
 /// Why an object could not be analysed.
@@ -124,6 +126,11 @@ pub struct Budget {
     pub frames: BTreeMap<String, u64>,
     /// Every chain from a program to a leaf, largest first.
     pub chains: Vec<Chain>,
+    /// Programs holding a tail call in their own code: kernels from 6.13
+    /// never give them a private (per-CPU) stack, which a preemptible
+    /// uprobe program must not have (see `no_private_stack` in the eBPF
+    /// crate). The sums above are then the verifier's for them.
+    pub private_stack_refused: Vec<String>,
 }
 
 impl Budget {
@@ -335,6 +342,19 @@ pub fn analyze(codes: &[Code], functions: &[Function]) -> Result<Budget, BudgetE
             });
         });
     }
+    let private_stack_refused = functions
+        .iter()
+        .filter(|f| f.program)
+        .filter(|f| {
+            codes[f.section]
+                .insns
+                .get(f.start..f.end)
+                .unwrap_or(&[])
+                .iter()
+                .any(|insn| insn.code == CALL && insn.src == 0 && insn.imm == HELPER_TAIL_CALL)
+        })
+        .map(|f| f.name.clone())
+        .collect();
     chains.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.functions.cmp(&b.functions)));
     chains.dedup();
     Ok(Budget {
@@ -347,6 +367,7 @@ pub fn analyze(codes: &[Code], functions: &[Function]) -> Result<Budget, BudgetE
             .map(|(f, &d)| (f.name.clone(), d))
             .collect(),
         chains,
+        private_stack_refused,
     })
 }
 
@@ -634,5 +655,29 @@ mod tests {
         for chain in &budget.chains {
             assert!(chain.bytes >= 32 * chain.functions.len() as u64);
         }
+        // Preemptible programs must never get a per-CPU private stack.
+        for program in ["call_enter", "call_exit", "usdt_fire"] {
+            assert!(
+                budget.private_stack_refused.iter().any(|p| p == program),
+                "{program} holds no tail call: 6.13+ kernels may run it on a private stack \
+                 shared by every run on its CPU ({:?})",
+                budget.private_stack_refused
+            );
+        }
+    }
+
+    #[test]
+    fn a_tail_call_in_a_program_refuses_the_private_stack() {
+        let (mut codes, functions) = sample();
+        let budget = analyze(&codes, &functions).expect("analysed");
+        assert!(budget.private_stack_refused.is_empty());
+        // `leaf` (a subprogram) calling bpf_tail_call does not count: the
+        // program's own code must hold it.
+        codes[1].insns[3] = i(CALL, 0, 0, 0, HELPER_TAIL_CALL);
+        let budget = analyze(&codes, &functions).expect("analysed");
+        assert!(budget.private_stack_refused.is_empty());
+        codes[1].insns[1] = i(CALL, 0, 0, 0, HELPER_TAIL_CALL);
+        let budget = analyze(&codes, &functions).expect("analysed");
+        assert_eq!(budget.private_stack_refused, vec!["call_exit".to_string()]);
     }
 }
