@@ -1161,9 +1161,11 @@ pub(crate) fn bump_cpu_sequence(map: &PerCpuArray<u64>) -> u64 {
     // (BPF_ATOMIC with fetch, which this object's kernels have): a program
     // preempted between a read and a write would otherwise hand the same
     // count to the program that preempted it, and neither would see the
-    // other.
+    // other. Not `Relaxed`: LLVM's BPF backend lowers a relaxed add to the
+    // add without fetch even when its result is used (that result is then
+    // the addend), so the fetch is asked for with a stronger ordering.
     unsafe {
-        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::AcqRel }>(
             count, 1,
         )
         .wrapping_add(1)
