@@ -2,7 +2,9 @@
 //! `kernel::variant`) with its load-time settings, attaching the two generic
 //! programs per planned function and traced process (with the spec index as
 //! attach cookie, or published by address for the compat object; each link
-//! scoped to one process, never system-wide), the fork reporter for
+//! scoped to one process, never system-wide: one uprobe perf event per probe,
+//! or where the kernel has them `uprobe_multi` links per object, see `multi`),
+//! the fork reporter for
 //! `--follow-forks`, closing the trace's window in one step (every program
 //! returns at once) and detaching: after a closed window all at once, else
 //! in a safe order — allocation entry probes first, then reallocation, then
