@@ -935,17 +935,34 @@ impl Detaching {
     /// Detaches the probes (slow: each close waits for an RCU grace period,
     /// so callers run it off the event loop and keep reading events).
     pub fn close(self) {
+        let started = std::time::Instant::now();
+        let count = self.count();
         for batch in self.batches {
             drop_concurrently(batch, STAGED_THREADS);
         }
+        log::debug!("detached {count} in {:?}", started.elapsed());
+    }
+
+    /// What is being closed, for the log: perf events and links.
+    fn count(&self) -> String {
+        let all = self.batches.iter().flatten();
+        let multi = all
+            .clone()
+            .filter(|l| matches!(l, Link::Multi(_) | Link::Usdt(UsdtLink::Multi(_))))
+            .count();
+        let other = all.count() - multi;
+        format!("{other} perf-event probes and {multi} uprobe_multi links")
     }
 
     /// Detaches every probe at once, in no order: once the trace's window
     /// is closed no program records anything, so nothing depends on which
     /// probe goes first, and each close's grace period overlaps the others.
     pub fn close_at_once(self) {
+        let started = std::time::Instant::now();
+        let count = self.count();
         let all: Vec<_> = self.batches.into_iter().flatten().collect();
         drop_concurrently(all, AT_ONCE_THREADS);
+        log::debug!("detached {count} in {:?}", started.elapsed());
     }
 }
 
