@@ -296,3 +296,81 @@ fn mappings_unmapped_in_parts_keep_exactly_what_is_still_mapped() {
     );
     assert_eq!(events["unmatched_frees"], 0, "{events}");
 }
+
+/// Whether `memtrace doctor` finds usable `uprobe_multi` links here.
+fn kernel_has_uprobe_multi() -> bool {
+    let out = support::memtrace(&["doctor", "--format", "json"]);
+    let doctor: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    doctor["features"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|f| f["key"] == "uprobe_multi" && f["presence"] == "found")
+}
+
+#[test]
+fn perf_events_and_uprobe_multi_links_find_the_same_leaks() {
+    if !privileged() {
+        return;
+    }
+    let multi = kernel_has_uprobe_multi();
+    let modes: &[&str] = if multi { &["perf", "multi"] } else { &["perf"] };
+    let mut totals = Vec::new();
+    for &mode in modes {
+        let mut fixture = Fixture::start("leak_sites", &["30", "30"]);
+        let pid = fixture.pid.to_string();
+        let tracer = Tracer::attach(&[
+            "--pid",
+            &pid,
+            "--format",
+            "json",
+            "--top",
+            "500",
+            "--duration",
+            "4s",
+            "-v",
+            "--attach",
+            mode,
+        ]);
+        fixture.go();
+        let (report, stderr) = tracer.report_last_line();
+        // Each probed function is logged as attached, by links only in multi mode.
+        let by_links = stderr
+            .lines()
+            .filter(|l| l.contains("attached") && l.contains("(uprobe_multi)"))
+            .count();
+        if mode == "multi" {
+            assert!(
+                by_links >= 8,
+                "functions attached by uprobe_multi links: {stderr}"
+            );
+        } else {
+            assert_eq!(by_links, 0, "--attach perf uses perf events: {stderr}");
+        }
+        assert_eq!(report["events"]["lost"], 0, "{mode}");
+        let sums: Vec<(u64, u64)> = [
+            "leak_a",
+            "leak_b",
+            "leak_calloc",
+            "realloc_chain",
+            "leak_mmap",
+            "leak_in_thread",
+        ]
+        .iter()
+        .map(|s| site_totals(&report, s))
+        .collect();
+        totals.push(sums);
+    }
+    assert_eq!(totals[0][0], (4800, 100), "leak_a with perf events");
+    assert_eq!(totals[0][5], (4096, 32), "leak_in_thread with perf events");
+    if multi {
+        assert_eq!(
+            totals[0], totals[1],
+            "perf events and uprobe_multi links agree"
+        );
+    } else {
+        // Asked for where the kernel lacks them: one clear line.
+        let out = support::memtrace(&["--attach", "multi", "--duration", "1s", "--", "true"]);
+        support::assert_one_clear_line(&out, 2, "--attach multi");
+    }
+}

@@ -187,6 +187,7 @@ fn stack_modes() -> [(&'static str, LoadOptions); 3] {
         stack_entries: 16384,
         wakeup_bytes: 64 << 10,
         settle_in_kernel: true,
+        attach: crate::trace::loader::AttachMode::Perf,
     };
     [
         (Mode::Dwarf.key(), default),

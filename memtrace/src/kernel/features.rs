@@ -157,7 +157,9 @@ impl Feature {
             Feature::AttachCookie => "bpf_get_attach_cookie",
             Feature::RawTracepoint => "raw tracepoint programs",
             Feature::TaskStorage => "task-local storage map",
-            Feature::UprobeMulti => "uprobe_multi link",
+            Feature::UprobeMulti => {
+                "uprobe_multi links (one BPF link per object and process: fast attach and detach)"
+            }
             Feature::UretprobeSyscall => "uretprobe syscall (fast return probes, x86-64)",
         }
     }
@@ -288,7 +290,7 @@ fn probe_one(feature: Feature, privileged: bool) -> (Presence, String) {
             Err(err) => (Presence::Unknown, format!("probe failed: {err}")),
         },
         Feature::AtomicsFetch => atomics_probe(),
-        Feature::UprobeMulti => symbol_probe(&["bpf_uprobe_multi_link_attach"]),
+        Feature::UprobeMulti => uprobe_multi_probe(),
         Feature::UretprobeSyscall => {
             if std::env::consts::ARCH != "x86_64" {
                 return (Presence::Missing, "x86-64 only".to_string());
@@ -297,6 +299,32 @@ fn probe_one(feature: Feature, privileged: bool) -> (Presence, String) {
             // the uretprobe syscall kills its caller with SIGILL.
             symbol_probe(&["__x64_sys_uretprobe", "__do_sys_uretprobe"])
         }
+    }
+}
+
+fn uprobe_multi_probe() -> (Presence, String) {
+    use super::uprobe_multi::{probe, Support};
+    match probe() {
+        Ok(Support::Found) => (
+            Presence::Found,
+            "BPF_LINK_CREATE (uprobe_multi) on '/' refused as expected, PID filter fixed"
+                .to_string(),
+        ),
+        Ok(Support::Missing) => (
+            Presence::Missing,
+            "BPF_LINK_CREATE refused the uprobe_multi attach type: one perf event per probe"
+                .to_string(),
+        ),
+        Ok(Support::ThreadFilter) => (
+            Presence::Missing,
+            "uprobe_multi links filter one thread, not the process (6.6 without the fix): one perf event per probe"
+                .to_string(),
+        ),
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => (
+            Presence::Missing,
+            "the kernel does not know the BPF_TRACE_UPROBE_MULTI attach type".to_string(),
+        ),
+        Err(err) => (Presence::Unknown, format!("probe failed: {err}")),
     }
 }
 

@@ -3,11 +3,13 @@
 //! ([`verifier`]: one line and a saved log), the eBPF object's stack budget
 //! per call chain ([`stack_budget`]: static, from the ELF), which build of
 //! the eBPF programs the kernel gets ([`variant`]), and the capabilities
-//! memtrace needs ([`privilege`]: checked up front, the missing one named).
+//! memtrace needs ([`privilege`]: checked up front, the missing one named),
+//! and `uprobe_multi` links ([`uprobe_multi`]: probed and created here).
 //! `memtrace doctor` (the `doctor` module) puts them on one screen.
 
 pub mod features;
 pub mod privilege;
 pub mod stack_budget;
+pub mod uprobe_multi;
 pub mod variant;
 pub mod verifier;

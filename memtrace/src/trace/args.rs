@@ -200,6 +200,12 @@ pub struct TraceArgs {
     #[arg(long, hide = true)]
     pub null_probes: bool,
 
+    /// How probes are attached: `uprobe_multi` links (one per object and
+    /// process, Linux 6.6+: fast to attach and detach), one perf event per
+    /// probe, or auto (links where the kernel has them). For benchmarks and tests.
+    #[arg(long, value_enum, hide = true, default_value_t = crate::trace::loader::AttachMode::Auto)]
+    pub attach: crate::trace::loader::AttachMode,
+
     /// Benchmark floor: put every probe at its function's entry (no placement).
     #[arg(long, hide = true)]
     pub entry_probes: bool,

@@ -193,17 +193,21 @@ pub fn attach_error(err: ProgramError, what: &'static str) -> anyhow::Error {
 /// a valid offset is the kernel's rule that all uprobes on one (file, offset)
 /// share one `ref_ctr_offset`, system-wide, broken by another tracer.
 pub fn attach_conflict(err: &anyhow::Error) -> Option<&'static str> {
+    const CONFLICT: &str =
+        "another tracer holds a uprobe on this instruction with a different ref_ctr_offset \
+         (the kernel allows one per file offset, system-wide; bcc's Python tools pass a \
+         garbage one, iovisor/bcc#5236: start them with tracefs mounted, or stop them)";
     err.chain().find_map(|cause| {
+        if let Some(multi) = cause.downcast_ref::<crate::kernel::uprobe_multi::MultiError>() {
+            // A uprobe_multi link meets the same rule (EINVAL from uprobe_register).
+            return (multi.raw_os_error() == Some(libc::EINVAL)).then_some(CONFLICT);
+        }
         let program = cause.downcast_ref::<ProgramError>()?;
         match program {
             ProgramError::SyscallError(SyscallError { call, io_error })
                 if *call == "perf_event_open" && io_error.raw_os_error() == Some(libc::EINVAL) =>
             {
-                Some(
-                    "another tracer holds a uprobe on this instruction with a different ref_ctr_offset \
-                     (the kernel allows one per file offset, system-wide; bcc's Python tools pass a \
-                     garbage one, iovisor/bcc#5236: start them with tracefs mounted, or stop them)",
-                )
+                Some(CONFLICT)
             }
             _ => None,
         }

@@ -2,7 +2,9 @@
 //! `kernel::variant`) with its load-time settings, attaching the two generic
 //! programs per planned function and traced process (with the spec index as
 //! attach cookie, or published by address for the compat object; each link
-//! scoped to one process, never system-wide), the fork reporter for
+//! scoped to one process, never system-wide: one uprobe perf event per probe,
+//! or where the kernel has them `uprobe_multi` links per object, see `multi`),
+//! the fork reporter for
 //! `--follow-forks`, closing the trace's window in one step (every program
 //! returns at once) and detaching: after a closed window all at once, else
 //! in a safe order — allocation entry probes first, then reallocation, then
@@ -30,13 +32,17 @@ use memtrace_common::unwind::{DwarfStack, MAX_FRAMES, STACK_MODE_DWARF};
 use memtrace_common::{Counter, ProbeSpec, PyProc, PyStack, MAX_SPECS};
 
 use crate::error::Failure;
+use crate::kernel::uprobe_multi::MultiLink;
 use crate::kernel::variant::{Choice, Variant};
 use crate::probe::plan::LibraryPlan;
 use crate::probe::SpecEntry;
 use crate::trace::kernel_support;
 use crate::trace::usdt_attach::UsdtLink;
 
+mod multi;
 mod usdt;
+
+pub use multi::AttachMode;
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] =
@@ -72,6 +78,8 @@ pub struct LoadOptions {
     /// Let the kernel hold each thread's newest heap allocation and settle
     /// it there when it is released first (`--no-settle` turns this off).
     pub settle_in_kernel: bool,
+    /// Perf events or `uprobe_multi` links (hidden `--attach`).
+    pub attach: AttachMode,
 }
 
 /// Where one probed function is attached: enough to attach it again for
@@ -126,6 +134,10 @@ struct ProcessLinks {
     exit: Vec<UProbeLinkId>,
     /// USDT sites' events (see `usdt`), closed with the entry probes of their stage.
     usdt: Vec<(DetachStage, UsdtLink)>,
+    /// `uprobe_multi` links of entry probes, one per (object, stage) (see `multi`).
+    enter_multi: Vec<(DetachStage, MultiLink)>,
+    /// `uprobe_multi` links of return probes, one per object.
+    exit_multi: Vec<MultiLink>,
 }
 
 /// The loaded programs and the maps the event loop reads.
@@ -163,6 +175,9 @@ pub struct Probes {
     spec_by_addr: Option<HashMap<MapData, AddrKey, u32>>,
     /// USDT sites and their per-process events.
     usdt: usdt::UsdtSites,
+    /// Probes are attached through `uprobe_multi` links (the programs were
+    /// loaded for them), not perf events.
+    multi: bool,
 }
 
 /// A probed address in a process (the compat object's `SPEC_BY_ADDR` key).
@@ -263,15 +278,19 @@ impl Probes {
         let variant = crate::kernel::variant::choose(true);
         let options = &variant_options(&variant, options);
         let unwind_capacity = unwind_capacity(options);
+        let multi = multi::resolve(options.attach, &variant)?;
         let mut ebpf = open(options, variant.variant).map_err(|err| load_failure(&err))?;
         for name in [ENTER, EXIT] {
             let program: &mut UProbe = ebpf
                 .program_mut(name)
                 .with_context(|| format!("program {name} missing from the eBPF object"))?
                 .try_into()?;
-            program
-                .load()
-                .map_err(|err| program_load_failure(name, options, &err))?;
+            let loaded = if multi {
+                program.load_for_uprobe_multi()
+            } else {
+                program.load()
+            };
+            loaded.map_err(|err| program_load_failure(name, options, &err))?;
             if let Some(insns) = program
                 .info()
                 .ok()
@@ -338,6 +357,7 @@ impl Probes {
             py_procs,
             py_stacks,
             usdt: usdt::UsdtSites::default(),
+            multi,
         })
     }
 
@@ -362,8 +382,22 @@ impl Probes {
         let mut failures = Vec::new();
         let mut unsupported = None;
         let mut kept = Vec::new();
-        for probe in plan.functions.drain(..) {
-            match self.attach_function(&plan.open_path, &plan.path, &probe) {
+        let outcomes: Vec<_> = if self.multi {
+            let probes: Vec<_> = plan.functions.drain(..).collect();
+            let outcomes = self.attach_functions_multi(&plan.open_path, &plan.path, &probes);
+            probes.into_iter().zip(outcomes).collect()
+        } else {
+            let probes: Vec<_> = plan.functions.drain(..).collect();
+            probes
+                .into_iter()
+                .map(|probe| {
+                    let outcome = self.attach_function(&plan.open_path, &plan.path, &probe);
+                    (probe, outcome)
+                })
+                .collect()
+        };
+        for (probe, outcome) in outcomes {
+            match outcome {
                 Ok(()) => {
                     attached += 1;
                     kept.push(probe);
@@ -436,6 +470,27 @@ impl Probes {
             probe.placement
         );
         Ok(())
+    }
+
+    /// Gives `probe` the next spec index and publishes its spec (the
+    /// `uprobe_multi` path registers a whole object's specs before its links).
+    fn register_spec(
+        &mut self,
+        module: &std::path::Path,
+        probe: &crate::probe::plan::PlannedProbe,
+    ) -> anyhow::Result<u16> {
+        let index = u16::try_from(self.specs.len())
+            .ok()
+            .filter(|&i| u32::from(i) < MAX_SPECS)
+            .ok_or_else(|| Failure::runtime("too many probed functions"))?;
+        self.spec_map.set(u32::from(index), probe.spec(index), 0)?;
+        self.specs.push(SpecEntry {
+            // Bounded: at most MAX_SPECS specs a session.
+            module: Some(Box::leak(module.display().to_string().into_boxed_str())),
+            allocator: probe.allocator,
+            ..SpecEntry::from(probe.def)
+        });
+        Ok(index)
     }
 
     /// Runs `attach` for every traced process. A process may have exited
@@ -573,8 +628,16 @@ impl Probes {
         let functions = self.functions.clone();
         let mut attached = 0;
         let mut first_error = None;
-        for function in &functions {
-            match self.attach_for(function, pid) {
+        let outcomes: Vec<_> = if self.multi {
+            self.attach_multi_for(&functions, pid)
+        } else {
+            functions
+                .iter()
+                .map(|function| self.attach_for(function, pid))
+                .collect()
+        };
+        for (function, outcome) in functions.iter().zip(outcomes) {
+            match outcome {
                 Ok(()) => attached += 1,
                 Err(err) => {
                     log::debug!(
@@ -688,6 +751,12 @@ impl Probes {
                 process.enter.drain(..).partition(|(s, _)| *s == stage);
             process.enter = later;
             links.enter.extend(now);
+            let (now, later): (Vec<_>, Vec<_>) = process
+                .enter_multi
+                .drain(..)
+                .partition(|(s, _)| *s == stage);
+            process.enter_multi = later;
+            links.enter_multi.extend(now);
         }
         links.usdt = self.usdt.take_stage(stage);
         self.take_links(links)
@@ -701,6 +770,8 @@ impl Probes {
         for links in all {
             merged.enter.extend(links.enter);
             merged.exit.extend(links.exit);
+            merged.enter_multi.extend(links.enter_multi);
+            merged.exit_multi.extend(links.exit_multi);
         }
         merged.usdt = self.usdt.take_all();
         self.take_links(merged)
@@ -714,6 +785,12 @@ impl Probes {
             .usdt
             .into_iter()
             .map(|(stage, link)| (stage, Link::Usdt(link)))
+            .chain(
+                links
+                    .enter_multi
+                    .into_iter()
+                    .map(|(stage, link)| (stage, Link::Multi(link))),
+            )
             .collect();
         if let Some(Ok(program)) = self.ebpf.program_mut(ENTER).map(<&mut UProbe>::try_from) {
             for (stage, id) in links.enter {
@@ -730,7 +807,7 @@ impl Probes {
             batches.push(now.into_iter().map(|(_, link)| link).collect());
         }
         batches.push(entries.into_iter().map(|(_, link)| link).collect());
-        let mut exits = Vec::new();
+        let mut exits: Vec<Link> = links.exit_multi.into_iter().map(Link::Multi).collect();
         if let Some(Ok(program)) = self.ebpf.program_mut(EXIT).map(<&mut UProbe>::try_from) {
             for id in links.exit {
                 if let Ok(link) = program.take_link(id) {
@@ -839,11 +916,13 @@ impl Probes {
     }
 }
 
-/// One probe to close: a uprobe link of aya's, or a USDT site's event.
+/// One probe to close: a uprobe link of aya's, a USDT site's event, or a
+/// `uprobe_multi` link (many probes, closed at once).
 enum Link {
     // Held only to be dropped (closed).
     Uprobe(#[allow(dead_code)] UProbeLink),
     Usdt(#[allow(dead_code)] UsdtLink),
+    Multi(#[allow(dead_code)] MultiLink),
 }
 
 /// Probes taken out of their programs, still attached until [`Detaching::close`].
@@ -856,17 +935,34 @@ impl Detaching {
     /// Detaches the probes (slow: each close waits for an RCU grace period,
     /// so callers run it off the event loop and keep reading events).
     pub fn close(self) {
+        let started = std::time::Instant::now();
+        let count = self.count();
         for batch in self.batches {
             drop_concurrently(batch, STAGED_THREADS);
         }
+        log::debug!("detached {count} in {:?}", started.elapsed());
+    }
+
+    /// What is being closed, for the log: perf events and links.
+    fn count(&self) -> String {
+        let all = self.batches.iter().flatten();
+        let multi = all
+            .clone()
+            .filter(|l| matches!(l, Link::Multi(_) | Link::Usdt(UsdtLink::Multi(_))))
+            .count();
+        let other = all.count() - multi;
+        format!("{other} perf-event probes and {multi} uprobe_multi links")
     }
 
     /// Detaches every probe at once, in no order: once the trace's window
     /// is closed no program records anything, so nothing depends on which
     /// probe goes first, and each close's grace period overlaps the others.
     pub fn close_at_once(self) {
+        let started = std::time::Instant::now();
+        let count = self.count();
         let all: Vec<_> = self.batches.into_iter().flatten().collect();
         drop_concurrently(all, AT_ONCE_THREADS);
+        log::debug!("detached {count} in {:?}", started.elapsed());
     }
 }
 

@@ -92,6 +92,7 @@ fn load_options(args: &TraceArgs) -> LoadOptions {
         stack_entries: args.stack_map_entries,
         wakeup_bytes: WAKEUP_BYTES,
         settle_in_kernel: !args.no_settle,
+        attach: args.attach,
     }
 }
 

@@ -34,13 +34,18 @@ const BPF_PERF_EVENT: u32 = 41;
 const ATTR_SIZE: usize = 112;
 
 /// A USDT probe attached for one process: the uprobe perf event and, when
-/// attached through a BPF link, the link. Dropping it detaches the program
-/// and removes the uprobe (and so lowers the semaphore).
+/// attached through a BPF link, the link; or, on kernels with them, a
+/// `uprobe_multi` link carrying the semaphore. Dropping it detaches the
+/// program and removes the uprobe (and so lowers the semaphore).
 #[derive(Debug)]
-pub struct UsdtLink {
-    // Field order: the link is closed before the event.
-    _link: Option<OwnedFd>,
-    _event: OwnedFd,
+pub enum UsdtLink {
+    Perf {
+        // Field order: the link is closed before the event.
+        _link: Option<OwnedFd>,
+        _event: OwnedFd,
+    },
+    // Held only to be dropped (closed).
+    Multi(#[allow(dead_code)] crate::kernel::uprobe_multi::MultiLink),
 }
 
 /// The uprobe PMU's type number.
@@ -171,7 +176,7 @@ pub fn attach(
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(UsdtLink {
+    Ok(UsdtLink::Perf {
         _link: link,
         _event: event,
     })

@@ -2,7 +2,10 @@
 //! report is written, and how long memtrace takes to exit (detaching its
 //! probes), with about 10 and about 100 probed functions. The functions are
 //! libc's, declared as one `--pairs` resource in a target that never calls
-//! them (`sleep`), so only attaching and detaching are measured.
+//! them (`sleep`), so only attaching and detaching are measured. Each size
+//! is measured both ways memtrace attaches (hidden `--attach`): one
+//! `uprobe_multi` link per object and stage (Linux 6.6+, the default there)
+//! and one uprobe perf event per probe (older kernels, the baseline).
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -15,11 +18,18 @@ use super::common::{median, Env};
 
 /// Probed functions asked for (some names may be missing from libc).
 const SIZES: [usize; 2] = [10, 100];
+/// How memtrace attaches, as `--attach` takes it, and how the table says it.
+const ATTACH: [(&str, &str); 2] = [
+    ("multi", "`uprobe_multi` links"),
+    ("perf", "one perf event per probe"),
+];
 /// The trace's window.
 const WINDOW: Duration = Duration::from_secs(2);
 
 pub(super) struct EndRow {
     asked: usize,
+    /// [`ATTACH`]'s description.
+    attach: &'static str,
     outcome: Result<EndRun, String>,
 }
 
@@ -86,7 +96,7 @@ fn pairs_file(env: &Env, names: &[String]) -> Result<std::path::PathBuf> {
 }
 
 /// One trace of a sleeping process: (probed functions, report s, exit s).
-fn one(env: &Env, pairs: &Path) -> Result<(u64, f64, f64)> {
+fn one(env: &Env, pairs: &Path, attach: &str) -> Result<(u64, f64, f64)> {
     let mut target = Command::new("sleep").arg("600").spawn().context("sleep")?;
     let report = env.work.join("ending.json");
     let _ = std::fs::remove_file(&report);
@@ -102,6 +112,8 @@ fn one(env: &Env, pairs: &Path) -> Result<(u64, f64, f64)> {
             ])
             .arg(pairs)
             .args([
+                "--attach",
+                attach,
                 "--duration",
                 &format!("{}s", WINDOW.as_secs()),
                 "--format",
@@ -156,13 +168,16 @@ pub(super) fn bench(env: &Env) -> Vec<EndRow> {
     let rounds = env.rounds.clamp(1, 3);
     SIZES
         .iter()
-        .map(|&asked| {
-            eprintln!("xtask bench:   end of a trace, {asked} functions ({rounds} rounds)");
+        .flat_map(|&asked| ATTACH.iter().map(move |&attach| (asked, attach)))
+        .map(|(asked, (flag, attach))| {
+            eprintln!(
+                "xtask bench:   end of a trace, {asked} functions, --attach {flag} ({rounds} rounds)"
+            );
             let outcome = libc_functions(asked)
                 .and_then(|names| pairs_file(env, &names))
                 .and_then(|pairs| {
                     let runs = (0..rounds)
-                        .map(|_| one(env, &pairs))
+                        .map(|_| one(env, &pairs, flag))
                         .collect::<Result<Vec<_>>>()?;
                     let report: Vec<f64> = runs.iter().map(|r| r.1).collect();
                     let exit: Vec<f64> = runs.iter().map(|r| r.2).collect();
@@ -173,7 +188,11 @@ pub(super) fn bench(env: &Env) -> Vec<EndRow> {
                     })
                 })
                 .map_err(|err| format!("{err:#}"));
-            EndRow { asked, outcome }
+            EndRow {
+                asked,
+                attach,
+                outcome,
+            }
         })
         .collect()
 }
@@ -191,27 +210,30 @@ pub(super) fn render(rows: &[EndRow], s: &mut String) {
     );
     let _ = writeln!(
         s,
-        "| functions asked | probed | report written after | memtrace exited after |"
+        "| functions asked | attached with | probed | report written after | memtrace exited after |"
     );
-    let _ = writeln!(s, "|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|");
     for row in rows {
         match &row.outcome {
             Ok(run) => {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {:.2} s | {:.2} s |",
-                    row.asked, run.probed, run.report_s, run.exit_s
+                    "| {} | {} | {} | {:.2} s | {:.2} s |",
+                    row.asked, row.attach, run.probed, run.report_s, run.exit_s
                 );
             }
             Err(err) => {
-                let _ = writeln!(s, "| {} | failed: {err} | | |", row.asked);
+                let _ = writeln!(s, "| {} | {} | failed: {err} | | |", row.asked, row.attach);
             }
         }
     }
     let _ = writeln!(
         s,
-        "\nDetaching costs the kernel about one uprobe unregistration per probe, serialized \
-         there (closing them from many threads does not overlap them); `uprobe_multi` links \
-         (one per object) would cut it, but aya 0.14 cannot create them.\n"
+        "\nA uprobe perf event's close costs the kernel one uprobe unregistration with \
+         grace-period waits, serialized there (closing them from many threads does not overlap \
+         them). A `uprobe_multi` link (Linux 6.6+: one per traced process, object and entry \
+         stage, plus one for the object's return probes) detaches all its probes in one close. \
+         memtrace uses the links wherever `memtrace doctor` finds them (`--attach perf` forces \
+         perf events, as on older kernels).\n"
     );
 }

@@ -9,6 +9,12 @@
 //!
 //! The full object finds the spec by the attach cookie; the compat object
 //! by the probed address, published in `SPEC_BY_ADDR` as for functions.
+//!
+//! Where functions are attached through `uprobe_multi` links (`multi`), so
+//! is each site: a link of one offset with its semaphore as reference
+//! counter (`usdt_fire` is then loaded for that attach type and cannot go on
+//! a perf event). Sites are attached one by one as they are planned, so one
+//! link per site and process; closing it is still one `close`.
 
 use std::collections::BTreeMap;
 use std::os::fd::AsFd;
@@ -127,9 +133,12 @@ impl Probes {
             .program_mut(USDT)
             .with_context(|| format!("program {USDT} missing from the eBPF object"))?
             .try_into()?;
-        program
-            .load()
-            .map_err(|err| super::program_load_failure(USDT, &self.options, &err))?;
+        let loaded = if self.multi {
+            program.load_for_uprobe_multi()
+        } else {
+            program.load()
+        };
+        loaded.map_err(|err| super::program_load_failure(USDT, &self.options, &err))?;
         self.usdt.loaded = true;
         Ok(())
     }
@@ -185,16 +194,32 @@ impl Probes {
                 None
             }
         };
-        let event = usdt_attach::open_uprobe(&site.path, site.offset, site.semaphore, pid)
-            .with_context(|| format!("pid {pid}: perf_event_open (uprobe)"))?;
         let program: &UProbe = self
             .ebpf
             .program(USDT)
             .with_context(|| format!("program {USDT} missing"))?
             .try_into()?;
         let fd = program.fd()?;
-        let link = usdt_attach::attach(fd.as_fd(), event, cookie)
+        let link = if self.multi {
+            let cookie = u64::from(site.index);
+            let semaphore = site.semaphore.unwrap_or(0);
+            let link = crate::kernel::uprobe_multi::attach(
+                fd.as_fd(),
+                &site.path,
+                &[site.offset],
+                Some(&[cookie]),
+                Some(&[semaphore]),
+                false,
+                pid,
+            )
             .with_context(|| format!("pid {pid}: attaching {USDT}"))?;
+            UsdtLink::Multi(link)
+        } else {
+            let event = usdt_attach::open_uprobe(&site.path, site.offset, site.semaphore, pid)
+                .with_context(|| format!("pid {pid}: perf_event_open (uprobe)"))?;
+            usdt_attach::attach(fd.as_fd(), event, cookie)
+                .with_context(|| format!("pid {pid}: attaching {USDT}"))?
+        };
         self.usdt
             .links
             .entry(pid)
