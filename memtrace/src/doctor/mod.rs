@@ -187,7 +187,8 @@ fn stack_modes() -> [(&'static str, LoadOptions); 3] {
         stack_entries: 16384,
         wakeup_bytes: 64 << 10,
         settle_in_kernel: true,
-        attach: crate::trace::loader::AttachMode::Perf,
+        // As a trace attaches by default: `uprobe_multi` links where found.
+        attach: crate::trace::loader::AttachMode::Auto,
     };
     [
         (Mode::Dwarf.key(), default),

@@ -1138,14 +1138,20 @@ pub struct ProgramLoad {
 /// unloaded on return. An error: the maps could not be created.
 pub fn load_test(options: &LoadOptions) -> Result<Vec<ProgramLoad>, aya::EbpfError> {
     let choice = crate::kernel::variant::choose(true);
+    // Loaded as a trace with these options would load them: for
+    // `uprobe_multi` links where it would use them.
+    let multi = multi::resolve(options.attach, &choice).unwrap_or(false);
     let mut ebpf = open(&variant_options(&choice, options), choice.variant)?;
     let mut results = Vec::new();
     for name in [ENTER, EXIT, USDT, FORKS] {
         let outcome = match ebpf.program_mut(name) {
             None => Err(aya::programs::ProgramError::NotLoaded),
-            Some(aya::programs::Program::UProbe(program)) => {
-                program.load().map(|()| verified_insns(program.info().ok()))
+            Some(aya::programs::Program::UProbe(program)) => if multi {
+                program.load_for_uprobe_multi()
+            } else {
+                program.load()
             }
+            .map(|()| verified_insns(program.info().ok())),
             Some(aya::programs::Program::RawTracePoint(program)) => {
                 program.load().map(|()| verified_insns(program.info().ok()))
             }
