@@ -306,8 +306,6 @@ pub fn in_flight_slot(tid: u32, family: u8) -> u32 {
 pub const HELD_SLOTS: u32 = 16384;
 /// Entries of the held table's address index.
 pub const HELD_HINTS: u32 = 65536;
-/// [`HeldSlot::state`] while user space takes the slot's event.
-pub const HELD_BUSY_USER: u64 = 1;
 
 /// A thread's newest heap allocation, held in the kernel instead of being
 /// sent at once: if the same thread (or any thread, found through the
@@ -317,10 +315,15 @@ pub const HELD_BUSY_USER: u64 = 1;
 /// it is old (the array is memory-mapped by the loader). A held event is
 /// stamped when it leaves the slot, so a settled pair never reads the clock.
 ///
-/// `state` is the slot's lock and version: 0 free; [`held_state`] (even) an
-/// event held by that thread; odd: being written (by its thread) or taken
-/// (by user space, [`HELD_BUSY_USER`]). Every transition is a
-/// compare-and-swap, so a release racing with a flush is seen by exactly one.
+/// `state` is the slot's owner, version and lock: owner 0 free
+/// ([`held_freed`]), else [`held_state`] (even) an event held by that
+/// thread; odd: being written (by its thread) or taken (by user space).
+/// Every transition is a compare-and-swap, so a release racing with a flush
+/// is seen by exactly one, and every transition, freeing included, moves
+/// the version on: a thread that read a state, was preempted and swaps it
+/// later fails if the slot held anything else meanwhile (with a free state
+/// of 0 every hold from free had the same state, and a late release by
+/// another thread settled, and lost, the slot's next block).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeldSlot {
@@ -356,10 +359,22 @@ pub fn held_state(tid: u32, version: u32) -> u64 {
     ((u64::from(tid) + 1) << 32) | (u64::from(version) << 1 & 0xffff_fffe)
 }
 
-/// The thread (+ 1) a held state belongs to (0 for [`HELD_BUSY_USER`]).
+/// The thread (+ 1) a held state belongs to (0: free).
 #[inline(always)]
 pub fn held_owner(state: u64) -> u32 {
     (state >> 32) as u32
+}
+
+/// The version of a slot state.
+#[inline(always)]
+pub fn held_version(state: u64) -> u32 {
+    (state as u32) >> 1
+}
+
+/// The free state that follows `state` (owner 0, the next version).
+#[inline(always)]
+pub fn held_freed(state: u64) -> u64 {
+    u64::from(held_version(state).wrapping_add(1) << 1)
 }
 
 /// Kernel-side counters (a per-CPU array indexed by these values).

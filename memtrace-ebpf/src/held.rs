@@ -37,7 +37,8 @@ use core::{
 
 use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
 use memtrace_common::{
-    held_hint, held_owner, held_slot, held_state, Counter, HeldSlot, WireEvent, HELD_HINTS,
+    held_freed, held_hint, held_owner, held_slot, held_state, held_version, Counter, HeldSlot,
+    WireEvent, HELD_HINTS,
     HELD_SLOTS,
 };
 
@@ -121,7 +122,8 @@ pub fn hold(event: &WireEvent) -> bool {
     // SAFETY: `slot` is an element of an array map.
     let state_word = unsafe { addr_of_mut!((*slot).state) };
     let state = load(state_word);
-    if state & 1 != 0 || (state != 0 && held_owner(state) != tid + 1) {
+    let owner = held_owner(state);
+    if state & 1 != 0 || (owner != 0 && owner != tid + 1) {
         // Another thread's slot, or user space is taking this one.
         return false;
     }
@@ -129,7 +131,7 @@ pub fn hold(event: &WireEvent) -> bool {
     let hint = held_hint(event.addr);
     // SAFETY: the slot's event is only rewritten by its owner, this thread.
     let old_addr = unsafe { read_volatile(addr_of!((*slot).event.addr)) };
-    let old_hint = if state == 0 {
+    let old_hint = if owner == 0 {
         u32::MAX
     } else {
         held_hint(old_addr)
@@ -141,9 +143,9 @@ pub fn hold(event: &WireEvent) -> bool {
     if !shared && !swap(entry, 0, holder) {
         return false;
     }
-    let version = (state as u32) >> 1;
-    if state == 0 {
-        if !swap(state_word, 0, held_state(tid, 0) | 1) {
+    let version = held_version(state);
+    if owner == 0 {
+        if !swap(state_word, state, held_state(tid, version) | 1) {
             release_hint(hint, holder);
             return false;
         }
@@ -203,11 +205,11 @@ pub fn settle(pid_tgid: u64, ptr: u64, spec: u16, release: bool) -> bool {
     // SAFETY: `slot` is an element of an array map.
     let state_word = unsafe { addr_of_mut!((*slot).state) };
     let state = load(state_word);
-    if state != 0 && state & 1 == 0 && held_owner(state) == tid + 1 {
+    if state & 1 == 0 && held_owner(state) == tid + 1 {
         // SAFETY: the slot's event is only rewritten by its owner, this thread.
         let (addr, owner) = unsafe { ((*slot).event.addr, (*slot).event.pid) };
         if addr == ptr && owner == pid {
-            if !swap(state_word, state, 0) {
+            if !swap(state_word, state, held_freed(state)) {
                 // User space took it this instant: the release is sent after it.
                 return false;
             }
@@ -268,7 +270,7 @@ fn settle_elsewhere(pid: u32, ptr: u64, own: u32) -> bool {
     // SAFETY: `slot` is an element of an array map.
     let state_word = unsafe { addr_of_mut!((*slot).state) };
     let state = load(state_word);
-    if state == 0 || state & 1 != 0 {
+    if held_owner(state) == 0 || state & 1 != 0 {
         return false;
     }
     // SAFETY: read under an even state; the swap below fails if the owner
@@ -279,7 +281,7 @@ fn settle_elsewhere(pid: u32, ptr: u64, own: u32) -> bool {
             read_volatile(addr_of!((*slot).event.pid)),
         )
     };
-    if addr != ptr || owner != pid || !swap(state_word, state, 0) {
+    if addr != ptr || owner != pid || !swap(state_word, state, held_freed(state)) {
         return false;
     }
     swap(entry, holder, 0);

@@ -10,7 +10,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use memtrace_common::{
-    held_hint, held_slot, HeldSlot, WireEvent, HELD_BUSY_USER, HELD_HINTS, HELD_SLOTS,
+    held_freed, held_hint, held_owner, held_slot, HeldSlot, WireEvent, HELD_HINTS, HELD_SLOTS,
 };
 
 /// A shared, writable mapping of a BPF array map.
@@ -119,13 +119,13 @@ impl HeldTable {
                     continue;
                 }
             }
-            if state == 0 || state & 1 != 0 {
+            if held_owner(state) == 0 || state & 1 != 0 {
                 continue;
             }
             let taken_ns = crate::trace::monotonic_ns();
             if self
                 .state(index)
-                .compare_exchange(state, HELD_BUSY_USER, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(state, state | 1, Ordering::AcqRel, Ordering::Relaxed)
                 .is_err()
             {
                 // Settled, sent or replaced meanwhile.
@@ -141,7 +141,10 @@ impl HeldTable {
                 Ordering::AcqRel,
                 Ordering::Relaxed,
             );
-            self.state(index).store(0, Ordering::Release);
+            // Free, at the next version: a release that read the held state
+            // before the take cannot settle whatever the slot holds next.
+            self.state(index)
+                .store(held_freed(state), Ordering::Release);
             debug_assert_eq!(held_slot(event.tid), index);
             event.ts_ns = taken_ns;
             out.push(event);
@@ -226,7 +229,12 @@ mod tests {
         assert_eq!(out.len(), 1);
         assert_eq!((out[0].tid, out[0].addr), (11, 0x1000));
         assert!((before..=after).contains(&out[0].ts_ns), "{}", out[0].ts_ns);
-        assert_eq!(table.state(old).load(Ordering::Acquire), 0);
+        // Free, at the next version (never the state it was taken from).
+        assert_eq!(
+            table.state(old).load(Ordering::Acquire),
+            held_freed(held_state(11, 1))
+        );
+        assert_eq!(held_owner(table.state(old).load(Ordering::Acquire)), 0);
         assert_eq!(table.hint(held_hint(0x1000)).load(Ordering::Acquire), 0);
         assert_ne!(table.state(young).load(Ordering::Acquire), 0);
 
@@ -241,5 +249,26 @@ mod tests {
         assert_eq!((out[0].tid, out[0].addr), (12, 0x2800));
         assert_eq!(table.hint(held_hint(0x2800)).load(Ordering::Acquire), 0);
         assert_eq!(table.state(busy).load(Ordering::Acquire) & 1, 1);
+    }
+
+    /// Every transition moves the version on, freeing included, so a state
+    /// read before a slot was freed and held again never matches it (the
+    /// ABA a late cross-thread release hit when free was always 0).
+    #[test]
+    fn freed_states_never_repeat_a_held_state() {
+        let held = held_state(5, 1);
+        let freed = held_freed(held);
+        assert_eq!(held_owner(freed), 0);
+        assert_eq!(freed & 1, 0);
+        // The kernel holds from a free state at its version, then publishes
+        // the next one: never the state held before the free.
+        let version = memtrace_common::held_version(freed);
+        let again = held_state(5, version.wrapping_add(1));
+        assert_ne!(again, held);
+        assert_ne!(held_freed(again), freed);
+        // The version wraps within its 31 bits.
+        let last = held_state(5, u32::MAX >> 1);
+        assert_eq!(held_owner(held_freed(last)), 0);
+        assert_eq!(memtrace_common::held_version(held_freed(last)), 0);
     }
 }
