@@ -117,9 +117,26 @@ check_launch() {
     fi
 }
 
+# collided FILE: true when a report counted a kernel stack-map collision
+# (`--stacks fp` keeps stacks in the kernel's stack map, which refuses a
+# stack whose bucket another holds: the block is kept, counted, stackless).
+collided() {
+    n=$(grep -o '"stack_collision": *[0-9]*' "$1" 2>/dev/null | grep -o '[0-9]*$' | head -n 1)
+    [ -n "$n" ] && [ "$n" -gt 0 ]
+}
+
 check_fp() {
     mt fp --stacks fp --format json --top 500 --output "$WORK/fp.json" -- "$FIXTURES/leak_sites" 0 0
-    judge fp "$WORK/fp.json" $LEAK_SITES
+    judge fp "$WORK/fp.json" $LEAK_SITES >"$WORK/fp.verdict"
+    if grep -q "^MATRIX fp FAIL" "$WORK/fp.verdict" && collided "$WORK/fp.json"; then
+        # A counted collision moved a block to a stackless site: once more.
+        first=$(sed 's/^MATRIX fp FAIL //' "$WORK/fp.verdict")
+        mt fp --stacks fp --format json --top 500 --output "$WORK/fp.json" -- "$FIXTURES/leak_sites" 0 0
+        judge fp "$WORK/fp.json" $LEAK_SITES >"$WORK/fp.verdict"
+        sed "s|\$| (second run: the first lost a stack to a counted kernel stack-map collision: $first)|" "$WORK/fp.verdict"
+        return
+    fi
+    cat "$WORK/fp.verdict"
 }
 
 check_depth0() {

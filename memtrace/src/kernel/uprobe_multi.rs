@@ -18,7 +18,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -125,13 +125,7 @@ fn link_create(attr: &[u8; ATTR_SIZE]) -> io::Result<OwnedFd> {
             ATTR_SIZE as libc::c_uint,
         )
     };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = libc::c_int::try_from(fd)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "descriptor out of range"))?;
-    // SAFETY: the kernel just returned this descriptor, owned by no one else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::kernel::syscall_fd::owned(fd)
 }
 
 /// Attaches `program` (loaded for `BPF_TRACE_UPROBE_MULTI`) at `offsets` of
@@ -193,13 +187,7 @@ fn load_probe_program() -> io::Result<OwnedFd> {
     // SAFETY: `attr` is a zero-filled BPF_PROG_LOAD attribute of the size
     // passed; the instructions and license it points to outlive the call.
     let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_LOAD, attr.as_ptr(), attr.len()) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = libc::c_int::try_from(fd)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "descriptor out of range"))?;
-    // SAFETY: the kernel just returned this descriptor, owned by no one else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::kernel::syscall_fd::owned(fd)
 }
 
 /// What [`probe`] found.

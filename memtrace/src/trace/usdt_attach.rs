@@ -12,7 +12,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -108,13 +108,7 @@ pub fn open_uprobe(
             PERF_FLAG_FD_CLOEXEC,
         )
     };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = libc::c_int::try_from(fd)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "descriptor out of range"))?;
-    // SAFETY: the kernel just returned this descriptor, owned by no one else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::kernel::syscall_fd::owned(fd)
 }
 
 /// Attaches `program` to the uprobe `event` with `cookie` (through a BPF
@@ -146,14 +140,7 @@ pub fn attach(
                     attr.len() as libc::c_uint,
                 )
             };
-            if fd < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let fd = libc::c_int::try_from(fd).map_err(|_| {
-                io::Error::new(io::ErrorKind::InvalidData, "descriptor out of range")
-            })?;
-            // SAFETY: the kernel just returned this descriptor, owned by no one else.
-            Some(unsafe { OwnedFd::from_raw_fd(fd) })
+            Some(crate::kernel::syscall_fd::owned(fd)?)
         }
         None => {
             // SAFETY: both descriptors are open for the call; the ioctl
