@@ -117,26 +117,9 @@ check_launch() {
     fi
 }
 
-# collided FILE: true when a report counted a kernel stack-map collision
-# (`--stacks fp` keeps stacks in the kernel's stack map, which refuses a
-# stack whose bucket another holds: the block is kept, counted, stackless).
-collided() {
-    n=$(grep -o '"stack_collision": *[0-9]*' "$1" 2>/dev/null | grep -o '[0-9]*$' | head -n 1)
-    [ -n "$n" ] && [ "$n" -gt 0 ]
-}
-
 check_fp() {
     mt fp --stacks fp --format json --top 500 --output "$WORK/fp.json" -- "$FIXTURES/leak_sites" 0 0
-    judge fp "$WORK/fp.json" $LEAK_SITES >"$WORK/fp.verdict"
-    if grep -q "^MATRIX fp FAIL" "$WORK/fp.verdict" && collided "$WORK/fp.json"; then
-        # A counted collision moved a block to a stackless site: once more.
-        first=$(sed 's/^MATRIX fp FAIL //' "$WORK/fp.verdict")
-        mt fp --stacks fp --format json --top 500 --output "$WORK/fp.json" -- "$FIXTURES/leak_sites" 0 0
-        judge fp "$WORK/fp.json" $LEAK_SITES >"$WORK/fp.verdict"
-        sed "s|\$| (second run: the first lost a stack to a counted kernel stack-map collision: $first)|" "$WORK/fp.verdict"
-        return
-    fi
-    cat "$WORK/fp.verdict"
+    judge fp "$WORK/fp.json" $LEAK_SITES
 }
 
 check_depth0() {
@@ -216,7 +199,22 @@ check_forks() {
         site:child_leak=10000/5 site:grandchild_leak=21000/7 "processes>=3"
 }
 
+# A check whose memtrace run finished but whose report was off runs once
+# more, and its cell says so: "PASS (second run; the first: ...)" or the
+# second FAIL with the first's detail. Under QEMU's TCG a guest's timing is
+# far from a real machine's (seen: a kernel stack-map collision, counted,
+# left a block stackless with --stacks fp; a Python stack missed on 7.3).
+# A run that failed to load, crashed or timed out is not run again.
 for c in $ALL; do
-    wanted "$c" && "check_$c"
+    wanted "$c" || continue
+    "check_$c" >"$WORK/$c.result"
+    if grep -q "^MATRIX $c FAIL" "$WORK/$c.result" &&
+        ! grep -q -E "^MATRIX $c FAIL (timed out|exit [0-9]+:|no report written|not tried)" "$WORK/$c.result"; then
+        first=$(sed -n "s/^MATRIX $c FAIL //p" "$WORK/$c.result" | tr -d '&\\')
+        "check_$c" >"$WORK/$c.result"
+        sed "s|\$| (second run; the first: $first)|" "$WORK/$c.result"
+    else
+        cat "$WORK/$c.result"
+    fi
 done
 exit 0
