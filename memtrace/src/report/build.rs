@@ -444,6 +444,7 @@ fn event_counts(
         table_full: counts.table_full,
         mappings_trimmed: counts.mappings_trimmed,
         unmaps_untracked: counts.unmaps_untracked,
+        addresses_reused: counts.addresses_reused,
     }
 }
 

@@ -237,6 +237,9 @@ pub struct EventCounts {
     /// `munmap` ranges that met no traced mapping (mapped before the
     /// attach, from a file, or by the dynamic loader): not anomalies.
     pub unmaps_untracked: u64,
+    /// Allocations at an address still live in the table with no release of
+    /// its block seen (the old block is dropped): releases no probe saw.
+    pub addresses_reused: u64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]

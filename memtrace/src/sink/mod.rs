@@ -257,6 +257,7 @@ pub(crate) mod fixture {
                 table_full: 0,
                 mappings_trimmed: 0,
                 unmaps_untracked: 0,
+                addresses_reused: 0,
             },
             lost_by_cause: [("ringbuf_full".to_string(), 0)].into_iter().collect(),
             stack_failures_by_cause: BTreeMap::new(),

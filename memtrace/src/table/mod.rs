@@ -96,6 +96,10 @@ pub struct Counts {
     /// attach, from a file, or by an untraced path such as the dynamic
     /// loader's own `mmap`).
     pub unmaps_untracked: u64,
+    /// Allocations at an address still live here, with no release of the
+    /// block there seen: the old block is dropped (released through a path
+    /// no probe saw, or an event lost upstream).
+    pub addresses_reused: u64,
     /// Failed calls by (spec, return code).
     pub failed: BTreeMap<(u16, i64), u64>,
 }
@@ -297,6 +301,7 @@ impl LiveTable {
         // through an untraced path): the new block replaces the old one.
         self.add_to_origin(&block);
         if let Some(replaced) = self.insert_block(key, block) {
+            self.counts.addresses_reused += 1;
             self.forget(&replaced);
         }
     }
@@ -498,9 +503,17 @@ mod tests {
         let mut table = LiveTable::new(100);
         table.apply(&alloc(0x10, 48), Domain::Heap);
         table.apply(&alloc(0x20, 16), Domain::Heap);
-        // The same address handed out again: the old block is replaced.
+        assert_eq!(table.counts().addresses_reused, 0);
+        // The same address handed out again: the old block is replaced, and
+        // that is counted (its release went by unseen).
         table.apply(&alloc(0x20, 8), Domain::Heap);
+        assert_eq!(table.counts().addresses_reused, 1);
         table.apply(&realloc(0x10, 0x30, 100), Domain::Heap);
+        assert_eq!(
+            table.counts().addresses_reused,
+            1,
+            "a realloc moves its block"
+        );
         let (kept, summed) = origin_totals(&table);
         assert_eq!(kept, summed);
         assert_eq!(kept, vec![(1, 8, 1), (2, 100, 1)]);

@@ -215,6 +215,7 @@ fn json_has_the_contract_keys() {
         "stack_failures",
         "mappings_trimmed",
         "unmaps_untracked",
+        "addresses_reused",
     ] {
         assert!(value["events"].get(key).is_some(), "missing events.{key}");
     }
