@@ -645,16 +645,7 @@ mod tests {
             pid: 4242,
             comm: "server".into(),
             live_bytes: 64,
-            placement: crate::target::container::Placement {
-                ns_pid: Some(7),
-                container_id: Some("ab".repeat(32)),
-                container_runtime: Some("containerd".into()),
-                pod_uid: Some("0a1b2c3d-4e5f-6789-abcd-ef0123456789".into()),
-                pod_name: Some("web-0".into()),
-                pod_namespace: Some("shop".into()),
-                container_name: Some("app".into()),
-                ..Default::default()
-            },
+            placement: crate::target::container::Placement::sample_pod(),
             ..Default::default()
         }];
         let samples = parse(&render(&report));

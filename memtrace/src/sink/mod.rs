@@ -330,16 +330,7 @@ mod tests {
     #[test]
     fn every_format_but_folded_names_the_pod() {
         let mut report = fixture::report();
-        report.target.placement = crate::target::container::Placement {
-            ns_pid: Some(7),
-            container_id: Some("ab".repeat(32)),
-            container_runtime: Some("containerd".into()),
-            pod_uid: Some("0a1b2c3d-4e5f-6789-abcd-ef0123456789".into()),
-            pod_name: Some("web-0".into()),
-            pod_namespace: Some("shop".into()),
-            container_name: Some("app".into()),
-            ..Default::default()
-        };
+        report.target.placement = crate::target::container::Placement::sample_pod();
         for format in [
             Format::Text,
             Format::Json,

@@ -209,6 +209,24 @@ pub fn container(path: &str) -> Placement {
     placement
 }
 
+/// A pod's container placement with every field set, for tests of the
+/// places that show it.
+#[cfg(test)]
+impl Placement {
+    pub fn sample_pod() -> Self {
+        Placement {
+            ns_pid: Some(7),
+            container_id: Some("ab".repeat(32)),
+            container_runtime: Some("containerd".into()),
+            pod_uid: Some("0a1b2c3d-4e5f-6789-abcd-ef0123456789".into()),
+            pod_name: Some("web-0".into()),
+            pod_namespace: Some("shop".into()),
+            container_name: Some("app".into()),
+            ..Default::default()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -287,13 +287,8 @@ mod tests {
             processes: vec![WatchedProcess {
                 pid: 42,
                 placement: crate::target::container::Placement {
-                    container_id: Some("ab".repeat(32)),
-                    container_runtime: Some("containerd".into()),
-                    pod_uid: Some("0a1b2c3d-4e5f-6789-abcd-ef0123456789".into()),
-                    pod_name: Some("web-0".into()),
-                    pod_namespace: Some("shop".into()),
-                    container_name: Some("app".into()),
-                    ..Default::default()
+                    ns_pid: None,
+                    ..crate::target::container::Placement::sample_pod()
                 },
             }],
             restarts_seen: 0,
