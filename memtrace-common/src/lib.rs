@@ -537,6 +537,48 @@ pub struct PyFrameRaw {
     pub instr: u64,
 }
 
+/// The FNV-1a seed of a Python stack's hash ([`py_hash_frame`]).
+pub const PY_HASH_SEED: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// A Python stack's hash with one more frame: the kernel folds each frame
+/// in as it reads it; user space folds a stored stack's frames again to
+/// check that the map entry is the stack its key names.
+#[inline(always)]
+pub fn py_hash_frame(hash: u64, code: u64, instr: u64) -> u64 {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let hash = (hash ^ code).wrapping_mul(PRIME);
+    (hash ^ instr).wrapping_mul(PRIME)
+}
+
+/// The `PY_STACKS` key of a stack with this hash and frame count (never 0,
+/// which means "no Python stack").
+#[inline(always)]
+pub fn py_stack_key(hash: u64, len: u32) -> u32 {
+    let id = ((hash >> 32) ^ hash) as u32 ^ len;
+    if id == 0 {
+        1
+    } else {
+        id
+    }
+}
+
+impl PyStack {
+    /// Whether this entry is the stack `key` names: its frames fold to its
+    /// hash and its hash and length to the key. A stored entry fails when
+    /// another read on its CPU overwrote the scratch copy it was stored
+    /// from (user space then drops it rather than show foreign frames).
+    pub fn matches_key(&self, key: u32) -> bool {
+        let len = self.len as usize;
+        let Some(frames) = self.frames.get(..len) else {
+            return false;
+        };
+        let hash = frames
+            .iter()
+            .fold(PY_HASH_SEED, |h, f| py_hash_frame(h, f.code, f.instr));
+        hash == self.hash && py_stack_key(hash, self.len) == key
+    }
+}
+
 /// A Python stack in the `PY_STACKS` map, innermost frame first.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -627,6 +669,40 @@ mod user {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_python_stack_matches_only_the_key_of_its_own_frames() {
+        let mut stack = PyStack {
+            frames: [PyFrameRaw { code: 0, instr: 0 }; PY_MAX_DEPTH],
+            len: 3,
+            truncated: 0,
+            hash: PY_HASH_SEED,
+        };
+        for (i, frame) in stack.frames.iter_mut().take(3).enumerate() {
+            let i = i as u64;
+            *frame = PyFrameRaw {
+                code: 0x7f00_0000 + i * 0x40,
+                instr: 0x7f10_0000 + i,
+            };
+            stack.hash = py_hash_frame(stack.hash, frame.code, frame.instr);
+        }
+        let key = py_stack_key(stack.hash, stack.len);
+        assert_ne!(key, 0);
+        assert!(stack.matches_key(key));
+        assert!(!stack.matches_key(key ^ 1), "another key");
+        // Frames past `len` are stale and do not count.
+        stack.frames[5].code = 99;
+        assert!(stack.matches_key(key));
+        let mut overwritten = stack;
+        overwritten.frames[1].instr += 1;
+        assert!(!overwritten.matches_key(key), "a frame not of this stack");
+        let mut shorter = stack;
+        shorter.len = 2;
+        assert!(!shorter.matches_key(key));
+        shorter.len = PY_MAX_DEPTH as u32 + 1;
+        assert!(!shorter.matches_key(key), "a length past the frames");
+        assert_eq!(py_stack_key(0, 0), 1, "0 means no stack");
+    }
     use super::*;
 
     #[test]

@@ -31,7 +31,10 @@ use aya_ebpf::{
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
-use memtrace_common::{Counter, PyProc, PyStack, PY_MAX_DEPTH, PY_MAX_THREADS, PY_OFF_NONE};
+use memtrace_common::{
+    py_hash_frame, py_stack_key, Counter, PyProc, PyStack, PY_HASH_SEED, PY_MAX_DEPTH,
+    PY_MAX_THREADS, PY_OFF_NONE,
+};
 
 /// Per-process reading recipe, by tgid; filled by the loader.
 #[map]
@@ -52,9 +55,10 @@ static PY_THREAD_WALK: PerCpuArray<ThreadWalk> = PerCpuArray::with_max_entries(1
 /// The frame walk's state, per CPU.
 #[map]
 static PY_FRAME_WALK: PerCpuArray<FrameWalk> = PerCpuArray::with_max_entries(1, 0);
-/// Python stacks read on this CPU: a read that sees the count changed when
-/// it ends was preempted by another on its CPU (whose state it shares) and
-/// is counted as failed (`py_read_fault`), never stored.
+/// Python stacks read on this CPU: a read that sees the count changed before
+/// it stores its stack was preempted by another on its CPU (whose walk state
+/// and scratch stack it shares) and is counted as failed (`py_read_fault`),
+/// never stored; one that sees it changed after storing takes the entry back.
 #[map]
 static PY_READS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
@@ -195,12 +199,7 @@ pub extern "C" fn memtrace_python_stack(pid_tgid: u64) -> u32 {
         return 0;
     };
     let started = bump_reads();
-    let result = read_stack(pid_tgid, proc);
-    if reads() != started {
-        crate::bump(Counter::PyReadFault);
-        return 0;
-    }
-    match result {
+    match read_stack(pid_tgid, proc, started) {
         Ok(id) => id,
         Err(counter) => {
             crate::bump(counter);
@@ -286,15 +285,14 @@ extern "C" fn frame_step(_index: u64, _ctx: *mut c_void) -> i64 {
     };
     slot.code = code;
     slot.instr = instr;
-    walk.hash = (walk.hash ^ code).wrapping_mul(0x0000_0100_0000_01b3);
-    walk.hash = (walk.hash ^ instr).wrapping_mul(0x0000_0100_0000_01b3);
+    walk.hash = py_hash_frame(walk.hash, code, instr);
     walk.len += 1;
     walk.frame = previous;
     0
 }
 
 #[inline(always)]
-fn read_stack(pid_tgid: u64, proc: &PyProc) -> Result<u32, Counter> {
+fn read_stack(pid_tgid: u64, proc: &PyProc, started: u64) -> Result<u32, Counter> {
     let tstate = thread_state(pid_tgid, proc)?;
     let mut frame =
         read_u64(tstate + u64::from(proc.tstate_frame)).map_err(|_| Counter::PyReadFault)?;
@@ -306,7 +304,7 @@ fn read_stack(pid_tgid: u64, proc: &PyProc) -> Result<u32, Counter> {
     let walk = unsafe { &mut *walk };
     *walk = FrameWalk {
         frame,
-        hash: 0xcbf2_9ce4_8422_2325,
+        hash: PY_HASH_SEED,
         len: 0,
         code_off: u64::from(proc.frame_code),
         previous_off: u64::from(proc.frame_previous),
@@ -344,21 +342,34 @@ fn read_stack(pid_tgid: u64, proc: &PyProc) -> Result<u32, Counter> {
     // reader).
     let hash = walk.hash;
     stack.hash = hash;
-    let mut id = ((hash >> 32) ^ hash) as u32 ^ (len as u32);
-    if id == 0 {
-        id = 1;
+    let id = py_stack_key(hash, len as u32);
+    // A read on this CPU that ran since this one began (this one was
+    // preempted) rewrote the walk state and the scratch stack: nothing of
+    // them may be stored or trusted.
+    if reads() != started {
+        return Err(Counter::PyReadFault);
     }
     // SAFETY: the stored stack is only compared, while the map keeps it.
     if let Some(stored) = unsafe { PY_STACKS.get(&id) } {
-        return if stored.hash == hash && stored.len == stack.len {
+        return if stored.hash == hash && stored.len == len as u32 {
             Ok(id)
         } else {
             Err(Counter::PyHashCollision)
         };
     }
     match PY_STACKS.insert(&id, stack, BPF_NOEXIST) {
-        Ok(()) => Ok(id),
-        // Another CPU stored it just now; it is checked at the next use.
+        Ok(()) => {
+            // Preempted between the check above and the copy: what was
+            // stored may hold the preempting read's frames under this
+            // stack's key, and first writer wins. Taken back.
+            if reads() != started {
+                let _ = PY_STACKS.remove(&id);
+                return Err(Counter::PyReadFault);
+            }
+            Ok(id)
+        }
+        // Another CPU stored it just now; user space checks every stored
+        // stack against its key before it uses it.
         Err(err) if err == -EEXIST => Ok(id),
         Err(_) => Err(Counter::PyStackMapFull),
     }

@@ -716,6 +716,7 @@ mod tests {
             reason: None,
             stacks: 3,
             unresolved_frames: 0,
+            stacks_rejected: 0,
         };
         stacks.python.set_interpreter(interpreter, None);
         let frame = |name: &str, file: &str, line| PyFrame {

@@ -313,6 +313,11 @@ pub struct Settings {
     pub warmup_ms: u64,
     pub interval_ms: Option<u64>,
     pub suppress_file: Option<String>,
+    /// How the probes were attached: `uprobe_multi` (one BPF link per
+    /// process, object and stage) or `perf_event` (one per probe); absent
+    /// in records written before it was kept.
+    #[serde(default)]
+    pub attach: Option<String>,
 }
 
 /// Everything the builder reads.

@@ -345,6 +345,12 @@ fn python_line(found: &crate::interp::python::Interpreter) -> String {
         if found.unresolved_frames > 0 {
             how.push_str(&format!(", {} frames unresolved", found.unresolved_frames));
         }
+        if found.stacks_rejected > 0 {
+            how.push_str(&format!(
+                ", {} stacks rejected: their stored frames did not match their key",
+                found.stacks_rejected
+            ));
+        }
         how.push(')');
         how
     } else {
@@ -544,6 +550,7 @@ mod tests {
             reason: None,
             stacks: 4,
             unresolved_frames: 1,
+            stacks_rejected: 0,
         };
         assert_eq!(
             python_line(&found),

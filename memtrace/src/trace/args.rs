@@ -202,7 +202,7 @@ pub struct TraceArgs {
 
     /// How probes are attached: `uprobe_multi` links (one per object and
     /// process, Linux 6.6+: fast to attach and detach), one perf event per
-    /// probe, or auto (perf events, see `AttachMode`). For benchmarks and tests.
+    /// probe, or auto (links where the kernel has them). For benchmarks and tests.
     #[arg(long, value_enum, hide = true, default_value_t = crate::trace::loader::AttachMode::Auto)]
     pub attach: crate::trace::loader::AttachMode,
 

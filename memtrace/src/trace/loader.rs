@@ -727,6 +727,16 @@ impl Probes {
         &self.variant
     }
 
+    /// How the probes are attached, as the report's `settings.attach` names
+    /// it: `uprobe_multi` links or one `perf_event` per probe.
+    pub fn attach_method(&self) -> &'static str {
+        if self.multi {
+            "uprobe_multi"
+        } else {
+            "perf_event"
+        }
+    }
+
     /// Stops tracing a process (it exited): detaches its probes, entries first.
     pub fn remove_process(&mut self, pid: u32) {
         if let Some(unwind) = self.unwind.as_mut() {

@@ -100,6 +100,7 @@ impl PythonWatch {
             reason: None,
             stacks: 0,
             unresolved_frames: 0,
+            stacks_rejected: 0,
         };
         let planned = ProcMem::open(pid)
             .map_err(|err| format!("cannot read /proc/{pid}/mem: {err}"))

@@ -72,6 +72,7 @@ impl Session<'_> {
                 warmup_ms: millis(args.warmup),
                 interval_ms: args.interval.map(millis),
                 suppress_file: args.suppress.as_ref().map(|p| p.display().to_string()),
+                attach: Some(probes.attach_method().to_string()),
             },
             notes,
             reconciliation,

@@ -41,6 +41,11 @@ pub struct Interpreter {
     pub stacks: u64,
     /// Frames whose code object could not be read from the target's memory.
     pub unresolved_frames: u64,
+    /// Stacks the kernel's map held under a key their frames do not hash to
+    /// (a read overwritten on its CPU): their blocks are shown without
+    /// Python frames rather than with another stack's.
+    #[serde(default)]
+    pub stacks_rejected: u64,
 }
 
 /// How to read one process's Python frames.
@@ -89,6 +94,8 @@ pub struct PyStacks {
     canonical: HashMap<u32, u32>,
     /// Stacks marked as cut in the kernel (deeper than its limit).
     truncated: std::collections::HashSet<u32>,
+    /// Kernel ids whose stored stack did not match its key (never shown).
+    rejected: std::collections::HashSet<u32>,
 }
 
 impl PyStacks {
@@ -110,16 +117,26 @@ impl PyStacks {
         self.interpreters.values()
     }
 
+    /// Whether `id` was learnt (or rejected): nothing more to read of it.
     pub fn contains(&self, id: u32) -> bool {
-        self.stacks.contains_key(&id)
+        self.stacks.contains_key(&id) || self.rejected.contains(&id)
     }
 
-    /// Resolves the kernel's stack `id`, read for process `pid`.
+    /// Resolves the kernel's stack `id`, read for process `pid`; a stored
+    /// stack that is not the one its key names is rejected and counted.
     pub fn learn(&mut self, pid: u32, id: u32, raw: &PyStack, mem: &dyn resolve::Memory) {
         let Some(layout) = self.layouts.get(&pid).copied() else {
             log::debug!("pid {pid}: Python stack {id:#x} of a process without a layout");
             return;
         };
+        if !raw.matches_key(id) {
+            log::debug!("pid {pid}: Python stack {id:#x}: its frames do not hash to its key");
+            self.rejected.insert(id);
+            if let Some(info) = self.interpreters.get_mut(&pid) {
+                info.stacks_rejected += 1;
+            }
+            return;
+        }
         let len = (raw.len as usize).min(raw.frames.len());
         let mut unresolved = 0;
         let frames: Vec<PyFrame> = raw.frames[..len]
@@ -202,6 +219,59 @@ mod tests {
         assert_eq!(store.canonical(9), 9);
         assert_eq!(store.canonical(0), 0);
         assert_eq!(store.frames(5).map(<[PyFrame]>::len), Some(2));
+    }
+
+    #[test]
+    fn a_stored_stack_that_is_not_its_keys_is_rejected_and_counted() {
+        use memtrace_common::{py_hash_frame, py_stack_key, PyFrameRaw, PY_HASH_SEED};
+        struct NoMem;
+        impl resolve::Memory for NoMem {
+            fn read(&self, _: u64, _: &mut [u8]) -> bool {
+                false
+            }
+        }
+        let stored = |frames: &[(u64, u64)]| {
+            let mut raw = PyStack {
+                frames: [PyFrameRaw { code: 0, instr: 0 }; memtrace_common::PY_MAX_DEPTH],
+                len: frames.len() as u32,
+                truncated: 0,
+                hash: PY_HASH_SEED,
+            };
+            for (slot, &(code, instr)) in raw.frames.iter_mut().zip(frames) {
+                *slot = PyFrameRaw { code, instr };
+                raw.hash = py_hash_frame(raw.hash, code, instr);
+            }
+            raw
+        };
+        let mut store = PyStacks::default();
+        let info = Interpreter {
+            pid: 7,
+            version: "3.11".into(),
+            object: "python3.11".into(),
+            frames_read: true,
+            reason: None,
+            stacks: 0,
+            unresolved_frames: 0,
+            stacks_rejected: 0,
+        };
+        store.set_interpreter(info, layout::for_minor(11));
+        let own = stored(&[(0x1000, 0x10), (0x2000, 0x20)]);
+        let own_key = py_stack_key(own.hash, own.len);
+        // What a preempted read stored: another stack's frames, this key.
+        let mut overwritten = stored(&[(0x3000, 0x30), (0x4000, 0x40)]);
+        overwritten.hash = own.hash;
+        let foreign = stored(&[(0x3000, 0x30), (0x4000, 0x40)]);
+        store.learn(7, own_key ^ 1, &foreign, &NoMem);
+        store.learn(7, own_key, &overwritten, &NoMem);
+        let found = store.interpreters().next().expect("interpreter");
+        assert_eq!((found.stacks, found.stacks_rejected), (0, 2));
+        assert!(store.contains(own_key), "rejected ids are not read again");
+        assert!(store.frames(own_key).is_none(), "never shown");
+
+        let mut store = PyStacks::default();
+        store.set_interpreter(found.clone(), layout::for_minor(11));
+        store.learn(7, own_key, &own, &NoMem);
+        assert_eq!(store.frames(own_key).map(<[PyFrame]>::len), Some(2));
     }
 
     #[test]

@@ -12,8 +12,8 @@
 //! cannot be created the object's functions are attached one by one (links
 //! of one offset), so one bad function is named and the rest are traced.
 //!
-//! Chosen with the hidden `--attach perf|multi|auto` (default auto: multi
-//! where the kernel has usable links and the full object is loaded).
+//! Chosen with the hidden `--attach perf|multi|auto` (default auto: links
+//! where the kernel has usable ones and the full object is loaded).
 
 use std::path::{Path, PathBuf};
 
@@ -26,17 +26,10 @@ use crate::kernel::variant::{Choice, Variant};
 use crate::probe::plan::PlannedProbe;
 
 /// How probes are attached (hidden `--attach`).
-///
-/// `auto` attaches perf events: with `uprobe_multi` links, traces of
-/// `settle_mix` under CPU load on 6.18 sometimes missed events from the
-/// first moments after "tracing" was printed (the links were created
-/// before it; 5 of about 100 runs, none of 60 with perf events, none when
-/// the workload started a second later), which "nothing lost silently"
-/// forbids until it is understood. Links stay one flag away for their
-/// detach speed (`cargo xtask bench --section ending`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum AttachMode {
-    /// Perf events (see above; `uprobe_multi` links only when asked for).
+    /// `uprobe_multi` links where the kernel has usable ones and the full
+    /// eBPF object is loaded; one perf event per probe elsewhere.
     #[default]
     Auto,
     /// One uprobe perf event per probe (every kernel).
@@ -48,7 +41,7 @@ pub enum AttachMode {
 /// Whether this trace attaches through `uprobe_multi` links; an error when
 /// `--attach multi` was asked for and the kernel or object cannot.
 pub fn resolve(mode: AttachMode, variant: &Choice) -> anyhow::Result<bool> {
-    if mode != AttachMode::Multi {
+    if mode == AttachMode::Perf {
         return Ok(false);
     }
     let support = match variant.variant {
@@ -323,6 +316,28 @@ impl Probes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn perf_events_wherever_links_are_not_asked_or_cannot_carry_cookies() {
+        let compat = Choice {
+            variant: Variant::Compat,
+            missing: Vec::new(),
+            forced: true,
+        };
+        let full = Choice {
+            variant: Variant::Full,
+            ..compat.clone()
+        };
+        // Neither touches the kernel: perf is asked for, or compat has no cookies.
+        assert!(!resolve(AttachMode::Perf, &full).expect("perf"));
+        assert!(!resolve(AttachMode::Auto, &compat).expect("auto falls back"));
+        let refused = resolve(AttachMode::Multi, &compat).expect_err("multi refused");
+        assert!(
+            refused.to_string().contains("--attach multi"),
+            "{refused:#}"
+        );
+        assert_eq!(AttachMode::default(), AttachMode::Auto);
+    }
 
     fn function(
         path: &str,
