@@ -133,6 +133,10 @@ pub fn classify_trend(series: &[(f64, f64)], warmup: usize) -> TrendVerdict {
 
 /// Points of the survivor curve [`accumulation_rate`] judges.
 pub const ACCUMULATION_POINTS: usize = 8;
+/// Fewest steps of that curve that must rise for a pile-up: one block, or
+/// one burst, made part-way through a trace is a single step (start-up
+/// state, not a site that keeps allocating).
+pub const MIN_ACCUMULATION_RISES: usize = 3;
 
 /// How fast a site's live blocks piled up, bytes per second, when they did
 /// so steadily through the trace: its survivor curve (the bytes of the
@@ -143,7 +147,10 @@ pub const ACCUMULATION_POINTS: usize = 8;
 /// curve, a churning cache's survivors are all recent (a late jump the
 /// robust slope ignores). Only the live blocks are seen, so this tells a
 /// site with too few intervals apart, not a judged one (whose freed blocks
-/// the intervals saw). `blocks`: `(alloc t_s, size)`, times on the trace's
+/// the intervals saw). The curve must also rise in at least
+/// [`MIN_ACCUMULATION_RISES`] of its steps: a single block or burst made
+/// part-way through is one step (Theil–Sen alone would call a step in the
+/// middle growth). `blocks`: `(alloc t_s, size)`, times on the trace's
 /// clock; non-finite times are ignored, later ones count at the end.
 pub fn accumulation_rate(blocks: &[(f64, u64)], trace_duration_s: f64) -> Option<f64> {
     if !trace_duration_s.is_finite() || trace_duration_s <= 0.0 {
@@ -173,8 +180,11 @@ pub fn accumulation_rate(blocks: &[(f64, u64)], trace_duration_s: f64) -> Option
         }
         curve.push((step * k as f64, bytes as f64));
     }
+    let rises = curve.windows(2).filter(|w| w[1].1 > w[0].1).count();
     let verdict = classify_trend(&curve, 0);
-    (verdict.trend == Trend::Growing && verdict.growth_bytes_per_s > 0.0)
+    (rises >= MIN_ACCUMULATION_RISES
+        && verdict.trend == Trend::Growing
+        && verdict.growth_bytes_per_s > 0.0)
         .then_some(verdict.growth_bytes_per_s)
 }
 
