@@ -301,17 +301,21 @@ impl Probes {
             .collect()
     }
 
+    /// The loaded `usdt_fire` program.
+    fn usdt_program(&self) -> anyhow::Result<&UProbe> {
+        Ok(self
+            .ebpf
+            .program(USDT)
+            .with_context(|| format!("program {USDT} missing"))?
+            .try_into()?)
+    }
+
     /// One `uprobe_multi` link for `sites` (one object, one stage) in `pid`.
     fn link_sites(&mut self, sites: &[&Site], pid: u32) -> anyhow::Result<()> {
         let Some(first) = sites.first() else {
             return Ok(());
         };
-        let program: &UProbe = self
-            .ebpf
-            .program(USDT)
-            .with_context(|| format!("program {USDT} missing"))?
-            .try_into()?;
-        let fd = program.fd()?;
+        let fd = self.usdt_program()?.fd()?;
         let offsets: Vec<u64> = sites.iter().map(|s| s.offset).collect();
         let cookies: Vec<u64> = sites.iter().map(|s| u64::from(s.index)).collect();
         let semaphores: Vec<u64> = sites.iter().map(|s| s.semaphore.unwrap_or(0)).collect();
@@ -345,12 +349,7 @@ impl Probes {
                 None
             }
         };
-        let program: &UProbe = self
-            .ebpf
-            .program(USDT)
-            .with_context(|| format!("program {USDT} missing"))?
-            .try_into()?;
-        let fd = program.fd()?;
+        let fd = self.usdt_program()?.fd()?;
         let event = usdt_attach::open_uprobe(&site.path, site.offset, site.semaphore, pid)
             .with_context(|| format!("pid {pid}: perf_event_open (uprobe)"))?;
         let link = usdt_attach::attach(fd.as_fd(), event, cookie)
