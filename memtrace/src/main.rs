@@ -4,6 +4,7 @@
 //! one line on stderr with a documented exit code (see `error`).
 
 mod analysis;
+mod arch;
 mod btf;
 mod cli;
 mod doctor;
