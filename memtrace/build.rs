@@ -1,28 +1,29 @@
-//! Embeds the eBPF object built by `cargo xtask build-ebpf`.
+//! Embeds the eBPF objects built by `cargo xtask build-ebpf` for the
+//! architecture this binary is built for (its probes read that
+//! architecture's registers): the full object and the compat object for
+//! kernels without attach cookies, atomics with fetch or `bpf_loop`.
 //!
-//! The object lives at `memtrace-ebpf/target/bpfel-unknown-none/release/memtrace`
-//! (or wherever `MEMTRACE_EBPF_OBJECT` points), the compat object for older
-//! kernels at `memtrace-ebpf/target/compat/...` (`MEMTRACE_EBPF_OBJECT_COMPAT`). When it has not been built the
-//! binary still compiles (so unit tests and clippy need only stable Rust) and
-//! says at run time how to build it.
+//! x86-64: `memtrace-ebpf/target/bpfel-unknown-none/release/memtrace` and
+//! `memtrace-ebpf/target/compat/...`; arm64: `memtrace-ebpf/target/aarch64/...`
+//! and `memtrace-ebpf/target/compat-aarch64/...` (`cargo xtask build-ebpf
+//! --target aarch64-unknown-linux-gnu`). `MEMTRACE_EBPF_OBJECT` and
+//! `MEMTRACE_EBPF_OBJECT_COMPAT` override them. When an object has not been
+//! built the binary still compiles (so unit tests and clippy need only
+//! stable Rust) and says at run time how to build it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-fn main() {
-    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());
-    let object = std::env::var_os("MEMTRACE_EBPF_OBJECT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            manifest.join("../memtrace-ebpf/target/bpfel-unknown-none/release/memtrace")
-        });
-    let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default()).join("memtrace.bpf.o");
-    println!("cargo:rerun-if-env-changed=MEMTRACE_EBPF_OBJECT");
+/// Copies `object` (or an empty file when it is missing) to `OUT_DIR/name`.
+fn embed(env: &str, object: PathBuf, name: &str, missing: &str) {
+    let object = std::env::var_os(env).map(PathBuf::from).unwrap_or(object);
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default()).join(name);
+    println!("cargo:rerun-if-env-changed={env}");
     println!("cargo:rerun-if-changed={}", object.display());
     let bytes = match std::fs::read(&object) {
         Ok(bytes) => bytes,
         Err(_) => {
             println!(
-                "cargo:warning=eBPF object {} not found: run `cargo xtask build-ebpf` (tracing will be unavailable in this build)",
+                "cargo:warning=eBPF object {} not found: run `cargo xtask build-ebpf` ({missing})",
                 object.display()
             );
             Vec::new()
@@ -31,28 +32,27 @@ fn main() {
     if let Err(err) = std::fs::write(&out, bytes) {
         panic!("cannot write {}: {err}", out.display());
     }
-    // The object for kernels without attach cookies, atomics with fetch or
-    // bpf_loop (memtrace-ebpf's `compat` feature, its own target dir).
-    let compat = std::env::var_os("MEMTRACE_EBPF_OBJECT_COMPAT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            manifest.join("../memtrace-ebpf/target/compat/bpfel-unknown-none/release/memtrace")
-        });
-    let compat_out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default())
-        .join("memtrace-compat.bpf.o");
-    println!("cargo:rerun-if-env-changed=MEMTRACE_EBPF_OBJECT_COMPAT");
-    println!("cargo:rerun-if-changed={}", compat.display());
-    let bytes = match std::fs::read(&compat) {
-        Ok(bytes) => bytes,
-        Err(_) => {
-            println!(
-                "cargo:warning=eBPF object {} not found: run `cargo xtask build-ebpf` (kernels before 5.17 will be unsupported in this build)",
-                compat.display()
-            );
-            Vec::new()
-        }
+}
+
+fn main() {
+    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());
+    let ebpf = manifest.join("../memtrace-ebpf/target");
+    let arch = std::env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+    let (full, compat): (PathBuf, PathBuf) = match arch.as_str() {
+        "aarch64" => (ebpf.join("aarch64"), ebpf.join("compat-aarch64")),
+        _ => (ebpf.clone(), ebpf.join("compat")),
     };
-    if let Err(err) = std::fs::write(&compat_out, bytes) {
-        panic!("cannot write {}: {err}", compat_out.display());
-    }
+    let object = |dir: &Path| dir.join("bpfel-unknown-none/release/memtrace");
+    embed(
+        "MEMTRACE_EBPF_OBJECT",
+        object(&full),
+        "memtrace.bpf.o",
+        "tracing will be unavailable in this build",
+    );
+    embed(
+        "MEMTRACE_EBPF_OBJECT_COMPAT",
+        object(&compat),
+        "memtrace-compat.bpf.o",
+        "kernels before 5.17 will be unsupported in this build",
+    );
 }

@@ -496,9 +496,10 @@ pub const PY_OFF_NONE: u16 = u16::MAX;
 pub struct PyProc {
     /// Address of `_PyRuntime.interpreters.head` (a `PyInterpreterState*`).
     pub interp_head_addr: u64,
-    /// Offset of `task_struct.thread.fsbase` in the kernel (the thread's
-    /// `pthread_t`): thread states are matched by `thread_id`; 0: by
-    /// `native_thread_id` instead.
+    /// Offset of the thread pointer in the kernel's `task_struct`
+    /// (`thread.fsbase` on x86-64, `thread.uw.tp_value` on arm64), from
+    /// which the thread's `pthread_t` follows: thread states are matched by
+    /// `thread_id`; 0: by `native_thread_id` instead.
     pub fsbase_off: u32,
     /// `PyThreadState.thread_id` (the creating thread's `pthread_self()`).
     pub tstate_pthread: u16,
@@ -525,7 +526,11 @@ pub struct PyProc {
     pub frame_owner: u16,
     /// Frames with this owner are C-stack shims without code (3.12+), or 0xff.
     pub owner_cstack: u8,
-    pub _pad: [u8; 7],
+    pub _pad: [u8; 3],
+    /// Bytes from `pthread_self()` up to the thread pointer: 0 on x86-64
+    /// (the TCB is the `struct pthread`), `sizeof(struct pthread)` of the
+    /// target's glibc on arm64 (the thread pointer follows it).
+    pub tp_to_pthread: u32,
 }
 
 /// One Python frame as read in the kernel: the code object and the raw

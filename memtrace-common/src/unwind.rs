@@ -12,7 +12,7 @@ pub const MAX_FRAMES: usize = 127;
 /// Rows per element of the `UNWIND_ROWS` array map (4 KiB values).
 pub const ROWS_PER_CHUNK: u32 = 1024;
 /// Rules per element of the `UNWIND_RULES` array map (4 KiB values).
-pub const RULES_PER_CHUNK: u32 = 1024;
+pub const RULES_PER_CHUNK: u32 = 512;
 /// Page-index entries per element of the `UNWIND_PAGES` array map.
 pub const PAGES_PER_CHUNK: u32 = 1024;
 /// log2 of the bytes of code one page-index entry covers.
@@ -53,17 +53,32 @@ pub enum RowKind {
 }
 
 /// How to find the caller's frame: one entry of a table's rule dictionary
-/// (objects have a few hundred to a few thousand distinct rules). 4 bytes.
+/// (objects have a few hundred to a few thousand distinct rules). 8 bytes.
+///
+/// Register names are x86-64's; on arm64 "rsp" is sp, "rbp" is the frame
+/// pointer x29, and the return address is x30's saved value.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct UnwindRule {
     /// CFA offset in units of 8 bytes (signed).
     pub cfa_offset8: i16,
-    /// Where rbp was saved, relative to the CFA in units of 8 bytes; 0: rbp unchanged.
+    /// Where rbp (x29) was saved, relative to the CFA in units of 8 bytes;
+    /// 0: unchanged.
     pub rbp_offset8: i8,
     /// [`RowKind`] as `u8`.
     pub kind: u8,
+    /// Where the return address was saved, relative to the CFA in units of
+    /// 8 bytes: -1 on x86-64 (CFA - 8); on arm64 x30's save slot, or
+    /// [`RA_IN_LR`] while x30 still holds it (a leaf, a prologue's first
+    /// instructions: only the innermost frame and one a signal interrupted
+    /// can be there).
+    pub ra_offset8: i8,
+    pub _pad: [u8; 3],
 }
+
+/// [`UnwindRule::ra_offset8`]: the return address is still in the link
+/// register (arm64).
+pub const RA_IN_LR: i8 = 0;
 
 /// One CFI row as the kernel stores it: from `pc_in_page` (the offset within
 /// its 4 KiB page) until the next row, rule `rule` applies. Every page's rows
@@ -174,7 +189,7 @@ pub const STACK_MODE_FP: u32 = 1;
 /// memtrace's CFI unwinder (frame pointers where no CFI covers a PC).
 pub const STACK_MODE_DWARF: u32 = 2;
 
-const _: () = assert!(core::mem::size_of::<UnwindRule>() == 4);
+const _: () = assert!(core::mem::size_of::<UnwindRule>() == 8);
 const _: () = assert!(core::mem::size_of::<PageRow>() == 4);
 const _: () = assert!(core::mem::size_of::<RowChunk>() == 4096);
 const _: () = assert!(core::mem::size_of::<RuleChunk>() == 4096);

@@ -16,7 +16,6 @@
 //!   read (both need `bpf_loop`).
 
 use aya_ebpf::{
-    bindings::pt_regs,
     macros::map,
     maps::{HashMap, LruHashMap},
     programs::ProbeContext,
@@ -68,9 +67,7 @@ fn key(pid_tgid: u64, word: u64) -> PendingKey {
 /// breakpoint's address, or one past it, depending on the kernel).
 #[inline(always)]
 pub fn entry_spec(ctx: &ProbeContext, tgid: u32) -> Option<&'static ProbeSpec> {
-    let regs = ctx.as_ptr() as *const pt_regs;
-    // SAFETY: for probe programs the context is the trapped task's pt_regs.
-    let ip = unsafe { (*regs).rip };
+    let ip = crate::arch::pc(crate::arch::regs(ctx));
     for addr in [ip.wrapping_sub(1), ip] {
         let lookup = AddrKey {
             tgid,
@@ -116,7 +113,7 @@ pub fn skip_nested(pid_tgid: u64, sp: u64) {
     // Never over the outer call's own record: a tail call (`realloc(NULL,
     // n)` jumping to `malloc`) enters at the outer call's stack pointer, and
     // both return once, as the outer call.
-    let _ = CALLS.insert(&key(pid_tgid, sp.wrapping_add(8)), &call, BPF_NOEXIST);
+    let _ = CALLS.insert(&key(pid_tgid, sp.wrapping_add(crate::arch::RET_SP_DELTA)), &call, BPF_NOEXIST);
 }
 
 /// `bpf_map_update_elem` flag: only create.
@@ -126,7 +123,7 @@ const BPF_NOEXIST: u64 = 1;
 #[inline(always)]
 pub fn begin(pid_tgid: u64, family: u8, call: &PendingCall) {
     if CALLS
-        .insert(&key(pid_tgid, call.entry_sp.wrapping_add(8)), call, 0)
+        .insert(&key(pid_tgid, call.entry_sp.wrapping_add(crate::arch::RET_SP_DELTA)), call, 0)
         .is_err()
     {
         crate::bump(memtrace_common::Counter::PendingFull);

@@ -28,6 +28,7 @@
 // compare-and-swap: the helpers only they use are dead there.
 #![cfg_attr(feature = "compat", allow(dead_code, unused_imports))]
 
+mod arch;
 #[cfg(feature = "compat")]
 mod compat;
 #[cfg(not(feature = "compat"))]
@@ -57,7 +58,7 @@ mod held {
 }
 
 use aya_ebpf::{
-    bindings::{pt_regs, BPF_F_USER_STACK},
+    bindings::BPF_F_USER_STACK,
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user},
     macros::{map, raw_tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, ProgramArray, RingBuf, StackTrace},
@@ -238,33 +239,16 @@ fn cookie_spec<C: EbpfContext>(ctx: &C) -> Option<&'static ProbeSpec> {
 
 #[inline(always)]
 fn stack_pointer<C: EbpfContext>(ctx: &C) -> u64 {
-    let regs = ctx.as_ptr() as *const pt_regs;
-    // SAFETY: for (ret)probe programs the context is the trapped task's pt_regs,
-    // which the verifier lets the program read directly.
-    unsafe { (*regs).rsp }
+    arch::sp(arch::regs(ctx))
 }
 
-/// The six integer argument registers, read once at constant context offsets
-/// (the verifier rejects context reads at computed offsets).
+/// The first six integer argument registers, read once ([`arch::args`]).
 struct Args([u64; 6]);
 
 impl Args {
     #[inline(always)]
     fn read(ctx: &ProbeContext) -> Self {
-        let regs = ctx.as_ptr() as *const pt_regs;
-        // SAFETY: the context is the trapped task's pt_regs; each field is read
-        // at its fixed offset, which the verifier allows. Volatile keeps the
-        // loads from being merged into a computed-offset load.
-        unsafe {
-            Args([
-                core::ptr::read_volatile(&(*regs).rdi),
-                core::ptr::read_volatile(&(*regs).rsi),
-                core::ptr::read_volatile(&(*regs).rdx),
-                core::ptr::read_volatile(&(*regs).rcx),
-                core::ptr::read_volatile(&(*regs).r8),
-                core::ptr::read_volatile(&(*regs).r9),
-            ])
-        }
+        Args(arch::args(arch::regs(ctx)))
     }
 
     /// Argument `n`, or 0 for [`ARG_NONE`].
@@ -549,7 +533,7 @@ fn on_exit(ctx: &RetProbeContext) {
         return;
     };
     let sp = stack_pointer(ctx);
-    let expected = call.entry_sp.wrapping_add(8);
+    let expected = call.entry_sp.wrapping_add(arch::RET_SP_DELTA);
     if sp < expected {
         // The return of a nested call that was skipped at its entry.
         return;

@@ -130,7 +130,10 @@ fn thread_state(pid_tgid: u64, proc: &PyProc) -> Result<u64, Counter> {
         let fsbase =
             unsafe { bpf_probe_read_kernel((task + u64::from(proc.fsbase_off)) as *const u64) }
                 .map_err(|_| Counter::PyReadFault)?;
-        (fsbase, u64::from(proc.tstate_pthread))
+        (
+            fsbase.wrapping_sub(u64::from(proc.tp_to_pthread)),
+            u64::from(proc.tstate_pthread),
+        )
     } else {
         (pid_tgid & 0xffff_ffff, u64::from(proc.tstate_native_tid))
     };

@@ -29,7 +29,6 @@
 //! per-CPU state and inline helpers, and are verified together.
 
 use aya_ebpf::{
-    bindings::pt_regs,
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
     macros::map,
     maps::{Array, HashMap, PerCpuArray},
@@ -207,11 +206,13 @@ const NO_TABLE: u32 = 3;
 const BAD_RULE: u32 = 4;
 const CAPPED: u32 = 5;
 
-/// `uc_mcontext` inside a signal frame's `ucontext` (x86_64).
-const MCONTEXT: u64 = 40;
-const SIGCTX_RBP: u64 = MCONTEXT + 80;
-const SIGCTX_RSP: u64 = MCONTEXT + 120;
-const SIGCTX_RIP: u64 = MCONTEXT + 128;
+use crate::arch::{SIGCTX_FP, SIGCTX_PC, SIGCTX_SP};
+
+/// The bits of a return address that are address (arm64: pointer
+/// authentication codes sit above them; the loader sets it from the
+/// kernel's mask). All ones on x86-64.
+#[no_mangle]
+static RA_MASK: Global<u64> = Global::new(u64::MAX);
 
 /// The walk's registers and bookkeeping, shared with the per-frame callback
 /// (in `WALK_STATE`).
@@ -243,10 +244,15 @@ pub struct Walk {
     start_pc: u64,
     start_sp: u64,
     start_bp: u64,
+    /// The link register (arm64; 0 on x86-64), and whether it still holds
+    /// the current frame's return address (the innermost frame, or one a
+    /// signal interrupted).
+    lr: u64,
+    lr_live: u64,
 }
 
-/// One PC cache entry: `value` is the mapping list's generation (high half)
-/// and the packed rule (low half); `check` is the PC mixed with `value`, so
+/// One PC cache entry: `value` is the mapping list's generation (its low 24
+/// bits, on top) and the packed rule (the low 40 bits); `check` is the PC mixed with `value`, so
 /// an entry torn by two CPUs writing it at once fails the check instead of
 /// giving another PC's rule.
 #[repr(C)]
@@ -255,6 +261,10 @@ pub struct PcCacheEntry {
     check: u64,
     value: u64,
 }
+
+/// The bits of a mapping list's generation a cache entry keeps (the rest of
+/// its value is the packed rule).
+const CACHED_GENERATION: u32 = 0xff_ffff;
 
 /// The packed-rule kind of a PC whose object's table was capped.
 const CACHED_CAPPED: u32 = 0xff;
@@ -281,7 +291,7 @@ fn cached_rule(generation: u32, pc: u64) -> Option<(UnwindRule, u32)> {
             core::ptr::read_volatile(core::ptr::addr_of!((*entry).value)),
         )
     };
-    if (value >> 32) as u32 != generation || check != cache_check(pc, value) {
+    if (value >> 40) as u32 != generation & CACHED_GENERATION || check != cache_check(pc, value) {
         return None;
     }
     let packed = value as u32;
@@ -294,6 +304,8 @@ fn cached_rule(generation: u32, pc: u64) -> Option<(UnwindRule, u32)> {
             cfa_offset8: packed as u16 as i16,
             rbp_offset8: (packed >> 16) as u8 as i8,
             kind: kind as u8,
+            ra_offset8: (value >> 32) as u8 as i8,
+            _pad: [0; 3],
         },
         NO_TABLE,
     ))
@@ -313,7 +325,9 @@ fn cache_rule(generation: u32, pc: u64, rule: &UnwindRule, missing: u32) {
             | (u32::from(rule.rbp_offset8 as u8) << 16)
             | (u32::from(rule.kind) << 24)
     };
-    let value = (u64::from(generation) << 32) | u64::from(packed);
+    let value = (u64::from(generation & CACHED_GENERATION) << 40)
+        | (u64::from(rule.ra_offset8 as u8) << 32)
+        | u64::from(packed);
     // SAFETY: as in `cached_rule`; each store is an aligned u64.
     unsafe {
         core::ptr::write_volatile(core::ptr::addr_of_mut!((*entry).value), value);
@@ -437,7 +451,15 @@ fn untrampolined(slot: u64, ra: u64) -> Option<u64> {
         if ri == 0 {
             return None;
         }
-        if read_kernel_u64(ri + u64::from(OFF_RI_STACK.load()))? == slot {
+        let stack = read_kernel_u64(ri + u64::from(OFF_RI_STACK.load()))?;
+        // x86-64 records the return address's slot; arm64 the stack pointer
+        // at entry (the CFA), which a frame-pointer step only bounds from
+        // below: the innermost instance at or above it.
+        #[cfg(bpf_target_arch = "x86_64")]
+        let hit = stack == slot;
+        #[cfg(bpf_target_arch = "aarch64")]
+        let hit = stack >= slot;
+        if hit {
             return read_kernel_u64(ri + u64::from(OFF_RI_ORIG.load()));
         }
         ri = read_kernel_u64(ri + u64::from(OFF_RI_NEXT.load()))?;
@@ -854,13 +876,21 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
             .wrapping_add(extra)
     } else if kind == RowKind::Signal as u8 {
         let (Some(bp), Some(sp), Some(pc)) = (
-            read_u64(walk.sp + SIGCTX_RBP),
-            walk.read(log, walk.sp + SIGCTX_RSP),
-            walk.read(log, walk.sp + SIGCTX_RIP),
+            read_u64(walk.sp + SIGCTX_FP),
+            walk.read(log, walk.sp + SIGCTX_SP),
+            walk.read(log, walk.sp + SIGCTX_PC),
         ) else {
             return FAULT;
         };
-        walk.restore_bp(log, walk.sp + SIGCTX_RBP, bp);
+        #[cfg(bpf_target_arch = "aarch64")]
+        {
+            let Some(lr) = walk.read(log, walk.sp + crate::arch::SIGCTX_LR) else {
+                return FAULT;
+            };
+            walk.lr = lr;
+            walk.lr_live = 1;
+        }
+        walk.restore_bp(log, walk.sp + SIGCTX_FP, bp);
         walk.sp = sp;
         walk.pc = pc;
         walk.exact = 1;
@@ -878,9 +908,10 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
             log.unreplayable = 1;
             return missing;
         };
-        let Some(ra) = walk.untrampolined(log, frame + 8, ra) else {
+        let Some(ra) = walk.untrampolined(log, frame + 8, ra & RA_MASK.load()) else {
             return FAULT;
         };
+        walk.lr_live = 0;
         walk.sp = frame + 16;
         walk.pc = ra;
         return if ra == 0 { COMPLETE } else { RUNNING };
@@ -888,29 +919,9 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
         return BAD_RULE;
     };
 
-    let saves_rbp = row.rbp_offset8 != 0 && kind != RowKind::Plt as u8;
-    let ra = if saves_rbp && row.rbp_offset8 == -2 {
-        // The usual prologue (`push %rbp` first): rbp sits just below the
-        // return address, so one read fetches both.
-        let Some(ra) = walk.read_bp_ra(log, cfa.wrapping_sub(16)) else {
-            return FAULT;
-        };
-        ra
-    } else {
-        let Some(ra) = walk.read(log, cfa.wrapping_sub(8)) else {
-            return FAULT;
-        };
-        if saves_rbp {
-            let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
-            match read_u64(at) {
-                Some(bp) => walk.restore_bp(log, at, bp),
-                None => return FAULT,
-            }
-        }
-        ra
-    };
-    let Some(ra) = walk.untrampolined(log, cfa.wrapping_sub(8), ra) else {
-        return FAULT;
+    let ra = match return_address(walk, log, &row, cfa) {
+        Ok(ra) => ra,
+        Err(stop) => return stop,
     };
     walk.sp = cfa;
     walk.pc = ra;
@@ -919,6 +930,81 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
     } else {
         RUNNING
     }
+}
+
+/// The return address of a frame whose CFA is `cfa` under `row`, with rbp
+/// restored where the row saved it; or the walk's stop reason. x86-64: the
+/// word below the CFA.
+#[cfg(bpf_target_arch = "x86_64")]
+#[inline(always)]
+fn return_address(
+    walk: &mut Walk,
+    log: &mut WalkReplay,
+    row: &UnwindRule,
+    cfa: u64,
+) -> Result<u64, u32> {
+    let saves_rbp = row.rbp_offset8 != 0 && row.kind != RowKind::Plt as u8;
+    let ra = if saves_rbp && row.rbp_offset8 == -2 {
+        // The usual prologue (`push %rbp` first): rbp sits just below the
+        // return address, so one read fetches both.
+        walk.read_bp_ra(log, cfa.wrapping_sub(16)).ok_or(FAULT)?
+    } else {
+        let ra = walk.read(log, cfa.wrapping_sub(8)).ok_or(FAULT)?;
+        if saves_rbp {
+            let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
+            match read_u64(at) {
+                Some(bp) => walk.restore_bp(log, at, bp),
+                None => return Err(FAULT),
+            }
+        }
+        ra
+    };
+    walk.untrampolined(log, cfa.wrapping_sub(8), ra).ok_or(FAULT)
+}
+
+/// arm64: x30's save slot (the frame record `{x29, x30}` in one read when
+/// the row saved both side by side), or x30 itself while it still holds
+/// the return address; pointer-authentication bits stripped.
+#[cfg(bpf_target_arch = "aarch64")]
+#[inline(always)]
+fn return_address(
+    walk: &mut Walk,
+    log: &mut WalkReplay,
+    row: &UnwindRule,
+    cfa: u64,
+) -> Result<u64, u32> {
+    let saves_fp = row.rbp_offset8 != 0;
+    let ra = if row.ra_offset8 == memtrace_common::unwind::RA_IN_LR {
+        if walk.lr_live == 0 {
+            // Only the innermost frame (or one a signal interrupted) can
+            // still have its return address in x30.
+            return Err(BAD_RULE);
+        }
+        // The link register is not part of a replayed walk's key.
+        log.unreplayable = 1;
+        if saves_fp {
+            let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
+            let bp = read_u64(at).ok_or(FAULT)?;
+            walk.restore_bp(log, at, bp);
+        }
+        walk.lr
+    } else if saves_fp && i16::from(row.ra_offset8) == i16::from(row.rbp_offset8) + 1 {
+        let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
+        walk.read_bp_ra(log, at).ok_or(FAULT)?
+    } else {
+        let ra = walk
+            .read(log, cfa.wrapping_add((i64::from(row.ra_offset8) * 8) as u64))
+            .ok_or(FAULT)?;
+        if saves_fp {
+            let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
+            let bp = read_u64(at).ok_or(FAULT)?;
+            walk.restore_bp(log, at, bp);
+        }
+        ra
+    };
+    walk.lr_live = 0;
+    walk.untrampolined(log, cfa, ra & RA_MASK.load())
+        .ok_or(FAULT)
 }
 
 /// `bpf_loop` callback: one frame.
@@ -953,15 +1039,13 @@ extern "C" fn frame_callback(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
 /// `DWARF_STACKS`, or a negative errno (as `bpf_get_stackid` does).
 #[inline(always)]
 pub fn capture<C: EbpfContext>(ctx: &C) -> i32 {
-    let regs = ctx.as_ptr() as *const pt_regs;
-    // SAFETY: for return probes the context is the trapped task's pt_regs.
-    let (pc, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
+    let (pc, sp, bp, lr) = crate::arch::frame(crate::arch::regs(ctx));
     // A walk preempted by another on its CPU (their per-CPU state is
     // shared; preemptible kernels allow it) is walked once more: it is a
     // function of these registers and the stack, both still as they were.
-    match memtrace_walk_stack(pc, sp, bp) {
+    match memtrace_walk_stack(pc, sp, bp, lr) {
         key if key == -EAGAIN => {
-            let again = memtrace_walk_stack(pc, sp, bp);
+            let again = memtrace_walk_stack(pc, sp, bp, lr);
             if again == -EAGAIN {
                 bump(Counter::StackOther);
             }
@@ -983,7 +1067,7 @@ pub fn capture<C: EbpfContext>(ctx: &C) -> i32 {
 /// lives in `WALK_STATE`.
 #[no_mangle]
 #[inline(never)]
-pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
+pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64, lr: u64) -> i32 {
     let started = walk_started();
     let Some(state) = WALK_STATE.get_ptr_mut(0) else {
         return -EAGAIN;
@@ -1016,6 +1100,8 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
             start_pc: pc,
             start_sp: sp,
             start_bp: bp,
+            lr,
+            lr_live: 1,
         };
         (*state).tid = bpf_get_current_pid_tgid() as u32;
     }

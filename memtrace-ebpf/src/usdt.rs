@@ -5,40 +5,16 @@
 //! return probe, no in-flight record.
 
 use aya_ebpf::{
-    bindings::pt_regs, helpers::bpf_get_current_pid_tgid, helpers::bpf_probe_read_user,
-    programs::ProbeContext, EbpfContext,
+    helpers::bpf_get_current_pid_tgid, helpers::bpf_probe_read_user,
+    programs::ProbeContext,
 };
 use memtrace_common::{ArgLoc, PendingCall, SpecKind, LOC_CONST, LOC_MEM, LOC_REG};
 
-/// Register `slot` of `struct pt_regs`, read at a constant offset (the
-/// verifier rejects context reads at computed offsets); 0 for no register.
+/// Register `slot` of the probe's context ([`crate::arch::usdt_register`]);
+/// 0 for no register.
 #[inline(always)]
 fn register(ctx: &ProbeContext, slot: u8) -> u64 {
-    let regs = ctx.as_ptr() as *const pt_regs;
-    // SAFETY: the context is the trapped task's pt_regs; each arm reads one
-    // field at its fixed offset, which the verifier allows. Volatile keeps
-    // the loads from being merged into a computed-offset load.
-    unsafe {
-        match slot {
-            0 => core::ptr::read_volatile(&(*regs).r15),
-            1 => core::ptr::read_volatile(&(*regs).r14),
-            2 => core::ptr::read_volatile(&(*regs).r13),
-            3 => core::ptr::read_volatile(&(*regs).r12),
-            4 => core::ptr::read_volatile(&(*regs).rbp),
-            5 => core::ptr::read_volatile(&(*regs).rbx),
-            6 => core::ptr::read_volatile(&(*regs).r11),
-            7 => core::ptr::read_volatile(&(*regs).r10),
-            8 => core::ptr::read_volatile(&(*regs).r9),
-            9 => core::ptr::read_volatile(&(*regs).r8),
-            10 => core::ptr::read_volatile(&(*regs).rax),
-            11 => core::ptr::read_volatile(&(*regs).rcx),
-            12 => core::ptr::read_volatile(&(*regs).rdx),
-            13 => core::ptr::read_volatile(&(*regs).rsi),
-            14 => core::ptr::read_volatile(&(*regs).rdi),
-            19 => core::ptr::read_volatile(&(*regs).rsp),
-            _ => 0,
-        }
-    }
+    crate::arch::usdt_register(crate::arch::regs(ctx), slot)
 }
 
 /// The value of the argument at `loc`, truncated to its size and

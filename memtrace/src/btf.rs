@@ -1,8 +1,8 @@
 //! The few kernel structure offsets memtrace's eBPF programs need, read from
 //! the running kernel's BTF (`/sys/kernel/btf/vmlinux`): the uprobe return
-//! instances the unwinder follows, and `task_struct.thread.fsbase` (a
-//! thread's `pthread_t`, which the Python frame reader matches thread states
-//! against).
+//! instances the unwinder follows, and the task's user thread pointer
+//! (`thread.fsbase` on x86-64, `thread.uw.tp_value` on arm64), from which
+//! the Python frame reader finds a thread's `pthread_t`.
 //!
 //! A function with a return probe has its return address replaced by the
 //! kernel's uretprobe trampoline while it runs; a stack walked through such a
@@ -39,17 +39,28 @@ pub fn uprobe_offsets() -> Option<UprobeOffsets> {
     uprobe_offsets_in(&data)
 }
 
-/// `offsetof(struct task_struct, thread.fsbase)` in the running kernel.
-pub fn fsbase_offset() -> Option<u64> {
-    fsbase_offset_in(&std::fs::read("/sys/kernel/btf/vmlinux").ok()?)
+/// The offset of a task's user thread pointer in the running kernel's
+/// `task_struct` ([`thread_pointer_offset_in`]).
+pub fn thread_pointer_offset() -> Option<u64> {
+    thread_pointer_offset_in(
+        &std::fs::read("/sys/kernel/btf/vmlinux").ok()?,
+        crate::arch::Arch::HOST,
+    )
 }
 
-/// `offsetof(struct task_struct, thread.fsbase)` in a BTF blob.
-pub fn fsbase_offset_in(data: &[u8]) -> Option<u64> {
+/// The offset of a task's user thread pointer in `task_struct`, in a BTF
+/// blob of a kernel for `arch`: `thread.fsbase` on x86-64,
+/// `thread.uw.tp_value` on arm64 (`tp_value` is the first member of the
+/// anonymous `uw` struct).
+pub fn thread_pointer_offset_in(data: &[u8], arch: crate::arch::Arch) -> Option<u64> {
     let btf = Btf::parse(data)?;
     let thread = btf.member_offset("task_struct", "thread")?;
-    let fsbase = btf.member_offset("thread_struct", "fsbase")?;
-    Some(u64::from(thread) + u64::from(fsbase))
+    let member = match arch {
+        crate::arch::Arch::X86_64 => "fsbase",
+        crate::arch::Arch::Aarch64 => "uw",
+    };
+    let pointer = btf.member_offset("thread_struct", member)?;
+    Some(u64::from(thread) + u64::from(pointer))
 }
 
 /// Reads the offsets from a BTF blob.
@@ -173,19 +184,20 @@ mod tests {
     }
 
     #[test]
-    fn finds_fsbase_in_this_kernel() {
+    fn finds_the_thread_pointer_in_this_kernel() {
         let Ok(data) = std::fs::read("/sys/kernel/btf/vmlinux") else {
             eprintln!("skipping: this kernel has no BTF");
             return;
         };
-        let offset = fsbase_offset_in(&data).expect("task_struct.thread.fsbase");
+        let offset = thread_pointer_offset_in(&data, crate::arch::Arch::HOST)
+            .expect("task_struct's thread pointer");
         // thread_struct sits at the end of a task_struct of several KiB.
         assert!(offset > 1024 && offset < 65536, "{offset}");
     }
 
     #[test]
     fn malformed_btf_is_none() {
-        assert_eq!(fsbase_offset_in(b""), None);
+        assert_eq!(thread_pointer_offset_in(b"", crate::arch::Arch::HOST), None);
         assert!(uprobe_offsets_in(b"").is_none());
         assert!(
             uprobe_offsets_in(&[0x9f, 0xeb, 1, 0, 24, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]).is_none()

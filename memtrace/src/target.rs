@@ -11,6 +11,7 @@ pub mod files;
 pub mod maps;
 pub mod pod;
 pub mod select;
+pub mod tls;
 
 use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -439,15 +440,16 @@ fn supervise(
 /// for loaders that never make those calls.
 #[derive(Default)]
 struct Loading {
-    /// pid -> system-call stops so far
-    pids: std::collections::HashMap<libc::pid_t, u32>,
+    /// pid -> system-call stops so far, and the call it is inside (number,
+    /// third argument), from its entry stop
+    pids: std::collections::HashMap<libc::pid_t, (u32, Option<(u64, u64)>)>,
 }
 
 impl Loading {
     const MAX_STOPS: u32 = 2000;
 
     fn start(&mut self, pid: libc::pid_t) {
-        self.pids.insert(pid, 0);
+        self.pids.insert(pid, (0, None));
     }
 
     fn active(&self, pid: libc::pid_t) -> bool {
@@ -455,38 +457,53 @@ impl Loading {
     }
 
     /// Handles a system-call stop; returns the pid when it just mapped
-    /// executable code.
+    /// executable code. Read with `PTRACE_GET_SYSCALL_INFO` (Linux 5.3),
+    /// which says entry or exit on every architecture.
     fn syscall_stop(&mut self, pid: libc::pid_t) -> Option<u32> {
-        let stops = self.pids.get_mut(&pid)?;
+        let (stops, inside) = self.pids.get_mut(&pid)?;
         *stops += 1;
         let too_many = *stops > Self::MAX_STOPS;
-        let mut regs: libc::user_regs_struct =
-            // SAFETY: an all-zero user_regs_struct is a valid value (plain integers).
-            unsafe { std::mem::zeroed() };
-        // SAFETY: PTRACE_GETREGS on our stopped tracee into a valid struct.
+        // SAFETY: an all-zero ptrace_syscall_info is a valid value (plain
+        // integers and a union of them).
+        let mut info: libc::ptrace_syscall_info = unsafe { std::mem::zeroed() };
+        // SAFETY: PTRACE_GET_SYSCALL_INFO on our stopped tracee, writing at
+        // most `size_of` bytes into a valid struct.
         let read = unsafe {
             libc::ptrace(
-                libc::PTRACE_GETREGS,
+                libc::PTRACE_GET_SYSCALL_INFO,
                 pid,
-                std::ptr::null_mut::<libc::c_void>(),
-                (&mut regs as *mut libc::user_regs_struct).cast::<libc::c_void>(),
+                std::mem::size_of::<libc::ptrace_syscall_info>() as *mut libc::c_void,
+                (&mut info as *mut libc::ptrace_syscall_info).cast::<libc::c_void>(),
             )
-        } == 0;
-        let nr = regs.orig_rax as i64;
-        // x86_64 enters every system call with rax = -ENOSYS.
-        let entry = regs.rax == (-libc::ENOSYS) as u64;
-        if !read
-            || too_many
-            || (!entry && (nr == libc::SYS_set_robust_list || nr == libc::SYS_rseq))
-        {
+        } > 0;
+        if !read || too_many {
             self.pids.remove(&pid);
             return None;
         }
-        let mapped_code = !entry
-            && nr == libc::SYS_mmap
-            && regs.rdx & libc::PROT_EXEC as u64 != 0
-            && (regs.rax as i64) > 0;
-        mapped_code.then_some(pid as u32)
+        match info.op {
+            libc::PTRACE_SYSCALL_INFO_ENTRY => {
+                // SAFETY: `op` says the entry member is the one filled.
+                let entry = unsafe { info.u.entry };
+                *inside = Some((entry.nr, entry.args[2]));
+                None
+            }
+            libc::PTRACE_SYSCALL_INFO_EXIT => {
+                // SAFETY: `op` says the exit member is the one filled.
+                let exit = unsafe { info.u.exit };
+                let (nr, prot) = inside.take()?;
+                let nr = nr as i64;
+                if nr == libc::SYS_set_robust_list || nr == libc::SYS_rseq {
+                    self.pids.remove(&pid);
+                    return None;
+                }
+                let mapped_code = nr == libc::SYS_mmap
+                    && prot & libc::PROT_EXEC as u64 != 0
+                    && exit.is_error == 0
+                    && exit.sval > 0;
+                mapped_code.then_some(pid as u32)
+            }
+            _ => None,
+        }
     }
 }
 

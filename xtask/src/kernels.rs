@@ -338,7 +338,7 @@ fn memtrace_binary(given: Option<&Path>) -> Result<PathBuf> {
         return std::fs::canonicalize(path).with_context(|| format!("{}", path.display()));
     }
     crate::build_release()?;
-    Ok(crate::root().join("target/release/memtrace"))
+    Ok(crate::release_binary())
 }
 
 /// Installs what the runner needs on the host when missing (Debian packages).

@@ -27,9 +27,19 @@ struct Cli {
 #[derive(Subcommand)]
 enum Task {
     /// Build the eBPF object (installs rust-src and bpf-linker when missing).
-    BuildEbpf,
+    BuildEbpf {
+        /// The Rust target memtrace is built for (its architecture's probes):
+        /// default the host's; `aarch64-unknown-linux-gnu` for arm64.
+        #[arg(long)]
+        target: Option<String>,
+    },
     /// Build the eBPF object and the release memtrace binary that embeds it.
-    Build,
+    Build {
+        /// Cross-build for this Rust target (`aarch64-unknown-linux-gnu`:
+        /// installs the target and Debian's cross linker when missing).
+        #[arg(long)]
+        target: Option<String>,
+    },
     /// Build the C fixtures and stub GPU libraries into target/fixtures.
     Fixtures,
     /// Run every test: unit tests and the privileged kernel suite (needs root).
@@ -77,8 +87,12 @@ enum Task {
 
 fn main() -> Result<()> {
     match Cli::parse().task {
-        Task::BuildEbpf => build_ebpf(),
-        Task::Build => build_release(),
+        Task::BuildEbpf { target } => build_ebpf_for(Arch::of_target(target.as_deref())?),
+        Task::Build { target } => {
+            let binary = build_release_target(target.as_deref())?;
+            eprintln!("xtask: built {}", binary.display());
+            Ok(())
+        }
         Task::Fixtures => {
             setup::ensure(setup::Need::Fixtures).and_then(|()| fixtures().map(|_| ()))
         }
@@ -107,6 +121,19 @@ pub fn root() -> PathBuf {
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Where cargo puts what it builds: `CARGO_TARGET_DIR` when set, else the
+/// workspace's `target/`.
+pub fn cargo_target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+}
+
+/// The release memtrace binary cargo built (for the host).
+pub fn release_binary() -> PathBuf {
+    cargo_target_dir().join("release/memtrace")
 }
 
 /// Runs a command, failing with its command line when it fails.
@@ -208,31 +235,139 @@ pub fn nightly_llvm() -> Result<(PathBuf, PathBuf)> {
     Ok((sysroot, llvm))
 }
 
+/// An architecture memtrace is built for: its eBPF objects read that
+/// architecture's registers, so each has its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    X86_64,
+    Aarch64,
+}
+
+impl Arch {
+    /// The architecture of a Rust target triple (the host's when `None`).
+    pub fn of_target(target: Option<&str>) -> Result<Self> {
+        let triple = target.unwrap_or(if cfg!(target_arch = "aarch64") {
+            "aarch64-unknown-linux-gnu"
+        } else {
+            "x86_64-unknown-linux-gnu"
+        });
+        match triple.split('-').next() {
+            Some("x86_64") => Ok(Arch::X86_64),
+            Some("aarch64") => Ok(Arch::Aarch64),
+            _ => bail!("memtrace builds for x86_64 and aarch64 Linux targets, not {triple}"),
+        }
+    }
+
+    /// Its name in `bpf_target_arch`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::X86_64 => "x86_64",
+            Arch::Aarch64 => "aarch64",
+        }
+    }
+
+    /// The target directories (under memtrace-ebpf/) of its full and compat
+    /// objects, where memtrace/build.rs looks for them.
+    fn ebpf_target_dirs(self) -> (&'static str, &'static str) {
+        match self {
+            Arch::X86_64 => ("target", "target/compat"),
+            Arch::Aarch64 => ("target/aarch64", "target/compat-aarch64"),
+        }
+    }
+}
+
 fn build_ebpf() -> Result<()> {
+    build_ebpf_for(Arch::of_target(None)?)
+}
+
+/// Builds the full and compat eBPF objects for `arch`.
+fn build_ebpf_for(arch: Arch) -> Result<()> {
     ensure_rust_src()?;
     ensure_bpf_linker()?;
+    let (full, compat) = arch.ebpf_target_dirs();
     run(clean_cargo("nightly")
         .current_dir(root().join("memtrace-ebpf"))
-        .args(["build", "--release"]))?;
+        .env("AYA_BPF_TARGET_ARCH", arch.name())
+        .args(["build", "--release", "--target-dir", full]))?;
     // The object for kernels without attach cookies, atomics with fetch or
     // bpf_loop (5.10 - 5.16): memtrace loads it where those are missing.
     run(clean_cargo("nightly")
         .current_dir(root().join("memtrace-ebpf"))
+        .env("AYA_BPF_TARGET_ARCH", arch.name())
         .args([
             "build",
             "--release",
             "--features",
             "compat",
             "--target-dir",
-            "target/compat",
+            compat,
         ]))
 }
 
 fn build_release() -> Result<()> {
-    build_ebpf()?;
-    run(Command::new("cargo")
-        .current_dir(root())
-        .args(["build", "--release", "-p", "memtrace"]))
+    build_release_target(None).map(|_| ())
+}
+
+/// Builds the eBPF objects of `target`'s architecture and the release
+/// memtrace binary for `target` (the host when `None`) that embeds them;
+/// returns the binary's path. Cross-building for arm64 installs the Rust
+/// target and Debian's cross linker when missing.
+pub fn build_release_target(target: Option<&str>) -> Result<PathBuf> {
+    let arch = Arch::of_target(target)?;
+    let cross = target.filter(|t| Arch::of_target(None).ok() != Arch::of_target(Some(t)).ok());
+    if let Some(triple) = cross {
+        if arch == Arch::Aarch64 {
+            setup::ensure(setup::Need::CrossArm64)?;
+        }
+        ensure_rust_target(triple)?;
+    }
+    build_ebpf_for(arch)?;
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(root())
+        .args(["build", "--release", "-p", "memtrace"]);
+    if let Some(triple) = target {
+        cmd.args(["--target", triple]);
+    }
+    if cross.is_some() && arch == Arch::Aarch64 {
+        cmd.env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
+            "aarch64-linux-gnu-gcc",
+        )
+        .env("CC_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-gcc")
+        .env("AR_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-ar");
+    }
+    run(&mut cmd)?;
+    let dir = match target {
+        Some(triple) => cargo_target_dir().join(triple),
+        None => cargo_target_dir(),
+    };
+    let binary = dir.join("release/memtrace");
+    // Where the Containerfile takes each architecture's binary from
+    // (Debian's and Docker's architecture names).
+    let dist = root().join("target/dist").join(match arch {
+        Arch::X86_64 => "amd64",
+        Arch::Aarch64 => "arm64",
+    });
+    std::fs::create_dir_all(&dist).with_context(|| format!("creating {}", dist.display()))?;
+    std::fs::copy(&binary, dist.join("memtrace"))
+        .with_context(|| format!("copying {} to {}", binary.display(), dist.display()))?;
+    Ok(binary)
+}
+
+/// `rustup target add` for the stable toolchain, when it is missing.
+fn ensure_rust_target(triple: &str) -> Result<()> {
+    let out = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output()
+        .context("rustup is needed to cross-build")?;
+    if !String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.trim() == triple)
+    {
+        eprintln!("xtask: installing the Rust target {triple}");
+        run(Command::new("rustup").args(["target", "add", triple]))?;
+    }
+    Ok(())
 }
 
 /// Builds the fixtures; returns their directory.
@@ -323,7 +458,7 @@ fn demo() -> Result<()> {
     build_release()?;
     // Only the program the demo runs (the rest need C++ and allocator headers).
     let fixtures = fixtures_target("demo")?;
-    let memtrace = root().join("target/release/memtrace");
+    let memtrace = release_binary();
     eprintln!("xtask: tracing the bundled demo (a request loop that leaks every 4th response)");
     run(Command::new(&memtrace)
         .args(["--top", "5", "--"])

@@ -59,6 +59,16 @@ const FIXTURES: &[Package] = &[
 ];
 
 /// What the tests run besides the fixtures.
+/// Cross-building memtrace and its fixtures for arm64 from x86-64.
+const CROSS_ARM64: &[Package] = &[
+    pkg("gcc-aarch64-linux-gnu", Probe::Command("aarch64-linux-gnu-gcc")),
+    pkg("g++-aarch64-linux-gnu", Probe::Command("aarch64-linux-gnu-g++")),
+    pkg(
+        "libc6-dev-arm64-cross",
+        Probe::File("/usr/aarch64-linux-gnu/include/stdio.h"),
+    ),
+];
+
 const TEST_TOOLS: &[Package] = &[
     // The real libcudart wheel (`python3 -m pip download`).
     pkg("python3", Probe::Command("python3")),
@@ -108,6 +118,8 @@ pub enum Need {
     Bench,
     /// `cargo xtask bench --no-install`: the fixtures only.
     BenchNoPeers,
+    /// `cargo xtask build --target aarch64-unknown-linux-gnu`: the cross linker.
+    CrossArm64,
 }
 
 impl Need {
@@ -117,6 +129,7 @@ impl Need {
             Need::Fixtures => "fixtures",
             Need::Test => "test",
             Need::Bench | Need::BenchNoPeers => "bench",
+            Need::CrossArm64 => "build --target aarch64-unknown-linux-gnu",
         }
     }
 
@@ -127,6 +140,7 @@ impl Need {
             Need::Fixtures | Need::BenchNoPeers => &[BUILD, FIXTURES],
             Need::Test => &[BUILD, FIXTURES, TEST_TOOLS],
             Need::Bench => &[BUILD, FIXTURES, BENCH_PEERS],
+            Need::CrossArm64 => &[BUILD, CROSS_ARM64],
         };
         let mut out: Vec<Package> = Vec::new();
         for package in groups.iter().flat_map(|g| g.iter()) {

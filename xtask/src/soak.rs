@@ -42,7 +42,7 @@ pub fn soak(args: SoakArgs) -> Result<()> {
         .arg(root.join("tests/fixtures/bench/bench.mk"))
         .arg(format!("OUT={}", fixtures.display()))
         .arg("bench"))?;
-    let memtrace = root.join("target/release/memtrace");
+    let memtrace = crate::release_binary();
     let work = root.join("target/soak");
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     let seconds = args.minutes.max(1) * 60;

@@ -1031,6 +1031,7 @@ fn open(options: &LoadOptions, variant: Variant) -> Result<Ebpf, aya::EbpfError>
         log::warn!("no uprobe structures in the kernel's BTF: stacks through functions with return probes end there");
         crate::btf::UprobeOffsets::default()
     });
+    let ra_mask = crate::kernel::pac::return_address_mask();
     EbpfLoader::new()
         .override_global("OFF_UTASK", &offsets.task_utask, true)
         .override_global(
@@ -1041,6 +1042,7 @@ fn open(options: &LoadOptions, variant: Variant) -> Result<Ebpf, aya::EbpfError>
         .override_global("OFF_RI_STACK", &offsets.ri_stack, true)
         .override_global("OFF_RI_ORIG", &offsets.ri_orig_ret_vaddr, true)
         .override_global("OFF_RI_NEXT", &offsets.ri_next, true)
+        .override_global("RA_MASK", &ra_mask, false)
         .override_global("STACK_MODE", &options.stack_mode, true)
         .override_global("MAX_DEPTH", &depth, true)
         .override_global("SAMPLE_RATE", &options.sample_rate, true)

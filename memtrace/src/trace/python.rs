@@ -33,8 +33,9 @@ const RETRY_FOR: Duration = Duration::from_secs(3);
 /// Per-process detection state.
 pub struct PythonWatch {
     procs: HashMap<u32, Watched>,
-    /// The kernel's `task_struct.thread.fsbase` offset, when its BTF says.
-    fsbase: Option<u64>,
+    /// The offset of a task's thread pointer in the kernel's
+    /// `task_struct`, when its BTF says.
+    thread_pointer: Option<u64>,
     /// Objects already read (most processes are no Python: their files
     /// are read once, not at every check).
     exports: detect::ExportCache,
@@ -42,19 +43,32 @@ pub struct PythonWatch {
 
 impl Default for PythonWatch {
     fn default() -> Self {
-        let fsbase = crate::btf::fsbase_offset();
-        if fsbase.is_none() {
-            log::info!("no task_struct.thread.fsbase in the kernel's BTF: Python threads are matched by native_thread_id (3.11+ only)");
+        let thread_pointer = crate::btf::thread_pointer_offset();
+        if thread_pointer.is_none() {
+            log::info!("no thread pointer in the kernel's BTF task_struct: Python threads are matched by native_thread_id (3.11+ only)");
         }
         PythonWatch {
             procs: HashMap::new(),
-            fsbase,
+            thread_pointer,
             exports: detect::ExportCache::new(),
         }
     }
 }
 
 impl PythonWatch {
+    /// Where the kernel finds the `pthread_t` of a thread of `pid`.
+    fn thread(&self, pid: u32) -> Option<python::layout::ThreadPointer> {
+        let task_offset = self.thread_pointer?;
+        let below = crate::target::tls::pthread_below_tp(pid, crate::arch::Arch::HOST);
+        if below.is_none() {
+            log::info!("pid {pid}: glibc's pthread size is unknown (no _thread_db_sizeof_pthread): Python threads are matched by native_thread_id (3.11+ only)");
+        }
+        Some(python::layout::ThreadPointer {
+            task_offset,
+            pthread_below_tp: below?,
+        })
+    }
+
     /// Checks `pid` if it is due.
     pub fn poll(&mut self, pid: u32, probes: &mut Probes, stacks: &mut StackStore) {
         let now = Instant::now();
@@ -104,7 +118,7 @@ impl PythonWatch {
         };
         let planned = ProcMem::open(pid)
             .map_err(|err| format!("cannot read /proc/{pid}/mem: {err}"))
-            .and_then(|mem| python::plan(&found, &mem, self.fsbase));
+            .and_then(|mem| python::plan(&found, &mem, self.thread(pid)));
         match planned {
             Ok(attached) => {
                 stacks

@@ -2,11 +2,16 @@
 //!
 //! Reads `.eh_frame` (and `.debug_frame` where an object has no `.eh_frame`)
 //! with gimli, evaluates every FDE's row program, and keeps of each row only
-//! what an x86_64 return-address walk needs: how to compute the CFA (rsp or
-//! rbp plus an offset, the PLT's expression, a stack-realigning function's
-//! `*(rbp - 8)`, a signal frame), where rbp was saved, and whether the return
-//! address is undefined (the outermost frame). Rows that differ only in other
-//! callee-saved registers merge. Addresses become file offsets, so one table
+//! what a return-address walk needs. On x86-64: how to compute the CFA (rsp
+//! or rbp plus an offset, the PLT's expression, a stack-realigning
+//! function's `*(rbp - 8)`, a signal frame), where rbp was saved, and
+//! whether the return address is undefined (the outermost frame). On arm64
+//! (the object's ELF machine says which): the CFA from sp or x29 plus an
+//! offset, where x29 and x30 (the return address) were saved, or that x30
+//! still holds it (a leaf, a prologue before its store), with
+//! `DW_CFA_AARCH64_negate_ra_state` (pointer authentication) understood; the
+//! kernel strips the authentication code from each return address. Rows
+//! that differ only in other callee-saved registers merge. Addresses become file offsets, so one table
 //! serves every process that maps the file, wherever it is loaded.
 //!
 //! Malformed CFI never panics: an FDE that does not parse is skipped and
@@ -14,9 +19,11 @@
 
 use gimli::{
     BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, LittleEndian, RegisterRule,
-    UnwindContext, UnwindSection, X86_64,
+    UnwindContext, UnwindSection, Vendor, AArch64, X86_64,
 };
-use memtrace_common::unwind::{RowKind, UnwindRule};
+use memtrace_common::unwind::{RowKind, UnwindRule, RA_IN_LR};
+
+use crate::arch::Arch;
 use object::{Object, ObjectSection, ObjectSegment};
 
 /// One row before it is packed for the kernel: from `pc` (file offset)
@@ -30,6 +37,9 @@ pub struct UnwindRow {
     pub rbp_offset8: i8,
     /// [`RowKind`] as `u8`.
     pub kind: u8,
+    /// Where the return address was saved, relative to the CFA in units of
+    /// 8 bytes (x86-64: always -1), or [`RA_IN_LR`] (arm64).
+    pub ra_offset8: i8,
 }
 
 impl UnwindRow {
@@ -39,6 +49,8 @@ impl UnwindRow {
             cfa_offset8: self.cfa_offset8,
             rbp_offset8: self.rbp_offset8,
             kind: self.kind,
+            ra_offset8: self.ra_offset8,
+            _pad: [0; 3],
         }
     }
 }
@@ -56,6 +68,8 @@ pub enum CfiError {
     NoCfi,
     #[error("code beyond 4 GiB of file offsets")]
     TooLarge,
+    #[error("an object of an architecture this unwinder does not read")]
+    Architecture,
 }
 
 /// The rows of one object, sorted by `pc`, plus what building them found.
@@ -91,6 +105,11 @@ pub fn eh_frame_size(data: &[u8]) -> u64 {
 /// Builds the rows of the ELF object in `data`.
 pub fn rows_from_elf(data: &[u8]) -> Result<Rows, CfiError> {
     let file = object::File::parse(data)?;
+    let arch = match file.architecture() {
+        object::Architecture::X86_64 => Arch::X86_64,
+        object::Architecture::Aarch64 => Arch::Aarch64,
+        _ => return Err(CfiError::Architecture),
+    };
     let segments: Vec<(u64, u64, u64)> = file
         .segments()
         .map(|s| {
@@ -116,15 +135,21 @@ pub fn rows_from_elf(data: &[u8]) -> Result<Rows, CfiError> {
     if let Some(section) = file.section_by_name(".eh_frame") {
         let bytes = section.data()?;
         let bases = bases.clone().set_eh_frame(section.address());
-        let eh = EhFrame::new(bytes, LittleEndian);
-        collect(&eh, &bases, bytes, &to_offset, &mut spans, &mut out);
+        let mut eh = EhFrame::new(bytes, LittleEndian);
+        if arch == Arch::Aarch64 {
+            eh.set_vendor(Vendor::AArch64);
+        }
+        collect(&eh, arch, &bases, bytes, &to_offset, &mut spans, &mut out);
     }
     if spans.is_empty() {
         if let Some(section) = file.section_by_name(".debug_frame") {
             let bytes = section.data()?;
             let mut debug = DebugFrame::new(bytes, LittleEndian);
             debug.set_address_size(8);
-            collect(&debug, &bases, bytes, &to_offset, &mut spans, &mut out);
+            if arch == Arch::Aarch64 {
+                debug.set_vendor(Vendor::AArch64);
+            }
+            collect(&debug, arch, &bases, bytes, &to_offset, &mut spans, &mut out);
         }
     }
     if spans.is_empty() && out.fdes == 0 {
@@ -145,7 +170,15 @@ pub fn rows_from_eh_frame(bytes: &[u8]) -> Rows {
     let mut spans = Vec::new();
     let bases = BaseAddresses::default().set_eh_frame(0).set_text(0);
     let eh = EhFrame::new(bytes, LittleEndian);
-    collect(&eh, &bases, bytes, &|addr| Some(addr), &mut spans, &mut out);
+    collect(
+        &eh,
+        Arch::X86_64,
+        &bases,
+        bytes,
+        &|addr| Some(addr),
+        &mut spans,
+        &mut out,
+    );
     spans.retain(|s| s.end <= u64::from(u32::MAX));
     out.rows = merge(spans);
     out
@@ -153,6 +186,7 @@ pub fn rows_from_eh_frame(bytes: &[u8]) -> Rows {
 
 fn collect<'a, S>(
     section: &S,
+    arch: Arch,
     bases: &BaseAddresses,
     bytes: &'a [u8],
     to_offset: &dyn Fn(u64) -> Option<u64>,
@@ -203,7 +237,10 @@ fn collect<'a, S>(
                     if end <= start {
                         continue;
                     }
-                    let encoded = encode(row, section, signal);
+                    let encoded = match arch {
+                        Arch::X86_64 => encode(row, section, signal),
+                        Arch::Aarch64 => encode_aarch64(row, signal),
+                    };
                     if encoded.kind == RowKind::Unsupported as u8 {
                         out.unsupported += 1;
                     }
@@ -232,6 +269,7 @@ where
         cfa_offset8,
         rbp_offset8,
         kind: kind as u8,
+        ra_offset8: -1,
     };
     if signal {
         return rule(RowKind::Signal, 0, 0);
@@ -284,6 +322,59 @@ where
                 None => rule(RowKind::Unsupported, 0, 0),
             }
         }
+    }
+}
+
+/// An arm64 row: the CFA from sp or x29 plus a multiple of 8, x29's save
+/// slot, and x30's (the return address), or that x30 still holds it.
+/// Anything else (an expression, another CFA register) is unsupported.
+fn encode_aarch64(row: &gimli::UnwindTableRow<usize>, signal: bool) -> UnwindRow {
+    let rule = |kind: RowKind, cfa_offset8: i16, rbp_offset8: i8, ra_offset8: i8| UnwindRow {
+        pc: 0,
+        cfa_offset8,
+        rbp_offset8,
+        kind: kind as u8,
+        ra_offset8,
+    };
+    let unsupported = rule(RowKind::Unsupported, 0, 0, 0);
+    if signal {
+        return rule(RowKind::Signal, 0, 0, 0);
+    }
+    // A save slot below the CFA, in units of 8 bytes.
+    let slot = |n: i64| -> Option<i8> {
+        (n % 8 == 0 && (i64::from(i8::MIN)..0).contains(&(n / 8))).then_some((n / 8) as i8)
+    };
+    let ra = match row.register(AArch64::X30) {
+        Some(RegisterRule::Undefined) => return rule(RowKind::End, 0, 0, 0),
+        None | Some(RegisterRule::SameValue) => RA_IN_LR,
+        Some(RegisterRule::Offset(n)) => match slot(n) {
+            Some(at) => at,
+            None => return unsupported,
+        },
+        _ => return unsupported,
+    };
+    let fp = match row.register(AArch64::X29) {
+        Some(RegisterRule::Offset(n)) => slot(n).unwrap_or(0),
+        _ => 0,
+    };
+    match row.cfa() {
+        CfaRule::RegisterAndOffset { register, offset } => {
+            let kind = if *register == AArch64::SP {
+                RowKind::Rsp
+            } else if *register == AArch64::X29 {
+                RowKind::Rbp
+            } else {
+                return unsupported;
+            };
+            match (offset % 8 == 0)
+                .then(|| i16::try_from(offset / 8).ok())
+                .flatten()
+            {
+                Some(off) => rule(kind, off, fp, ra),
+                None => unsupported,
+            }
+        }
+        CfaRule::Expression(_) => unsupported,
     }
 }
 
@@ -370,7 +461,10 @@ fn merge(mut spans: Vec<Span>) -> Vec<UnwindRow> {
 }
 
 fn same_rule(a: &UnwindRow, b: &UnwindRow) -> bool {
-    a.kind == b.kind && a.cfa_offset8 == b.cfa_offset8 && a.rbp_offset8 == b.rbp_offset8
+    a.kind == b.kind
+        && a.cfa_offset8 == b.cfa_offset8
+        && a.rbp_offset8 == b.rbp_offset8
+        && a.ra_offset8 == b.ra_offset8
 }
 
 /// The row covering file offset `pc` (what the kernel's search finds), for tests.
@@ -422,6 +516,7 @@ mod tests {
             cfa_offset8: off,
             rbp_offset8: 0,
             kind: kind as u8,
+            ra_offset8: -1,
         };
         let spans = vec![
             Span {
@@ -489,6 +584,59 @@ mod tests {
             .filter(|r| r.kind == RowKind::Rsp as u8)
             .count();
         assert!(rsp * 2 > rows.rows.len());
+    }
+
+    /// The arm64 glibc of Debian's cross toolchain (`libc6-arm64-cross`,
+    /// which `cargo xtask build --target aarch64-unknown-linux-gnu` installs).
+    fn arm64_libc() -> Option<Vec<u8>> {
+        std::fs::read("/usr/aarch64-linux-gnu/lib/libc.so.6").ok()
+    }
+
+    #[test]
+    fn reads_an_arm64_libc() {
+        let Some(data) = arm64_libc() else {
+            eprintln!("skipping: no arm64 glibc (libc6-arm64-cross) here");
+            return;
+        };
+        let rows = rows_from_elf(&data).expect("arm64 libc has CFI");
+        assert_eq!(rows.malformed, 0);
+        assert!(rows.rows.len() > 1000, "{}", rows.rows.len());
+        let with = |f: &dyn Fn(&UnwindRow) -> bool| rows.rows.iter().filter(|r| f(r)).count();
+        // Function entries: CFA = sp, the return address still in x30.
+        assert!(with(&|r| r.kind == RowKind::Rsp as u8 && r.cfa_offset8 == 0 && r.ra_offset8 == RA_IN_LR) > 500);
+        // After `stp x29, x30, [sp, #-N]!`: the frame record, x30 just above x29.
+        assert!(with(&|r| r.rbp_offset8 != 0 && r.ra_offset8 == r.rbp_offset8 + 1) > 500);
+        // After `mov x29, sp`: CFA from x29.
+        assert!(with(&|r| r.kind == RowKind::Rbp as u8) > 100);
+        // _start marks x30 undefined.
+        assert!(with(&|r| r.kind == RowKind::End as u8) >= 1);
+        // Few rules this unwinder cannot follow.
+        assert!(rows.unsupported * 100 < rows.fdes, "{} of {}", rows.unsupported, rows.fdes);
+        // No row of arm64 takes the x86 PLT or realign expressions.
+        assert_eq!(with(&|r| r.kind == RowKind::Plt as u8 || r.kind == RowKind::RbpDeref as u8), 0);
+    }
+
+    #[test]
+    fn arm64_malloc_entry_and_body() {
+        let Some(data) = arm64_libc() else {
+            eprintln!("skipping: no arm64 glibc here");
+            return;
+        };
+        let file = object::File::parse(&*data).expect("elf");
+        use object::ObjectSymbol;
+        let malloc = file
+            .dynamic_symbols()
+            .find(|s| s.name() == Ok("malloc"))
+            .expect("malloc")
+            .address();
+        let rows = rows_from_elf(&data).expect("cfi").rows;
+        // libc's text is mapped at file offset == address.
+        let entry = lookup(&rows, malloc as u32).expect("a row at malloc");
+        assert_eq!(
+            (entry.kind, entry.cfa_offset8, entry.ra_offset8),
+            (RowKind::Rsp as u8, 0, RA_IN_LR),
+            "{entry:?}"
+        );
     }
 
     #[test]

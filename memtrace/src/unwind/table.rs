@@ -114,6 +114,7 @@ mod tests {
                 cfa_offset8: (i % 3) as i16,
                 rbp_offset8: 0,
                 kind: 1,
+                ra_offset8: -1,
             })
             .collect()
     }

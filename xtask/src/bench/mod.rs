@@ -268,7 +268,7 @@ fn prepare(args: &BenchArgs, root: &Path) -> Result<Env> {
             .with_context(|| format!("--memtrace {}", path.display()))?,
         None => {
             super::build_release()?;
-            root.join("target/release/memtrace")
+            crate::release_binary()
         }
     };
     let fixtures = root.join("target/fixtures");

@@ -268,18 +268,35 @@ pub fn from_debug_offsets(base: Layout, bytes: &[u8]) -> Result<Layout, DebugOff
 
 /// Why the kernel cannot find a version's thread states.
 pub const NO_THREAD_MATCH: &str =
-    "its thread states carry no kernel thread id (before 3.11) and this kernel's BTF does not give task_struct.thread.fsbase to match them by pthread_t";
+    "its thread states carry no kernel thread id (before 3.11) and the thread pointer (the kernel's BTF offset of it, or glibc's pthread size on arm64) is unknown, so they cannot be matched by pthread_t";
+
+/// Where the kernel finds a thread's `pthread_t`: the thread pointer's
+/// offset in `task_struct`, minus `pthread_below_tp` bytes
+/// (see `target::tls`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadPointer {
+    pub task_offset: u64,
+    pub pthread_below_tp: u32,
+}
 
 /// The kernel's reading recipe for a process whose `_PyRuntime` is at
-/// `runtime`; `fsbase` is the kernel's `task_struct.thread.fsbase` offset
-/// when known.
+/// `runtime`; `thread` says how to find a thread's `pthread_t`, when known.
 pub fn kernel_config(
     layout: &Layout,
     runtime: u64,
-    fsbase: Option<u64>,
+    thread: Option<ThreadPointer>,
 ) -> Result<PyProc, &'static str> {
     let off = |v: u64| u16::try_from(v).unwrap_or(PY_OFF_NONE);
-    let fsbase_off = fsbase.and_then(|f| u32::try_from(f).ok()).unwrap_or(0);
+    // Where the thread pointer is not the pthread_t itself (arm64), the
+    // kernel's saved copy can lag the register at a thread's very start:
+    // versions that record the kernel thread id are matched by it.
+    let thread = thread.filter(|t| {
+        t.pthread_below_tp == 0 || layout.tstate_native_thread_id.is_none()
+    });
+    let fsbase_off = thread
+        .and_then(|t| u32::try_from(t.task_offset).ok())
+        .unwrap_or(0);
+    let tp_to_pthread = thread.map_or(0, |t| t.pthread_below_tp);
     if fsbase_off == 0 && layout.tstate_native_thread_id.is_none() {
         return Err(NO_THREAD_MATCH);
     }
@@ -297,7 +314,8 @@ pub fn kernel_config(
         frame_instr: off(layout.frame_instr),
         frame_owner: layout.frame_owner.map_or(PY_OFF_NONE, off),
         owner_cstack: layout.owner_cstack.unwrap_or(0xff),
-        _pad: [0; 7],
+        _pad: [0; 3],
+        tp_to_pthread,
     })
 }
 
@@ -361,24 +379,37 @@ mod tests {
         );
     }
 
+    fn tp(task_offset: u64, pthread_below_tp: u32) -> ThreadPointer {
+        ThreadPointer {
+            task_offset,
+            pthread_below_tp,
+        }
+    }
+
     #[test]
     fn kernel_config_marks_absent_fields() {
         let c = kernel_config(&LAYOUT_3_13, 0x1000, None).expect("3.13");
         assert_eq!(c.interp_head_addr, 0x1000 + 632);
         assert_eq!(c.cframe_frame, PY_OFF_NONE);
         assert_eq!(c.fsbase_off, 0);
-        let c11 = kernel_config(&LAYOUT_3_11, 0, Some(9000)).expect("3.11");
+        let c11 = kernel_config(&LAYOUT_3_11, 0, Some(tp(9000, 0))).expect("3.11");
         assert_eq!(
             (c11.owner_cstack, c11.fsbase_off, c11.tstate_pthread),
             (0xff, 9000, 152)
         );
+        // arm64: pthread_self() is glibc's struct pthread below the pointer.
+        let arm = kernel_config(&LAYOUT_3_10, 0, Some(tp(4000, 1792))).expect("3.10");
+        assert_eq!((arm.fsbase_off, arm.tp_to_pthread), (4000, 1792));
+        // ... and 3.11+ there are matched by their kernel thread id.
+        let arm11 = kernel_config(&LAYOUT_3_11, 0, Some(tp(4000, 1792))).expect("3.11");
+        assert_eq!((arm11.fsbase_off, arm11.tp_to_pthread), (0, 0));
         assert_eq!(
             kernel_config(&LAYOUT_3_12, 0, None).map(|c| c.cframe_frame),
             Ok(0)
         );
         // Before 3.11 only the fs base tells threads apart.
         assert_eq!(kernel_config(&LAYOUT_3_10, 0, None), Err(NO_THREAD_MATCH));
-        let c10 = kernel_config(&LAYOUT_3_10, 0, Some(9000)).expect("3.10");
+        let c10 = kernel_config(&LAYOUT_3_10, 0, Some(tp(9000, 0))).expect("3.10");
         assert_eq!(
             (c10.tstate_native_tid, c10.frame_owner),
             (PY_OFF_NONE, PY_OFF_NONE)

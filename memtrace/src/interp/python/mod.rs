@@ -55,12 +55,12 @@ pub struct Attached {
 }
 
 /// Chooses the layout for what [`detect::find`] found: the header facts of
-/// its version, corrected on 3.13 by its own `_Py_DebugOffsets`; `fsbase`
-/// is the kernel's `task_struct.thread.fsbase` offset when known.
+/// its version, corrected on 3.13 by its own `_Py_DebugOffsets`; `thread`
+/// locates a thread's `pthread_t` when known.
 pub fn plan(
     found: &detect::Found,
     mem: &dyn resolve::Memory,
-    fsbase: Option<u64>,
+    thread: Option<layout::ThreadPointer>,
 ) -> Result<Attached, String> {
     let Some(base) = layout::for_minor(found.minor).filter(|_| found.major == 3) else {
         return Err(format!(
@@ -77,7 +77,7 @@ pub fn plan(
     } else {
         base
     };
-    let config = layout::kernel_config(&layout, found.runtime, fsbase)
+    let config = layout::kernel_config(&layout, found.runtime, thread)
         .map_err(|why| format!("frames of Python {} are not read: {why}", found.version()))?;
     Ok(Attached { config, layout })
 }
@@ -276,6 +276,10 @@ mod tests {
 
     #[test]
     fn versions_and_thread_matching_decide_what_is_read() {
+        const TP: layout::ThreadPointer = layout::ThreadPointer {
+            task_offset: 9000,
+            pthread_below_tp: 0,
+        };
         let found = detect::Found {
             object: "/usr/lib/libpython3.7.so".into(),
             major: 3,
@@ -289,7 +293,7 @@ mod tests {
                 false
             }
         }
-        let err = plan(&found, &NoMem, Some(9000))
+        let err = plan(&found, &NoMem, Some(TP))
             .err()
             .expect("3.7 is not read");
         assert!(err.contains("Python 3.7"), "{err}");
@@ -298,8 +302,8 @@ mod tests {
             ..found.clone()
         };
         let err = plan(&found9, &NoMem, None).err().expect("no fs base");
-        assert!(err.contains("fsbase"), "{err}");
-        assert!(plan(&found9, &NoMem, Some(9000)).is_ok());
+        assert!(err.contains("thread pointer"), "{err}");
+        assert!(plan(&found9, &NoMem, Some(TP)).is_ok());
         let found13 = detect::Found { minor: 13, ..found };
         assert_eq!(
             plan(&found13, &NoMem, None).err().as_deref(),
