@@ -235,6 +235,46 @@ fn build_release() -> Result<()> {
         .args(["build", "--release", "-p", "memtrace"]))
 }
 
+/// Builds the release memtrace for the Rust target `target` (None: the host's
+/// `build`) and returns the binary's path.
+///
+/// Minimal stand-in for the arm64 kernel matrix (kernels/arm64.rs): a plain
+/// cross `cargo build`, linked by Debian's `aarch64-linux-gnu-gcc`, that
+/// embeds whatever eBPF object `build-ebpf` left. The arm64 port replaces it
+/// with one that also builds the eBPF objects for that architecture.
+pub fn build_release_target(target: Option<&str>) -> Result<PathBuf> {
+    let target_dir = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => root().join(dir),
+        None => root().join("target"),
+    };
+    let Some(target) = target else {
+        build_release()?;
+        return Ok(target_dir.join("release/memtrace"));
+    };
+    let installed = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output()
+        .context("rustup is needed to cross-build memtrace")?;
+    if !String::from_utf8_lossy(&installed.stdout)
+        .lines()
+        .any(|l| l.trim() == target)
+    {
+        run(Command::new("rustup").args(["target", "add", target]))?;
+    }
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(root())
+        .args(["build", "--release", "-p", "memtrace", "--target", target]);
+    let linker = format!(
+        "CARGO_TARGET_{}_LINKER",
+        target.to_uppercase().replace('-', "_")
+    );
+    if target.starts_with("aarch64-") && std::env::var_os(&linker).is_none() {
+        cmd.env(&linker, "aarch64-linux-gnu-gcc");
+    }
+    run(&mut cmd)?;
+    Ok(target_dir.join(target).join("release/memtrace"))
+}
+
 /// Builds the fixtures; returns their directory.
 pub fn fixtures() -> Result<PathBuf> {
     fixtures_target("all")
