@@ -138,6 +138,9 @@ pub fn qemu_command(vmlinuz: &Path, initrd: &Path, cpu: &str, accel: &str) -> Re
     let mut cmd = Command::new("qemu-system-aarch64");
     cmd.args(["-M", "virt", "-cpu", cpu, "-accel", accel])
         .args(["-m", "2048", "-smp", "2", "-nographic", "-no-reboot"])
+        // No network: virt's default NIC wants an iPXE ROM (ipxe-qemu, a
+        // recommends this host does not install) and the suite needs none.
+        .args(["-nic", "none"])
         .arg("-kernel")
         .arg(vmlinuz)
         .arg("-initrd")
@@ -348,7 +351,7 @@ mod tests {
             .collect();
         let line = args.join(" ");
         assert!(line.starts_with(
-            "-M virt -cpu neoverse-n1 -accel tcg,thread=multi -m 2048 -smp 2 -nographic -no-reboot -kernel /k -initrd /i -append console=ttyAMA0 panic=-1"
+            "-M virt -cpu neoverse-n1 -accel tcg,thread=multi -m 2048 -smp 2 -nographic -no-reboot -nic none -kernel /k -initrd /i -append console=ttyAMA0 panic=-1"
         ), "{line}");
         let single = qemu_command(Path::new("/k"), Path::new("/i"), PAC_CPU, "tcg-single")
             .expect("tcg-single");
