@@ -17,8 +17,10 @@
 //! reaches `/init` is retried once and reported as a boot failure, not a test
 //! failure.
 //!
-//! Over 800 lines (about a fifth of them tests): apt, image, boot, table and
-//! report check are its seams, to split into `kernels/` when it grows.
+//! `--arch arm64` (kernels/arm64.rs) boots Debian's arm64 kernels with this
+//! file's fetching, booting, smoke suite, checks and table; the private apt is
+//! kernels/apt.rs. Over 800 lines (about a fifth of them tests): image, boot,
+//! table and report check are its other seams, to split into `kernels/` next.
 
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Read, Write};

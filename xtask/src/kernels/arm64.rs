@@ -203,7 +203,12 @@ fn memtrace_binary(given: Option<&Path>) -> Result<PathBuf> {
             eprintln!(
                 "xtask: the {TARGET} memtrace did not build ({err:#}): every memtrace cell will fail"
             );
-            image::stand_in(&format!("the {TARGET} build failed: {err:#}"))
+            // The command line is in the build's own output: keep the status.
+            let text = format!("{err:#}");
+            let status = text.rsplit("failed: ").next().unwrap_or(&text);
+            image::stand_in(&format!(
+                "cargo build --release -p memtrace --target {TARGET} failed ({status})"
+            ))
         }
     }
 }

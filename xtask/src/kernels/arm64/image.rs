@@ -173,7 +173,7 @@ pub fn stand_in(why: &str) -> Result<PathBuf> {
     let why = why.replace(['\n', '\''], " ");
     std::fs::write(
         &path,
-        format!("#!/bin/sh\necho 'memtrace: not built for {TARGET}: {why}' >&2\nexit 1\n"),
+        format!("#!/bin/sh\necho 'memtrace: no {TARGET} build: {why}' >&2\nexit 1\n"),
     )
     .with_context(|| format!("writing {}", path.display()))?;
     set_mode(&path, 0o755)?;
