@@ -9,11 +9,14 @@
 #   PYTHON     a CPython interpreter (empty: the python check is skipped)
 #   PYSCRIPT   tests/kernel-matrix/leak.py
 #   WORK       a scratch directory
-#   CHECKS     checks to run (comma or space separated; empty: all)
+#   CHECKS     checks to run (comma or space separated; empty: all of $ALL;
+#              `acl` runs only when named: the arm64 matrix names it)
 #   MATRIX_FULL=1  run default-mode checks even when the default mode failed to load
 #   MATRIX_TIMEOUT seconds per memtrace run (default 300)
 T=${MATRIX_TIMEOUT:-300}
 ALL="doctor launch fp depth0 pid dwarf python cuda forks"
+# Checks that run only when CHECKS names them.
+EXTRA="acl"
 CHECKS=$(echo "${CHECKS:-$ALL}" | tr ',' ' ')
 mkdir -p "$WORK"
 # Set when the default mode failed before writing a report (a load failure).
@@ -192,6 +195,13 @@ check_cuda() {
     judge cuda "$WORK/cuda.json" site:late_leak=4194304/4
 }
 
+# Ascend CL through the stub libascendcl.so: device and pinned host memory.
+check_acl() {
+    gated acl && return
+    mt acl --format json --top 100 --output "$WORK/acl.json" -- "$FIXTURES/acl_leaks" 0 0
+    judge acl "$WORK/acl.json" site:leak_acl_device=10485760/5 site:leak_acl_host=8192/2
+}
+
 check_forks() {
     gated forks && return
     mt forks --follow-forks --format json --top 500 --output "$WORK/forks.json" -- "$FIXTURES/fork_leaks" 0 0
@@ -205,7 +215,7 @@ check_forks() {
 # far from a real machine's (seen: a kernel stack-map collision, counted,
 # left a block stackless with --stacks fp; a Python stack missed on 7.3).
 # A run that failed to load, crashed or timed out is not run again.
-for c in $ALL; do
+for c in $ALL $EXTRA; do
     wanted "$c" || continue
     "check_$c" >"$WORK/$c.result"
     if grep -q "^MATRIX $c FAIL" "$WORK/$c.result" &&

@@ -105,6 +105,28 @@ const BENCH_PEERS: &[Package] = &[
     pkg("libmimalloc2.0", Probe::Lib("libmimalloc.so.2")),
 ];
 
+/// The arm64 kernel matrix (`test-kernels --arch arm64`): QEMU for aarch64,
+/// the cross toolchain for memtrace, its checker and the fixtures, and the
+/// tools that turn Debian arm64 packages into an initramfs.
+const KERNELS_ARM64: &[Package] = &[
+    pkg("qemu-system-arm", Probe::Command("qemu-system-aarch64")),
+    pkg(
+        "gcc-aarch64-linux-gnu",
+        Probe::Command("aarch64-linux-gnu-gcc"),
+    ),
+    pkg(
+        "g++-aarch64-linux-gnu",
+        Probe::Command("aarch64-linux-gnu-g++"),
+    ),
+    pkg(
+        "binutils-aarch64-linux-gnu",
+        Probe::Command("aarch64-linux-gnu-readelf"),
+    ),
+    pkg("dpkg", Probe::Command("dpkg-deb")),
+    pkg("cpio", Probe::Command("cpio")),
+    pkg("debian-archive-keyring", Probe::Dpkg),
+];
+
 /// A task whose packages are ensured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Need {
@@ -120,6 +142,8 @@ pub enum Need {
     BenchNoPeers,
     /// `cargo xtask build --target aarch64-unknown-linux-gnu`: the cross linker.
     CrossArm64,
+    /// `cargo xtask test-kernels --arch arm64` (and `kernel-run --arch arm64`).
+    KernelsArm64,
 }
 
 impl Need {
@@ -130,6 +154,7 @@ impl Need {
             Need::Test => "test",
             Need::Bench | Need::BenchNoPeers => "bench",
             Need::CrossArm64 => "build --target aarch64-unknown-linux-gnu",
+            Need::KernelsArm64 => "test-kernels --arch arm64",
         }
     }
 
@@ -141,6 +166,7 @@ impl Need {
             Need::Test => &[BUILD, FIXTURES, TEST_TOOLS],
             Need::Bench => &[BUILD, FIXTURES, BENCH_PEERS],
             Need::CrossArm64 => &[BUILD, CROSS_ARM64],
+            Need::KernelsArm64 => &[BUILD, KERNELS_ARM64],
         };
         let mut out: Vec<Package> = Vec::new();
         for package in groups.iter().flat_map(|g| g.iter()) {
@@ -267,6 +293,7 @@ mod tests {
             Need::Test,
             Need::Bench,
             Need::BenchNoPeers,
+            Need::KernelsArm64,
         ] {
             assert!(missing(need, |_| true).is_empty(), "{need:?}");
         }
@@ -297,7 +324,7 @@ mod tests {
 
     #[test]
     fn each_package_is_listed_once() {
-        for need in [Need::Test, Need::Bench] {
+        for need in [Need::Test, Need::Bench, Need::KernelsArm64] {
             let all = names(need);
             let mut sorted = all.clone();
             sorted.sort_unstable();
