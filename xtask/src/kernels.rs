@@ -114,7 +114,8 @@ pub struct TestArgs {
     /// Guest architecture: x86_64 (default) or arm64.
     #[arg(long, value_enum, default_value_t = Arch::X86_64)]
     arch: Arch,
-    /// Kernels to boot (comma separated: 5.10,6.1,6.12,6.18,7.x,sid); default all.
+    /// Kernels to boot (comma separated: 5.10,6.1,6.12,6.18,7.x,sid; arm64:
+    /// 6.1,6.12,6.18,7.x,7.x-pac); default all.
     #[arg(long, value_delimiter = ',')]
     kernels: Vec<String>,
     /// Checks to run (comma separated); default all.
@@ -136,7 +137,7 @@ pub struct TestArgs {
     /// (each then waits out its own verifier run: minutes per check under TCG).
     #[arg(long)]
     full: bool,
-    /// Leave out the host column.
+    /// Leave out the host column (the arm64 matrix has none).
     #[arg(long)]
     no_host: bool,
     /// Use this memtrace binary instead of building target/release/memtrace.
@@ -150,7 +151,8 @@ pub struct RunArgs {
     /// Guest architecture: x86_64 (default) or arm64.
     #[arg(long, value_enum, default_value_t = Arch::X86_64)]
     arch: Arch,
-    /// The kernel: a matrix name (5.10, 6.1, 6.12, 6.18, 7.x, sid) or a vmlinuz path.
+    /// The kernel: a matrix name (5.10, 6.1, 6.12, 6.18, 7.x, sid; arm64: 6.1, 6.12, 6.18,
+    /// 7.x, 7.x-pac) or a vmlinuz path.
     #[arg(long)]
     kernel: String,
     /// QEMU accelerator: tcg (default) or kvm.
