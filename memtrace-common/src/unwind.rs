@@ -64,21 +64,21 @@ pub struct UnwindRule {
     pub cfa_offset8: i16,
     /// Where rbp (x29) was saved, relative to the CFA in units of 8 bytes;
     /// 0: unchanged.
-    pub rbp_offset8: i8,
+    pub rbp_offset8: i16,
+    /// Where the return address was saved, relative to the CFA in units of
+    /// 8 bytes: -1 on x86-64 (CFA - 8); on arm64 x30's save slot (functions
+    /// with big frames save it kilobytes below the CFA), or [`RA_IN_LR`]
+    /// while x30 still holds it (a leaf, a prologue's first instructions:
+    /// only the innermost frame and one a signal interrupted can be there).
+    pub ra_offset8: i16,
     /// [`RowKind`] as `u8`.
     pub kind: u8,
-    /// Where the return address was saved, relative to the CFA in units of
-    /// 8 bytes: -1 on x86-64 (CFA - 8); on arm64 x30's save slot, or
-    /// [`RA_IN_LR`] while x30 still holds it (a leaf, a prologue's first
-    /// instructions: only the innermost frame and one a signal interrupted
-    /// can be there).
-    pub ra_offset8: i8,
-    pub _pad: [u8; 3],
+    pub _pad: u8,
 }
 
 /// [`UnwindRule::ra_offset8`]: the return address is still in the link
 /// register (arm64).
-pub const RA_IN_LR: i8 = 0;
+pub const RA_IN_LR: i16 = 0;
 
 /// One CFI row as the kernel stores it: from `pc_in_page` (the offset within
 /// its 4 KiB page) until the next row, rule `rule` applies. Every page's rows

@@ -251,8 +251,8 @@ pub struct Walk {
     lr_live: u64,
 }
 
-/// One PC cache entry: `value` is the mapping list's generation (its low 24
-/// bits, on top) and the packed rule (the low 40 bits); `check` is the PC mixed with `value`, so
+/// One PC cache entry: `value` is the mapping list's generation (its low 20
+/// bits, on top) and the packed rule (see [`cached_rule`]); `check` is the PC mixed with `value`, so
 /// an entry torn by two CPUs writing it at once fails the check instead of
 /// giving another PC's rule.
 #[repr(C)]
@@ -262,12 +262,13 @@ pub struct PcCacheEntry {
     value: u64,
 }
 
-/// The bits of a mapping list's generation a cache entry keeps (the rest of
-/// its value is the packed rule).
-const CACHED_GENERATION: u32 = 0xff_ffff;
+/// How many bits of a mapping list's generation a cache entry keeps (the
+/// rest of its value is the packed rule).
+const CACHED_GENERATION_BITS: u32 = 20;
+const CACHED_GENERATION: u32 = (1 << CACHED_GENERATION_BITS) - 1;
 
 /// The packed-rule kind of a PC whose object's table was capped.
-const CACHED_CAPPED: u32 = 0xff;
+const CACHED_CAPPED: u8 = 0xf;
 
 #[inline(always)]
 fn cache_index(pc: u64) -> u32 {
@@ -280,6 +281,11 @@ fn cache_check(pc: u64, value: u64) -> u64 {
 }
 
 /// The rule and stop reason cached for `pc` under `generation`.
+///
+/// An entry's value packs, from the top: the mapping list's generation (its
+/// low [`CACHED_GENERATION_BITS`] bits), the row kind (4 bits,
+/// [`CACHED_CAPPED`] for a capped table), the return address's and rbp's
+/// (x29's) save slots (12 signed bits each) and the CFA offset (16 bits).
 #[inline(always)]
 fn cached_rule(generation: u32, pc: u64) -> Option<(UnwindRule, u32)> {
     let entry = PC_CACHE.get_ptr_mut(cache_index(pc))?;
@@ -291,43 +297,51 @@ fn cached_rule(generation: u32, pc: u64) -> Option<(UnwindRule, u32)> {
             core::ptr::read_volatile(core::ptr::addr_of!((*entry).value)),
         )
     };
-    if (value >> 40) as u32 != generation & CACHED_GENERATION || check != cache_check(pc, value) {
+    if (value >> (64 - CACHED_GENERATION_BITS)) as u32 != generation & CACHED_GENERATION
+        || check != cache_check(pc, value)
+    {
         return None;
     }
-    let packed = value as u32;
-    let kind = packed >> 24;
+    let kind = ((value >> 40) & 0xf) as u8;
     if kind == CACHED_CAPPED {
         return Some((UnwindRule::default(), CAPPED));
     }
+    // Sign-extends the 12-bit field at `shift`.
+    let slot = |shift: u32| (((value >> shift) as u16) << 4) as i16 >> 4;
     Some((
         UnwindRule {
-            cfa_offset8: packed as u16 as i16,
-            rbp_offset8: (packed >> 16) as u8 as i8,
-            kind: kind as u8,
-            ra_offset8: (value >> 32) as u8 as i8,
-            _pad: [0; 3],
+            cfa_offset8: value as u16 as i16,
+            rbp_offset8: slot(16),
+            ra_offset8: slot(28),
+            kind,
+            _pad: 0,
         },
         NO_TABLE,
     ))
 }
 
 /// Remembers the rule of `pc` (`missing`: why frame pointers are used when
-/// the rule has none).
+/// the rule has none). A rule whose save slots do not fit the entry's 12
+/// bits (a frame of over 16 KiB) is not cached: it is looked up each time.
 #[inline(always)]
 fn cache_rule(generation: u32, pc: u64, rule: &UnwindRule, missing: u32) {
+    let fits = |slot: i16| (-2048..2048).contains(&slot);
+    if !fits(rule.rbp_offset8) || !fits(rule.ra_offset8) {
+        return;
+    }
     let Some(entry) = PC_CACHE.get_ptr_mut(cache_index(pc)) else {
         return;
     };
     let packed = if missing == CAPPED {
-        CACHED_CAPPED << 24
+        u64::from(CACHED_CAPPED) << 40
     } else {
-        u32::from(rule.cfa_offset8 as u16)
-            | (u32::from(rule.rbp_offset8 as u8) << 16)
-            | (u32::from(rule.kind) << 24)
+        u64::from(rule.cfa_offset8 as u16)
+            | (u64::from(rule.rbp_offset8 as u16 & 0xfff) << 16)
+            | (u64::from(rule.ra_offset8 as u16 & 0xfff) << 28)
+            | (u64::from(rule.kind & 0xf) << 40)
     };
-    let value = (u64::from(generation & CACHED_GENERATION) << 40)
-        | (u64::from(rule.ra_offset8 as u8) << 32)
-        | u64::from(packed);
+    let value =
+        (u64::from(generation & CACHED_GENERATION) << (64 - CACHED_GENERATION_BITS)) | packed;
     // SAFETY: as in `cached_rule`; each store is an aligned u64.
     unsafe {
         core::ptr::write_volatile(core::ptr::addr_of_mut!((*entry).value), value);
@@ -988,7 +1002,7 @@ fn return_address(
             walk.restore_bp(log, at, bp);
         }
         walk.lr
-    } else if saves_fp && i16::from(row.ra_offset8) == i16::from(row.rbp_offset8) + 1 {
+    } else if saves_fp && row.ra_offset8 == row.rbp_offset8.wrapping_add(1) {
         let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
         walk.read_bp_ra(log, at).ok_or(FAULT)?
     } else {

@@ -61,8 +61,14 @@ const FIXTURES: &[Package] = &[
 /// What the tests run besides the fixtures.
 /// Cross-building memtrace and its fixtures for arm64 from x86-64.
 const CROSS_ARM64: &[Package] = &[
-    pkg("gcc-aarch64-linux-gnu", Probe::Command("aarch64-linux-gnu-gcc")),
-    pkg("g++-aarch64-linux-gnu", Probe::Command("aarch64-linux-gnu-g++")),
+    pkg(
+        "gcc-aarch64-linux-gnu",
+        Probe::Command("aarch64-linux-gnu-gcc"),
+    ),
+    pkg(
+        "g++-aarch64-linux-gnu",
+        Probe::Command("aarch64-linux-gnu-g++"),
+    ),
     pkg(
         "libc6-dev-arm64-cross",
         Probe::File("/usr/aarch64-linux-gnu/include/stdio.h"),

@@ -45,8 +45,8 @@ fn kernel_mask() -> Option<u64> {
     }
     let mut status = 0;
     // SAFETY: waiting for our own child.
-    let stopped = unsafe { libc::waitpid(child, &mut status, 0) } == child
-        && libc::WIFSTOPPED(status);
+    let stopped =
+        unsafe { libc::waitpid(child, &mut status, 0) } == child && libc::WIFSTOPPED(status);
     let mut masks = [0u64; 2];
     let mut iov = libc::iovec {
         iov_base: masks.as_mut_ptr().cast(),
@@ -84,7 +84,12 @@ mod tests {
     fn the_mask_keeps_every_user_address() {
         let mask = return_address_mask();
         // Any user code address of a 48-bit address space survives it.
-        for addr in [0x40_0000u64, 0x5555_5555_4000, 0x7fff_f7dd_0000, 0xffff_ffff_f000] {
+        for addr in [
+            0x40_0000u64,
+            0x5555_5555_4000,
+            0x7fff_f7dd_0000,
+            0xffff_ffff_f000,
+        ] {
             assert_eq!(addr & mask, addr, "{addr:#x} under {mask:#x}");
         }
         if cfg!(target_arch = "x86_64") {

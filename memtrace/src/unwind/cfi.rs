@@ -18,8 +18,8 @@
 //! counted, and the object's table covers the rest.
 
 use gimli::{
-    BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, LittleEndian, RegisterRule,
-    UnwindContext, UnwindSection, Vendor, AArch64, X86_64,
+    AArch64, BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, LittleEndian, RegisterRule,
+    UnwindContext, UnwindSection, Vendor, X86_64,
 };
 use memtrace_common::unwind::{RowKind, UnwindRule, RA_IN_LR};
 
@@ -33,13 +33,14 @@ pub struct UnwindRow {
     pub pc: u32,
     /// CFA offset in units of 8 bytes (signed).
     pub cfa_offset8: i16,
-    /// Where rbp was saved, relative to the CFA in units of 8 bytes; 0: unchanged.
-    pub rbp_offset8: i8,
+    /// Where rbp (x29) was saved, relative to the CFA in units of 8 bytes;
+    /// 0: unchanged.
+    pub rbp_offset8: i16,
     /// [`RowKind`] as `u8`.
     pub kind: u8,
     /// Where the return address was saved, relative to the CFA in units of
     /// 8 bytes (x86-64: always -1), or [`RA_IN_LR`] (arm64).
-    pub ra_offset8: i8,
+    pub ra_offset8: i16,
 }
 
 impl UnwindRow {
@@ -50,7 +51,7 @@ impl UnwindRow {
             rbp_offset8: self.rbp_offset8,
             kind: self.kind,
             ra_offset8: self.ra_offset8,
-            _pad: [0; 3],
+            _pad: 0,
         }
     }
 }
@@ -149,7 +150,9 @@ pub fn rows_from_elf(data: &[u8]) -> Result<Rows, CfiError> {
             if arch == Arch::Aarch64 {
                 debug.set_vendor(Vendor::AArch64);
             }
-            collect(&debug, arch, &bases, bytes, &to_offset, &mut spans, &mut out);
+            collect(
+                &debug, arch, &bases, bytes, &to_offset, &mut spans, &mut out,
+            );
         }
     }
     if spans.is_empty() && out.fdes == 0 {
@@ -267,7 +270,7 @@ where
     let rule = |kind: RowKind, cfa_offset8: i16, rbp_offset8: i8| UnwindRow {
         pc: 0,
         cfa_offset8,
-        rbp_offset8,
+        rbp_offset8: rbp_offset8.into(),
         kind: kind as u8,
         ra_offset8: -1,
     };
@@ -329,7 +332,7 @@ where
 /// slot, and x30's (the return address), or that x30 still holds it.
 /// Anything else (an expression, another CFA register) is unsupported.
 fn encode_aarch64(row: &gimli::UnwindTableRow<usize>, signal: bool) -> UnwindRow {
-    let rule = |kind: RowKind, cfa_offset8: i16, rbp_offset8: i8, ra_offset8: i8| UnwindRow {
+    let rule = |kind: RowKind, cfa_offset8: i16, rbp_offset8: i16, ra_offset8: i16| UnwindRow {
         pc: 0,
         cfa_offset8,
         rbp_offset8,
@@ -341,8 +344,8 @@ fn encode_aarch64(row: &gimli::UnwindTableRow<usize>, signal: bool) -> UnwindRow
         return rule(RowKind::Signal, 0, 0, 0);
     }
     // A save slot below the CFA, in units of 8 bytes.
-    let slot = |n: i64| -> Option<i8> {
-        (n % 8 == 0 && (i64::from(i8::MIN)..0).contains(&(n / 8))).then_some((n / 8) as i8)
+    let slot = |n: i64| -> Option<i16> {
+        (n % 8 == 0 && (i64::from(i16::MIN)..0).contains(&(n / 8))).then_some((n / 8) as i16)
     };
     let ra = match row.register(AArch64::X30) {
         Some(RegisterRule::Undefined) => return rule(RowKind::End, 0, 0, 0),
@@ -603,7 +606,12 @@ mod tests {
         assert!(rows.rows.len() > 1000, "{}", rows.rows.len());
         let with = |f: &dyn Fn(&UnwindRow) -> bool| rows.rows.iter().filter(|r| f(r)).count();
         // Function entries: CFA = sp, the return address still in x30.
-        assert!(with(&|r| r.kind == RowKind::Rsp as u8 && r.cfa_offset8 == 0 && r.ra_offset8 == RA_IN_LR) > 500);
+        assert!(
+            with(&|r| r.kind == RowKind::Rsp as u8
+                && r.cfa_offset8 == 0
+                && r.ra_offset8 == RA_IN_LR)
+                > 500
+        );
         // After `stp x29, x30, [sp, #-N]!`: the frame record, x30 just above x29.
         assert!(with(&|r| r.rbp_offset8 != 0 && r.ra_offset8 == r.rbp_offset8 + 1) > 500);
         // After `mov x29, sp`: CFA from x29.
@@ -611,9 +619,17 @@ mod tests {
         // _start marks x30 undefined.
         assert!(with(&|r| r.kind == RowKind::End as u8) >= 1);
         // Few rules this unwinder cannot follow.
-        assert!(rows.unsupported * 100 < rows.fdes, "{} of {}", rows.unsupported, rows.fdes);
+        assert!(
+            rows.unsupported * 100 < rows.fdes,
+            "{} of {}",
+            rows.unsupported,
+            rows.fdes
+        );
         // No row of arm64 takes the x86 PLT or realign expressions.
-        assert_eq!(with(&|r| r.kind == RowKind::Plt as u8 || r.kind == RowKind::RbpDeref as u8), 0);
+        assert_eq!(
+            with(&|r| r.kind == RowKind::Plt as u8 || r.kind == RowKind::RbpDeref as u8),
+            0
+        );
     }
 
     #[test]

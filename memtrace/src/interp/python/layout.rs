@@ -290,9 +290,8 @@ pub fn kernel_config(
     // Where the thread pointer is not the pthread_t itself (arm64), the
     // kernel's saved copy can lag the register at a thread's very start:
     // versions that record the kernel thread id are matched by it.
-    let thread = thread.filter(|t| {
-        t.pthread_below_tp == 0 || layout.tstate_native_thread_id.is_none()
-    });
+    let thread =
+        thread.filter(|t| t.pthread_below_tp == 0 || layout.tstate_native_thread_id.is_none());
     let fsbase_off = thread
         .and_then(|t| u32::try_from(t.task_offset).ok())
         .unwrap_or(0);
