@@ -806,7 +806,7 @@ fn load_store(word: u32, insn: &mut Insn) -> bool {
             (0, false) => format!("ldr {}, pc{target}", reg(rt, false, false)),
             (1, false) => format!("ldr {}, pc{target}", reg(rt, true, false)),
             (2, false) => format!("ldrsw {}, pc{target}", reg(rt, true, false)),
-            (3, false) => format!("prfm #{rt}, pc{target}"),
+            (_, false) => format!("prfm #{rt}, pc{target}"),
             (_, true) => format!("ldr v{rt}, pc{target}"),
         };
         return true;

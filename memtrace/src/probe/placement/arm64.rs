@@ -545,10 +545,13 @@ mod tests {
             assert_eq!(p.offset, 0, "{p}");
             assert!(p.is_emulated(), "{p}");
         }
-        // A NULL check branching backwards is no NULL check (and lands in
-        // the prefix): nop; cbz x0, -4; nop
-        let p = choose(&code(&[MOVZ_X0_0 + 1, cbz(0, -4), NOP, RET]), Needs::release(1));
-        assert_eq!(p.offset, 4, "{p}");
+        // A cbz branching back (to the entry here) is no NULL check: the
+        // walk stops on it. bti c; cbz x0, -4; nop
+        let p = choose(&code(&[BTI_C, cbz(0, -4), NOP, RET]), FREE);
+        assert_eq!(
+            p.to_string(),
+            "+4 (skipped `bti c`; `cbz x0, +0x0` is emulated)"
+        );
     }
 
     #[test]

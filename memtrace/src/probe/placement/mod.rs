@@ -52,6 +52,7 @@ impl ArgReg {
     }
 
     /// The argument index this register carries at a call.
+    #[cfg(test)]
     pub fn index(self) -> u8 {
         self.index
     }
@@ -274,8 +275,7 @@ mod tests {
 
     #[test]
     fn dispatches_per_arch() {
-        // x86 `push rbp`; as A64 the word 0xd503_2055 is no instruction
-        // either chooser mistakes for the other's.
+        // x86 `push rbp`.
         assert_eq!(
             choose(Arch::X86_64, &[0x55, 0xc3], Needs::ENTRY).reason,
             PlacementReason::EntryEmulated {
