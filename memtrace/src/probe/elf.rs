@@ -368,4 +368,54 @@ mod tests {
         assert!(missing.to_string().contains("cannot read"), "{missing}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    #[test]
+    fn arm64_plt_stubs_name_their_targets() {
+        let lib = Path::new("/usr/aarch64-linux-gnu/lib/libstdc++.so.6");
+        assert!(lib.exists(), "apt-get install gcc-aarch64-linux-gnu");
+        let defined = scan(lib, &["_ZdlPv"], Arch::Aarch64).expect("readable");
+        // aarch64-linux-gnu-objdump -d: `000000000009d1e0 <free@plt>:`
+        assert_eq!(defined.plt.get(&0x9d1e0).map(String::as_str), Some("free"));
+        assert!(defined.plt.len() > 100, "{}", defined.plt.len());
+        let err = scan(lib, &["_ZdlPv"], Arch::X86_64).expect_err("foreign");
+        assert!(matches!(err, ElfError::ForeignArch { .. }), "{err}");
+        assert!(err
+            .to_string()
+            .ends_with("is an aarch64 object, not x86_64: not probed"));
+    }
+
+    #[test]
+    fn arm64_plt_slot_arithmetic() {
+        // free@plt of the arm64 libstdc++ at 0x9d1e0:
+        // adrp x16, 0x211000; ldr x17, [x16, #3248]; add x16, x16, #0xcb0; br x17
+        let stub = [0x9000_0bb0, 0xf946_5a11, 0x9132_c210, 0xd61f_0220];
+        assert_eq!(arm64_plt_slot(0x9d1e0, &stub), Some(0x211000 + 3248));
+        // Not a stub without the `br x17`, or with another register.
+        assert_eq!(arm64_plt_slot(0x9d1e0, &stub[..3]), None);
+        assert_eq!(
+            arm64_plt_slot(
+                0x9d1e0,
+                &[0x9000_0bb1, 0xf946_5a11, 0x9132_c210, 0xd61f_0220]
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn machines_of_elf_headers() {
+        let mut header = vec![0u8; 64];
+        header[..4].copy_from_slice(b"\x7fELF");
+        header[5] = 1;
+        header[18..20].copy_from_slice(&183u16.to_le_bytes());
+        assert_eq!(e_machine(&header), Some(183));
+        header[18..20].copy_from_slice(&40u16.to_le_bytes());
+        let err = check_arch(Path::new("/x/lib.so"), &header, Arch::Aarch64).expect_err("arm32");
+        assert_eq!(
+            err.to_string(),
+            "/x/lib.so is an arm object, not aarch64: not probed"
+        );
+        assert_eq!(e_machine(b"hello"), None);
+        assert_eq!(machine_name(62), "x86_64");
+        assert_eq!(machine_name(9999), "e_machine 9999");
+    }
 }

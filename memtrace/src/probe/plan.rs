@@ -442,4 +442,150 @@ mod tests {
                 .collect::<Vec<_>>()
         );
     }
+
+    /// The arm64 cross libraries (libc6-arm64-cross, libstdc++6-arm64-cross,
+    /// which gcc-aarch64-linux-gnu brings).
+    fn arm64_lib(name: &str) -> PathBuf {
+        let path = Path::new("/usr/aarch64-linux-gnu/lib").join(name);
+        assert!(
+            path.exists(),
+            "{} is missing (apt-get install gcc-aarch64-linux-gnu)",
+            path.display()
+        );
+        path
+    }
+
+    fn planned<'a>(plan: &'a LibraryPlan, name: &str) -> &'a PlannedProbe {
+        plan.functions
+            .iter()
+            .find(|p| p.function == name)
+            .unwrap_or_else(|| panic!("{name} planned"))
+    }
+
+    #[test]
+    fn plans_arm64_libc_entries() {
+        let libc = arm64_lib("libc.so.6");
+        let plan = plan_library_as(Arch::Aarch64, &libc, &libc, &full_catalog(), true)
+            .expect("readable")
+            .expect("libc has allocators");
+        assert_eq!(plan.allocator, Some("libc"));
+        assert!(plan.refused.is_empty(), "{:?}", plan.refused);
+        // free: `cbz x0` at the entry is simulated; `stp` follows.
+        let free = planned(&plan, "free");
+        assert_eq!(
+            (free.probe_offset, free.emulated),
+            (0, true),
+            "{}",
+            free.placement
+        );
+        // Allocators with return probes stay at their entry `stp` (stepped).
+        for name in ["malloc", "calloc", "realloc", "posix_memalign"] {
+            let p = planned(&plan, name);
+            assert_eq!(
+                (p.probe_offset, p.emulated),
+                (0, false),
+                "{name}: {}",
+                p.placement
+            );
+            assert_eq!(p.return_offset(), Some(p.file_offset));
+        }
+        // Releases still attach first.
+        let names: Vec<&str> = plan.functions.iter().map(|p| p.function).collect();
+        let first_alloc = names.iter().position(|n| *n == "malloc").expect("malloc");
+        let free_at = names.iter().position(|n| *n == "free").expect("free");
+        assert!(free_at < first_alloc, "{names:?}");
+        // An x86-64 memtrace does not probe it, and says which file it is.
+        let err = plan_library_as(Arch::X86_64, &libc, &libc, &full_catalog(), true)
+            .expect_err("foreign");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{} is an aarch64 object, not x86_64: not probed",
+                libc.display()
+            )
+        );
+    }
+
+    #[test]
+    fn arm64_libstdcxx_deletes_forward_through_the_plt() {
+        let lib = arm64_lib("libstdc++.so.6");
+        let plan = plan_library_as(Arch::Aarch64, &lib, &lib, &full_catalog(), true)
+            .expect("readable")
+            .expect("libstdc++ defines operator new");
+        let forwards = |name: &str| {
+            plan.forwarders
+                .iter()
+                .find(|f| f.function == name)
+                .map(|f| f.to.as_str())
+        };
+        // _ZdlPv: `b free@plt`; _ZdlPvm: `b _ZdlPv@plt`; _Znam: `b _Znwm@plt`.
+        assert_eq!(forwards("_ZdlPv"), Some("free"), "{:?}", plan.forwarders);
+        assert_eq!(forwards("_ZdlPvm"), Some("_ZdlPv"));
+        assert_eq!(forwards("_Znam"), Some("_Znwm"));
+        // operator new: `stp x29, x30, [sp, #-32]!` at the entry, stepped.
+        let new = planned(&plan, "_Znwm");
+        assert_eq!(
+            (new.probe_offset, new.emulated),
+            (0, false),
+            "{}",
+            new.placement
+        );
+    }
+
+    /// Builds a small aarch64 shared object whose `free` starts with an
+    /// exclusive load and whose `malloc` starts with a literal load.
+    fn refused_fixture() -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("memtrace-plan-{}-refused", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let src = dir.join("refused.s");
+        std::fs::write(
+            &src,
+            "\t.text\n\
+             \t.globl free\n\t.type free, %function\nfree:\n\tldxr x1, [x0]\n\tret\n\t.size free, .-free\n\
+             \t.globl malloc\n\t.type malloc, %function\nmalloc:\n\tldr x16, 1f\n\tret\n1:\t.quad 0\n\t.size malloc, .-malloc\n\
+             \t.globl realloc\n\t.type realloc, %function\nrealloc:\n\tnop\n\tret\n\t.size realloc, .-realloc\n",
+        )
+        .expect("write source");
+        let out = dir.join("librefused.so");
+        let status = std::process::Command::new("aarch64-linux-gnu-gcc")
+            .args(["-shared", "-nostdlib", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .status()
+            .expect("aarch64-linux-gnu-gcc runs (apt-get install gcc-aarch64-linux-gnu)");
+        assert!(status.success(), "aarch64-linux-gnu-gcc failed");
+        out
+    }
+
+    #[test]
+    fn refused_arm64_entries_are_skipped_with_a_warning() {
+        let lib = refused_fixture();
+        for place in [true, false] {
+            let plan = plan_library_as(Arch::Aarch64, &lib, &lib, &full_catalog(), place)
+                .expect("readable")
+                .expect("defines allocators");
+            let names: Vec<&str> = plan.functions.iter().map(|p| p.function).collect();
+            assert_eq!(names, ["realloc"], "{place}");
+            let refused: Vec<&str> = plan.refused.iter().map(|r| r.function).collect();
+            assert_eq!(refused, ["malloc", "free"], "{place}");
+            let warnings = plan.warnings();
+            assert_eq!(
+                warnings[1],
+                format!(
+                    "{}: free is not probed: entry `ldxr x1, [x0]` (exclusive load/store) is \
+                     refused by the kernel's uprobes: cannot be probed",
+                    lib.display()
+                )
+            );
+            assert!(
+                warnings[0]
+                    .contains("malloc is not probed: entry `ldr x16, pc+0x8` (literal load)"),
+                "{warnings:?}"
+            );
+        }
+        if let Some(dir) = lib.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }

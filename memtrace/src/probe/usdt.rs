@@ -223,7 +223,9 @@ impl fmt::Display for UsdtArg {
                 write!(f, "{ty}{bits} {offset}(%{})", reg.name())
             }
             (Arch::X86_64, ArgLocation::Constant { value }) => write!(f, "{ty}{bits} ${value}"),
-            (Arch::Aarch64, ArgLocation::Register { reg }) => write!(f, "{ty}{bits} {}", reg.name()),
+            (Arch::Aarch64, ArgLocation::Register { reg }) => {
+                write!(f, "{ty}{bits} {}", reg.name())
+            }
             (Arch::Aarch64, ArgLocation::Memory { reg, offset: 0 }) => {
                 write!(f, "{ty}{bits} [{}]", reg.name())
             }
@@ -284,8 +286,8 @@ fn aarch64_location(spec: &str, operand: &str) -> Result<ArgLocation, ArgError> 
             }
             None => (inner.trim(), 0),
         };
-        let reg = Reg::parse(base, Arch::Aarch64)
-            .ok_or_else(|| ArgError::Register(spec.to_string()))?;
+        let reg =
+            Reg::parse(base, Arch::Aarch64).ok_or_else(|| ArgError::Register(spec.to_string()))?;
         return Ok(ArgLocation::Memory { reg, offset });
     }
     if let Some(value) = operand.strip_prefix('#') {
@@ -697,7 +699,8 @@ mod tests {
     #[test]
     fn decodes_pytorch_argument_specs() {
         // libc10_cuda.so's two pytorch:malloc sites (DESIGN.md, USDT).
-        let args = decode_args("-8@%rbp -1@%al -8@%r12 -8@56(%rsp)", Arch::X86_64).expect("decodes");
+        let args =
+            decode_args("-8@%rbp -1@%al -8@%r12 -8@56(%rsp)", Arch::X86_64).expect("decodes");
         assert_eq!(
             args,
             vec![
@@ -730,7 +733,8 @@ mod tests {
                 },
             ]
         );
-        let args = decode_args("-8@%rax -1@%dl -8@%r14 -8@-56(%rbp)", Arch::X86_64).expect("decodes");
+        let args =
+            decode_args("-8@%rax -1@%dl -8@%r14 -8@-56(%rbp)", Arch::X86_64).expect("decodes");
         assert_eq!(
             args[3].location,
             ArgLocation::Memory {
@@ -754,7 +758,9 @@ mod tests {
             ArgLocation::Constant { value: 16 }
         );
         assert_eq!(
-            decode_arg("8@(%rdi)", Arch::X86_64).expect("no offset").location,
+            decode_arg("8@(%rdi)", Arch::X86_64)
+                .expect("no offset")
+                .location,
             ArgLocation::Memory {
                 reg: reg("%rdi"),
                 offset: 0
@@ -1132,7 +1138,10 @@ int main(int argc, char **argv) {
             decode_args(AARCH64_NOTES[2].1, Arch::Aarch64),
             Err(ArgError::Unsupported(_))
         ));
-        assert_eq!(slots(AARCH64_NOTES[5].1), ["i64 x0", "i64 x8", "i64 x9", "i64 x7"]);
+        assert_eq!(
+            slots(AARCH64_NOTES[5].1),
+            ["i64 x0", "i64 x8", "i64 x9", "i64 x7"]
+        );
         assert_eq!(
             slots(AARCH64_NOTES_O0[0]),
             ["i64 [sp, 24]", "i32 [sp, 20]", "i64 x0", "u8 [sp, 19]"]
@@ -1159,10 +1168,8 @@ int main(int argc, char **argv) {
 
     /// Builds [`AARCH64_FIXTURE`] with the cross compiler at `opt`.
     fn build_aarch64(opt: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "memtrace-usdt-{}-aarch64{opt}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("memtrace-usdt-{}-aarch64{opt}", std::process::id()));
         let include = dir.join("include/sys");
         std::fs::create_dir_all(&include).expect("temp dir");
         // sdt.h is architecture-neutral; the cross compiler does not look in
@@ -1207,7 +1214,12 @@ int main(int argc, char **argv) {
             let data = std::fs::read(&path).expect("built");
             for probe in &probes {
                 let at = usize::try_from(probe.file_offset).expect("offset");
-                assert_eq!(&data[at..at + 4], &[0x1f, 0x20, 0x03, 0xd5], "{}", probe.name);
+                assert_eq!(
+                    &data[at..at + 4],
+                    &[0x1f, 0x20, 0x03, 0xd5],
+                    "{}",
+                    probe.name
+                );
             }
             // Probed only by an aarch64 memtrace: refused by name elsewhere.
             assert!(read_for(&path, Arch::Aarch64).is_ok());

@@ -463,7 +463,8 @@ fn data_immediate(word: u32, insn: &mut Insn) -> bool {
             (true, true) if rd == 31 => format!("cmp {src}, {}", imm(value)),
             (false, true) if rd == 31 => format!("cmn {src}, {}", imm(value)),
             _ => {
-                let name = ["add", "adds", "sub", "subs"][usize::from(sub) * 2 + usize::from(flags)];
+                let name =
+                    ["add", "adds", "sub", "subs"][usize::from(sub) * 2 + usize::from(flags)];
                 format!("{name} {dst}, {src}, {}", imm(value))
             }
         };
@@ -498,7 +499,10 @@ fn data_immediate(word: u32, insn: &mut Insn) -> bool {
         insn.text = match opc {
             1 if rn == 31 => format!("mov {dst}, #{mask:#x}"),
             3 if rd == 31 => format!("tst {src}, #{mask:#x}"),
-            _ => format!("{} {dst}, {src}, #{mask:#x}", ["and", "orr", "eor", "ands"][opc as usize]),
+            _ => format!(
+                "{} {dst}, {src}, #{mask:#x}",
+                ["and", "orr", "eor", "ands"][opc as usize]
+            ),
         };
         let mut effect = Effect::NONE;
         if opc != 3 && rd == 31 {
@@ -521,7 +525,11 @@ fn data_immediate(word: u32, insn: &mut Insn) -> bool {
         insn.text = if hw == 0 {
             format!("{name} {}, #{value:#x}", reg(rd, sf, false))
         } else {
-            format!("{name} {}, #{value:#x}, lsl #{}", reg(rd, sf, false), hw * 16)
+            format!(
+                "{name} {}, #{value:#x}, lsl #{}",
+                reg(rd, sf, false),
+                hw * 16
+            )
         };
         insn.straight = Straight::Known(Effect::writes(rd as u8));
         return true;
@@ -600,7 +608,9 @@ fn bit_mask(n: bool, imms: u32, immr: u32, sf: bool) -> Option<u64> {
 }
 
 const SHIFTS: [&str; 4] = ["lsl", "lsr", "asr", "ror"];
-const EXTENDS: [&str; 8] = ["uxtb", "uxth", "uxtw", "uxtx", "sxtb", "sxth", "sxtw", "sxtx"];
+const EXTENDS: [&str; 8] = [
+    "uxtb", "uxth", "uxtw", "uxtx", "sxtb", "sxth", "sxtw", "sxtx",
+];
 
 /// Data processing on registers: logical and add/sub (shifted or extended),
 /// with carry, conditional compare and select, 1-, 2- and 3-source.
@@ -657,10 +667,15 @@ fn data_register(word: u32, insn: &mut Insn) -> bool {
             (true, true) if rd == 31 => format!("cmp {}, {operand}", x(rn)),
             (false, true) if rd == 31 => format!("cmn {}, {operand}", x(rn)),
             (true, _) if rn == 31 => {
-                format!("{} {}, {operand}", if flags { "negs" } else { "neg" }, x(rd))
+                format!(
+                    "{} {}, {operand}",
+                    if flags { "negs" } else { "neg" },
+                    x(rd)
+                )
             }
             _ => {
-                let name = ["add", "adds", "sub", "subs"][usize::from(sub) * 2 + usize::from(flags)];
+                let name =
+                    ["add", "adds", "sub", "subs"][usize::from(sub) * 2 + usize::from(flags)];
                 format!("{name} {}, {}, {operand}", x(rd), x(rn))
             }
         };
@@ -1068,27 +1083,27 @@ mod tests {
     fn kernel_classes_follow_decode_insn() {
         use Kernel::*;
         for (word, class) in [
-            (0xb400_0880, Simulated),          // cbz x0
-            (0x3500_06e1, Simulated),          // cbnz w1
-            (0x3608_0241, Simulated),          // tbz w1, #1
-            (0x5400_04c9, Simulated),          // b.ls
-            (0xf000_08b5, Simulated),          // adrp x21
-            (0x17ff_f164, Simulated),          // b
-            (0x97ff_e59a, Simulated),          // bl
-            (0xd63f_0000, Simulated),          // blr x0
-            (0xd61f_0220, Simulated),          // br x17
-            (0xd65f_03c0, Simulated),          // ret
-            (NOP, Simulated),                  // nop
-            (0xa9bc_7bfd, Stepped),            // stp x29, x30, [sp, #-64]!
-            (0x9100_03fd, Stepped),            // mov x29, sp
-            (0xd503_233f, Stepped),            // paciasp
-            (0xd503_245f, Stepped),            // bti c
-            (0xd503_3bbf, Stepped),            // dmb ish
-            (0xd53b_4220, Stepped),            // mrs x0, daif
-            (0xc8df_fc01, Stepped),            // ldar x1, [x0]
+            (0xb400_0880, Simulated),                                      // cbz x0
+            (0x3500_06e1, Simulated),                                      // cbnz w1
+            (0x3608_0241, Simulated),                                      // tbz w1, #1
+            (0x5400_04c9, Simulated),                                      // b.ls
+            (0xf000_08b5, Simulated),                                      // adrp x21
+            (0x17ff_f164, Simulated),                                      // b
+            (0x97ff_e59a, Simulated),                                      // bl
+            (0xd63f_0000, Simulated),                                      // blr x0
+            (0xd61f_0220, Simulated),                                      // br x17
+            (0xd65f_03c0, Simulated),                                      // ret
+            (NOP, Simulated),                                              // nop
+            (0xa9bc_7bfd, Stepped), // stp x29, x30, [sp, #-64]!
+            (0x9100_03fd, Stepped), // mov x29, sp
+            (0xd503_233f, Stepped), // paciasp
+            (0xd503_245f, Stepped), // bti c
+            (0xd503_3bbf, Stepped), // dmb ish
+            (0xd53b_4220, Stepped), // mrs x0, daif
+            (0xc8df_fc01, Stepped), // ldar x1, [x0]
             (0xd53b_d054, Refused("mrs of a register other than daif")), // mrs x20, tpidr_el0
-            (0xd51b_d040, Refused("msr")),     // msr tpidr_el0, x0
-            (0xd500_40bf, Refused("msr")),     // msr spsel, #0
+            (0xd51b_d040, Refused("msr")), // msr tpidr_el0, x0
+            (0xd500_40bf, Refused("msr")), // msr spsel, #0
             (0xd400_0001, Refused("exception generation")), // svc #0
             (0xd420_0000, Refused("exception generation")), // brk #0
             (0xd503_23bf, Refused("hint the kernel does not step")), // autiasp
@@ -1187,7 +1202,7 @@ mod tests {
         assert_eq!(known(0xa941_53f3).writes, (1 << 19) | (1 << 20));
         assert_eq!(known(0xa8c2_7bfd).sp, SpWrite::Other);
         assert_eq!(known(0xf840_8c01).writes, 0b11); // ldr x1, [x0, #8]!
-        // Hints: paciasp and bti c change nothing an argument lives in.
+                                                     // Hints: paciasp and bti c change nothing an argument lives in.
         assert_eq!(known(0xd503_233f), Effect::NONE);
         assert_eq!(known(0xd503_245f), Effect::NONE);
         // Stores write memory; branches and system instructions are unknown.

@@ -238,12 +238,8 @@ impl Walk<'_> {
             }
             Test::CmpZero(r) if r == reg => {
                 let branch = self.insns.get(at + 1)?;
-                (branch.insn.test == Some(Test::BranchEq) && forward(branch)).then(|| {
-                    (
-                        format!("NULL check `{}; b.eq`", insn.text()),
-                        at + 1,
-                    )
-                })
+                (branch.insn.test == Some(Test::BranchEq) && forward(branch))
+                    .then(|| (format!("NULL check `{}; b.eq`", insn.text()), at + 1))
             }
             _ => None,
         }
@@ -385,14 +381,22 @@ mod tests {
             let p = choose(code, ALLOC);
             assert_stays(&p);
             assert!(
-                p.reason.to_string().starts_with("entry `stp x29, x30, [sp, #-"),
+                p.reason
+                    .to_string()
+                    .starts_with("entry `stp x29, x30, [sp, #-"),
                 "{name}: {p}"
             );
-            assert!(p.reason.to_string().ends_with("takes x30 there)"), "{name}: {p}");
+            assert!(
+                p.reason.to_string().ends_with("takes x30 there)"),
+                "{name}: {p}"
+            );
             // Even as a release it could not move: the stp writes memory.
             let p = choose(code, FREE);
             assert_stays(&p);
-            assert!(p.reason.to_string().contains("writes memory"), "{name}: {p}");
+            assert!(
+                p.reason.to_string().contains("writes memory"),
+                "{name}: {p}"
+            );
         }
     }
 
@@ -488,7 +492,10 @@ mod tests {
         // exclusive (unknown effects) and stays at the entry.
         let p = choose(&code(&[MOV_X1_X0, 0xc85f_7c22, cbz(2, 8), RET]), FREE);
         assert_stays(&p);
-        assert!(p.reason.to_string().contains("`ldxr x2, [x1]` at +0x4"), "{p}");
+        assert!(
+            p.reason.to_string().contains("`ldxr x2, [x1]` at +0x4"),
+            "{p}"
+        );
     }
 
     #[test]
@@ -569,7 +576,9 @@ mod tests {
         let p = choose(&words, FREE);
         assert_stays(&p);
         assert!(
-            p.reason.to_string().contains("branches into the skipped instructions"),
+            p.reason
+                .to_string()
+                .contains("branches into the skipped instructions"),
             "{p}"
         );
         // A call back to the entry (recursion) is fine.
@@ -585,7 +594,10 @@ mod tests {
         let p = choose(&words, FREE);
         assert_eq!(p.offset, 8, "{p}");
         assert_eq!(p.arg(0), 1);
-        assert!(p.reason.to_string().ends_with("; argument 0 read from x1"), "{p}");
+        assert!(
+            p.reason.to_string().ends_with("; argument 0 read from x1"),
+            "{p}"
+        );
         // ... and its NULL check on x1 is skipped.
         let words = code(&[MOV_X1_X0, MOVZ_X0_0, cbz(1, 0x10), NOP, RET, RET]);
         let p = choose(&words, FREE);
@@ -597,7 +609,10 @@ mod tests {
         let words = code(&[0x2a00_03e1, MOVZ_X0_0, NOP, RET]);
         let p = choose(&words, FREE);
         assert_stays(&p);
-        assert!(p.reason.to_string().contains("overwrites argument 0 (x0)"), "{p}");
+        assert!(
+            p.reason.to_string().contains("overwrites argument 0 (x0)"),
+            "{p}"
+        );
         // A copy to a register the probe cannot read is lost too: mov x19, x0.
         let words = code(&[0xaa00_03f3, MOVZ_X0_0, NOP, RET]);
         assert_stays(&choose(&words, FREE));
@@ -632,6 +647,9 @@ mod tests {
         // Undecoded words are never skipped.
         let p = choose(&code(&[0x0000_0000, NOP]), FREE);
         assert_stays(&p);
-        assert!(p.reason.to_string().starts_with("entry `.inst 0x00000000`"), "{p}");
+        assert!(
+            p.reason.to_string().starts_with("entry `.inst 0x00000000`"),
+            "{p}"
+        );
     }
 }
