@@ -211,18 +211,7 @@ pub fn decode(word: u32) -> Insn {
 /// What the kernel does with `word` at a probe.
 pub fn kernel_class(word: u32) -> Kernel {
     let is = |mask: u32, value: u32| word & mask == value;
-    // Simulated (decode-insn.c's `arm_probe_decode_insn`, plus `nop`).
-    if word == NOP
-        || is(0xff00_0010, 0x5400_0000) // b.cond
-        || is(0x7e00_0000, 0x3400_0000) // cbz, cbnz
-        || is(0x7e00_0000, 0x3600_0000) // tbz, tbnz
-        || is(0x1f00_0000, 0x1000_0000) // adr, adrp
-        || is(0x7c00_0000, 0x1400_0000) // b, bl
-        || is(0xffff_fc1f, 0xd61f_0000) // br
-        || is(0xffff_fc1f, 0xd63f_0000) // blr
-        || is(0xffff_fc1f, 0xd65f_0000)
-    // ret
-    {
+    if word == NOP || SIMULATED.iter().any(|&(mask, value)| is(mask, value)) {
         return Kernel::Simulated;
     }
     // The branch/exception/system class (op0 = x101x).
@@ -268,6 +257,19 @@ pub fn kernel_class(word: u32) -> Kernel {
 }
 
 const NOP: u32 = 0xd503_201f;
+
+/// `(mask, value)` of what decode-insn.c's `arm_probe_decode_insn`
+/// simulates: b.cond, cbz/cbnz, tbz/tbnz, adr/adrp, b/bl, br, blr, ret.
+const SIMULATED: [(u32, u32); 8] = [
+    (0xff00_0010, 0x5400_0000),
+    (0x7e00_0000, 0x3400_0000),
+    (0x7e00_0000, 0x3600_0000),
+    (0x1f00_0000, 0x1000_0000),
+    (0x7c00_0000, 0x1400_0000),
+    (0xffff_fc1f, 0xd61f_0000),
+    (0xffff_fc1f, 0xd63f_0000),
+    (0xffff_fc1f, 0xd65f_0000),
+];
 /// `mrs x, daif` (`op0:op1:CRn:CRm:op2`), the one `mrs` the kernel steps.
 const SYSREG_DAIF: u32 = 0xda11;
 /// Hint numbers (`CRm:op2`) the kernel single-steps: nop, xpaclri,
