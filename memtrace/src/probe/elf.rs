@@ -2,12 +2,16 @@
 //! offset (what uprobes attach to), the first bytes of each (for probe
 //! placement), and which symbol each PLT stub jumps to (to recognise a
 //! function that only forwards to another, such as `operator delete` to
-//! `free@plt`).
+//! `free@plt`), on x86-64 and arm64 alike. An object of another
+//! architecture than the one traced is refused by name
+//! ([`ElfError::ForeignArch`]): its code is not the process's to probe.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use iced_x86::{Code, Decoder, DecoderOptions};
+
+use crate::arch::Arch;
 use object::{
     Object, ObjectSection, ObjectSymbol, ObjectSymbolTable, RelocationTarget, SymbolKind,
 };
@@ -25,6 +29,57 @@ pub enum ElfError {
         path: PathBuf,
         source: object::Error,
     },
+    #[error("{path} is an {machine} object, not {arch}: not probed")]
+    ForeignArch {
+        path: PathBuf,
+        machine: String,
+        arch: Arch,
+    },
+}
+
+/// An ELF object's `e_machine`, read from its header.
+pub fn e_machine(data: &[u8]) -> Option<u16> {
+    if data.get(..4)? != b"\x7fELF" {
+        return None;
+    }
+    let bytes = [*data.get(18)?, *data.get(19)?];
+    match data.get(5)? {
+        1 => Some(u16::from_le_bytes(bytes)),
+        2 => Some(u16::from_be_bytes(bytes)),
+        _ => None,
+    }
+}
+
+/// A name for an `e_machine`, for messages.
+pub fn machine_name(machine: u16) -> String {
+    if let Some(arch) = Arch::from_elf_machine(machine) {
+        return arch.name().to_string();
+    }
+    match machine {
+        3 => "i386".into(),
+        8 => "mips".into(),
+        20 => "ppc".into(),
+        21 => "ppc64".into(),
+        22 => "s390".into(),
+        40 => "arm".into(),
+        243 => "riscv".into(),
+        258 => "loongarch".into(),
+        other => format!("e_machine {other}"),
+    }
+}
+
+/// Checks that the ELF object in `data` (read from `path`) is of `arch`.
+pub fn check_arch(path: &Path, data: &[u8], arch: Arch) -> Result<(), ElfError> {
+    match e_machine(data) {
+        Some(machine) if Arch::from_elf_machine(machine) == Some(arch) => Ok(()),
+        Some(machine) => Err(ElfError::ForeignArch {
+            path: path.to_path_buf(),
+            machine: machine_name(machine),
+            arch,
+        }),
+        // Not ELF: parsing says so.
+        None => Ok(()),
+    }
 }
 
 /// A function defined in an ELF file.
@@ -49,12 +104,13 @@ pub struct Defined {
 
 /// Finds which of `wanted` the file defines (dynamic symbols first, then the
 /// full symbol table, so statically linked allocators are found too), and
-/// its PLT stubs.
-pub fn scan(path: &Path, wanted: &[&str]) -> Result<Defined, ElfError> {
+/// its PLT stubs. The file must be an `arch` object.
+pub fn scan(path: &Path, wanted: &[&str], arch: Arch) -> Result<Defined, ElfError> {
     let data = std::fs::read(path).map_err(|source| ElfError::Io {
         path: path.to_path_buf(),
         source,
     })?;
+    check_arch(path, &data, arch)?;
     let file = object::File::parse(&*data).map_err(|source| ElfError::NotElf {
         path: path.to_path_buf(),
         source,
@@ -112,7 +168,10 @@ pub fn scan(path: &Path, wanted: &[&str]) -> Result<Defined, ElfError> {
     let plt = if functions.is_empty() {
         HashMap::new()
     } else {
-        plt_stubs(&file)
+        match arch {
+            Arch::X86_64 => plt_stubs(&file),
+            Arch::Aarch64 => arm64_plt_stubs(&file),
+        }
     };
     Ok(Defined { functions, plt })
 }
@@ -137,9 +196,8 @@ pub fn stripped_with_own_allocator(path: &Path) -> Result<bool, ElfError> {
     Ok(file.symbol_table().is_none() && !imports_malloc)
 }
 
-/// Maps each PLT stub (`.plt`, `.plt.sec`, `.plt.got`) to the symbol whose
-/// GOT slot it jumps through (`jmp qword [rip+disp]`).
-fn plt_stubs(file: &object::File) -> HashMap<u64, String> {
+/// GOT slot address -> the symbol its dynamic relocation names (without version).
+fn got_slots(file: &object::File) -> HashMap<u64, String> {
     let mut slots: HashMap<u64, String> = HashMap::new();
     if let (Some(relocations), Some(dynsyms)) =
         (file.dynamic_relocations(), file.dynamic_symbol_table())
@@ -158,6 +216,13 @@ fn plt_stubs(file: &object::File) -> HashMap<u64, String> {
             }
         }
     }
+    slots
+}
+
+/// Maps each x86-64 PLT stub (`.plt`, `.plt.sec`, `.plt.got`) to the symbol whose
+/// GOT slot it jumps through (`jmp qword [rip+disp]`).
+fn plt_stubs(file: &object::File) -> HashMap<u64, String> {
+    let slots = got_slots(file);
     let mut stubs = HashMap::new();
     if slots.is_empty() {
         return stubs;
@@ -190,6 +255,65 @@ fn plt_stubs(file: &object::File) -> HashMap<u64, String> {
     stubs
 }
 
+/// Maps each arm64 PLT stub (`.plt`) to the symbol whose GOT slot it jumps
+/// through: `adrp x16, PAGE; ldr x17, [x16, #OFF]; add x16, x16, #OFF;
+/// br x17` (a `bti c` before it starts the stub where BTI is on; an
+/// `autia1716` may sit before the `br`).
+fn arm64_plt_stubs(file: &object::File) -> HashMap<u64, String> {
+    let slots = got_slots(file);
+    let mut stubs = HashMap::new();
+    if slots.is_empty() {
+        return stubs;
+    }
+    for section in file.sections() {
+        if section.name().ok() != Some(".plt") {
+            continue;
+        }
+        let Ok(bytes) = section.data() else { continue };
+        let words: Vec<u32> = bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        for i in 0..words.len() {
+            let address = section.address().wrapping_add(4 * i as u64);
+            let Some(name) = arm64_plt_slot(address, &words[i..]).and_then(|s| slots.get(&s))
+            else {
+                continue;
+            };
+            stubs.insert(address, name.clone());
+            if i > 0 && words[i - 1] == ARM64_BTI_C {
+                stubs.insert(address.wrapping_sub(4), name.clone());
+            }
+        }
+    }
+    stubs
+}
+
+const ARM64_BTI_C: u32 = 0xd503_245f;
+
+/// The GOT slot an arm64 PLT stub starting at `address` with `words`
+/// jumps through, if they are one.
+fn arm64_plt_slot(address: u64, words: &[u32]) -> Option<u64> {
+    let adrp = *words.first()?;
+    let ldr = *words.get(1)?;
+    // adrp x16, PAGE
+    if adrp & 0x9f00_001f != 0x9000_0010 {
+        return None;
+    }
+    // ldr x17, [x16, #OFF]
+    if ldr & 0xffc0_03ff != 0xf940_0211 {
+        return None;
+    }
+    // br x17 within the next three words (after add x16, maybe autia1716).
+    if !words.iter().skip(2).take(3).any(|w| *w == 0xd61f_0220) {
+        return None;
+    }
+    let pages = (((adrp >> 5) & 0x7ffff) << 2) | ((adrp >> 29) & 3);
+    let pages = (i64::from(pages) << 43) >> 43;
+    let page = (address & !0xfff).wrapping_add_signed(pages.wrapping_mul(4096));
+    Some(page.wrapping_add(u64::from((ldr >> 10) & 0xfff) * 8))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,7 +330,7 @@ mod tests {
         let Some(libc) = libc_path() else {
             panic!("the test process maps no libc.so");
         };
-        let found = scan(&libc, &["malloc", "free", "no_such_function"])
+        let found = scan(&libc, &["malloc", "free", "no_such_function"], Arch::HOST)
             .expect("libc")
             .functions;
         let names: Vec<&str> = found.iter().map(|f| f.name.as_str()).collect();
@@ -224,7 +348,7 @@ mod tests {
             .map(|dir| Path::new(dir).join("libstdc++.so.6"))
             .find(|p| p.exists())
             .expect("libstdc++.so.6 installed (g++)");
-        let defined = scan(&lib, &["_ZdlPv"]).expect("readable");
+        let defined = scan(&lib, &["_ZdlPv"], Arch::HOST).expect("readable");
         assert!(
             defined.plt.values().any(|name| name == "free"),
             "{:?}",
@@ -238,10 +362,60 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join("not-elf.so");
         std::fs::write(&path, b"hello").expect("write");
-        let err = scan(&path, &["malloc"]).expect_err("not ELF");
+        let err = scan(&path, &["malloc"], Arch::HOST).expect_err("not ELF");
         assert!(err.to_string().contains("not an ELF object"), "{err}");
-        let missing = scan(&dir.join("missing.so"), &["malloc"]).expect_err("missing");
+        let missing = scan(&dir.join("missing.so"), &["malloc"], Arch::HOST).expect_err("missing");
         assert!(missing.to_string().contains("cannot read"), "{missing}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn arm64_plt_stubs_name_their_targets() {
+        let lib = Path::new("/usr/aarch64-linux-gnu/lib/libstdc++.so.6");
+        assert!(lib.exists(), "apt-get install gcc-aarch64-linux-gnu");
+        let defined = scan(lib, &["_ZdlPv"], Arch::Aarch64).expect("readable");
+        // aarch64-linux-gnu-objdump -d: `000000000009d1e0 <free@plt>:`
+        assert_eq!(defined.plt.get(&0x9d1e0).map(String::as_str), Some("free"));
+        assert!(defined.plt.len() > 100, "{}", defined.plt.len());
+        let err = scan(lib, &["_ZdlPv"], Arch::X86_64).expect_err("foreign");
+        assert!(matches!(err, ElfError::ForeignArch { .. }), "{err}");
+        assert!(err
+            .to_string()
+            .ends_with("is an aarch64 object, not x86_64: not probed"));
+    }
+
+    #[test]
+    fn arm64_plt_slot_arithmetic() {
+        // free@plt of the arm64 libstdc++ at 0x9d1e0:
+        // adrp x16, 0x211000; ldr x17, [x16, #3248]; add x16, x16, #0xcb0; br x17
+        let stub = [0x9000_0bb0, 0xf946_5a11, 0x9132_c210, 0xd61f_0220];
+        assert_eq!(arm64_plt_slot(0x9d1e0, &stub), Some(0x211000 + 3248));
+        // Not a stub without the `br x17`, or with another register.
+        assert_eq!(arm64_plt_slot(0x9d1e0, &stub[..3]), None);
+        assert_eq!(
+            arm64_plt_slot(
+                0x9d1e0,
+                &[0x9000_0bb1, 0xf946_5a11, 0x9132_c210, 0xd61f_0220]
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn machines_of_elf_headers() {
+        let mut header = vec![0u8; 64];
+        header[..4].copy_from_slice(b"\x7fELF");
+        header[5] = 1;
+        header[18..20].copy_from_slice(&183u16.to_le_bytes());
+        assert_eq!(e_machine(&header), Some(183));
+        header[18..20].copy_from_slice(&40u16.to_le_bytes());
+        let err = check_arch(Path::new("/x/lib.so"), &header, Arch::Aarch64).expect_err("arm32");
+        assert_eq!(
+            err.to_string(),
+            "/x/lib.so is an arm object, not aarch64: not probed"
+        );
+        assert_eq!(e_machine(b"hello"), None);
+        assert_eq!(machine_name(62), "x86_64");
+        assert_eq!(machine_name(9999), "e_machine 9999");
     }
 }

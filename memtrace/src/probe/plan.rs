@@ -1,8 +1,10 @@
 //! Attach planning: which catalogue functions each mapped object defines,
 //! which allocator the object is, where exactly to place each probe (and
 //! which register each argument is read from there), which functions only
-//! forward to another probed function (and need no probe of their own), and
-//! in which order to attach.
+//! forward to another probed function (and need no probe of their own),
+//! which cannot be probed at all (an entry the kernel refuses), and in which
+//! order to attach. Plans for the architecture memtrace runs on
+//! ([`Arch::HOST`]); [`plan_library_as`] plans for either (tests).
 
 use std::path::{Path, PathBuf};
 
@@ -12,7 +14,8 @@ use serde::Serialize;
 
 use super::catalog::{self, Allocator, FuncDef};
 use super::elf::{self, DefinedFunction, ElfError};
-use super::placement;
+use super::placement::{self, a64};
+use crate::arch::Arch;
 
 /// One function to probe in one object file.
 #[derive(Clone, Debug, Serialize)]
@@ -78,6 +81,16 @@ pub struct Forwarder {
     pub to: String,
 }
 
+/// A catalogue function that cannot be probed: the kernel refuses a uprobe
+/// on its entry instruction (arm64: a literal load, an exclusive, ...).
+/// The loader must skip it and warn.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct RefusedProbe {
+    pub function: &'static str,
+    /// Why, as the placement says it.
+    pub why: String,
+}
+
 /// One object file and the functions probed in it.
 #[derive(Clone, Debug, Serialize)]
 pub struct LibraryPlan {
@@ -92,17 +105,52 @@ pub struct LibraryPlan {
     pub functions: Vec<PlannedProbe>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub forwarders: Vec<Forwarder>,
+    /// Functions defined here that cannot be probed (not in `functions`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<RefusedProbe>,
 }
 
-/// Plans the probes for one object file; `None` when it defines no known function.
+impl LibraryPlan {
+    /// One warning line per function that cannot be probed, naming the
+    /// object: the loader prints them (only arm64 entries are ever refused).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fn warnings(&self) -> Vec<String> {
+        self.refused
+            .iter()
+            .map(|r| {
+                format!(
+                    "{}: {} is not probed: {}",
+                    self.path.display(),
+                    r.function,
+                    r.why
+                )
+            })
+            .collect()
+    }
+}
+
+/// Plans the probes for one object file; `None` when it defines no known
+/// function. An object of another architecture is an error
+/// ([`ElfError::ForeignArch`], naming the file).
 pub fn plan_library(
     path: &Path,
     open_path: &Path,
     catalog: &[&'static FuncDef],
     place: bool,
 ) -> Result<Option<LibraryPlan>, ElfError> {
+    plan_library_as(Arch::HOST, path, open_path, catalog, place)
+}
+
+/// [`plan_library`] for an object of `arch`.
+pub fn plan_library_as(
+    arch: Arch,
+    path: &Path,
+    open_path: &Path,
+    catalog: &[&'static FuncDef],
+    place: bool,
+) -> Result<Option<LibraryPlan>, ElfError> {
     let names: Vec<&str> = catalog.iter().map(|def| def.name).collect();
-    let defined = elf::scan(open_path, &names)?;
+    let defined = elf::scan(open_path, &names, arch)?;
     let find_def = |name: &str| catalog.iter().copied().find(|def| def.name == name);
     let present: Vec<&FuncDef> = defined
         .functions
@@ -112,6 +160,7 @@ pub fn plan_library(
     let heap = catalog::heap_allocator(path, present.iter().copied());
     let mut functions: Vec<PlannedProbe> = Vec::new();
     let mut forwarders: Vec<Forwarder> = Vec::new();
+    let mut refused: Vec<RefusedProbe> = Vec::new();
     for &def in catalog {
         let Some(found) = defined.functions.iter().find(|f| f.name == def.name) else {
             continue;
@@ -123,18 +172,22 @@ pub fn plan_library(
             first.aliases.push(def.name);
             continue;
         }
-        if let Some(to) = forward_target(found, &defined, &find_def, def) {
+        if let Some(to) = forward_target(arch, found, &defined, &find_def, def) {
             forwarders.push(Forwarder {
                 function: def.name,
                 to,
             });
             continue;
         }
-        let placed = if place {
-            placement::choose(&found.code, needs(def))
-        } else {
-            placement::choose(&found.code, needs(def)).at_entry()
-        };
+        let placed = placement::choose(arch, &found.code, needs(def));
+        let placed = if place { placed } else { placed.at_entry() };
+        if placed.is_refused() {
+            refused.push(RefusedProbe {
+                function: def.name,
+                why: placed.reason.to_string(),
+            });
+            continue;
+        }
         functions.push(PlannedProbe {
             def,
             function: def.name,
@@ -151,7 +204,7 @@ pub fn plan_library(
             args: placed.args,
         });
     }
-    if functions.is_empty() {
+    if functions.is_empty() && refused.is_empty() {
         return Ok(None);
     }
     // Releases first, so blocks freed during the attach window are not seen
@@ -166,6 +219,7 @@ pub fn plan_library(
         allocator: has_heap.then(|| heap.name()),
         functions,
         forwarders,
+        refused,
     }))
 }
 
@@ -189,15 +243,36 @@ fn needs(def: &FuncDef) -> placement::Needs {
 
 /// The catalogue function `function` only jumps to, if it does: its code
 /// falls straight through (no branch, no memory write) to an unconditional
-/// `jmp` whose target is the entry of a catalogue function defined in the same
-/// object, or a PLT stub of one, of the same kind.
+/// jump (`jmp` on x86-64, `b` on arm64) whose target is the entry of a
+/// catalogue function defined in the same object, or a PLT stub of one, of
+/// the same kind.
 fn forward_target(
+    arch: Arch,
     function: &DefinedFunction,
     defined: &elf::Defined,
     find_def: &dyn Fn(&str) -> Option<&'static FuncDef>,
     def: &FuncDef,
 ) -> Option<String> {
-    const MAX_PREFIX: usize = 8;
+    let target = match arch {
+        Arch::X86_64 => x86_jump_target(function)?,
+        Arch::Aarch64 => arm64_jump_target(function)?,
+    };
+    let name = defined
+        .functions
+        .iter()
+        .find(|f| f.address == target)
+        .map(|f| f.name.clone())
+        .or_else(|| defined.plt.get(&target).cloned())?;
+    let to = find_def(&name)?;
+    let same_kind = to.kind == def.kind && to.ret == def.ret;
+    (same_kind && to.name != def.name).then_some(name)
+}
+
+/// At most this many instructions before a forwarder's jump.
+const MAX_PREFIX: usize = 8;
+
+/// The address an x86-64 function jumps to after a straight-line prefix.
+fn x86_jump_target(function: &DefinedFunction) -> Option<u64> {
     let mut decoder = Decoder::with_ip(64, &function.code, function.address, DecoderOptions::NONE);
     let mut info = iced_x86::InstructionInfoFactory::new();
     for _ in 0..=MAX_PREFIX {
@@ -226,17 +301,28 @@ fn forward_target(
                     OpKind::NearBranch32 | OpKind::NearBranch64
                 ) =>
             {
-                let target = instr.near_branch_target();
-                let name = defined
-                    .functions
-                    .iter()
-                    .find(|f| f.address == target)
-                    .map(|f| f.name.clone())
-                    .or_else(|| defined.plt.get(&target).cloned())?;
-                let to = find_def(&name)?;
-                let same_kind = to.kind == def.kind && to.ret == def.ret;
-                return (same_kind && to.name != def.name).then_some(name);
+                return Some(instr.near_branch_target());
             }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// The address an arm64 function branches to (`b`, not `bl`) after a
+/// straight-line prefix that writes no memory and leaves the stack pointer.
+fn arm64_jump_target(function: &DefinedFunction) -> Option<u64> {
+    let words = function.code.chunks_exact(4).take(MAX_PREFIX + 1);
+    for (bytes, at) in words.zip((0u64..).step_by(4)) {
+        let word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        let insn = a64::decode(word);
+        // b (not bl): bits 31..26 = 000101.
+        if word & 0xfc00_0000 == 0x1400_0000 {
+            let pc = function.address.checked_add(at)?;
+            return pc.checked_add_signed(insn.branch?);
+        }
+        match insn.straight {
+            a64::Straight::Known(effect) if effect.sp == a64::SpWrite::None => {}
             _ => return None,
         }
     }
@@ -355,5 +441,151 @@ mod tests {
                 .map(|p| p.function)
                 .collect::<Vec<_>>()
         );
+    }
+
+    /// The arm64 cross libraries (libc6-arm64-cross, libstdc++6-arm64-cross,
+    /// which gcc-aarch64-linux-gnu brings).
+    fn arm64_lib(name: &str) -> PathBuf {
+        let path = Path::new("/usr/aarch64-linux-gnu/lib").join(name);
+        assert!(
+            path.exists(),
+            "{} is missing (apt-get install gcc-aarch64-linux-gnu)",
+            path.display()
+        );
+        path
+    }
+
+    fn planned<'a>(plan: &'a LibraryPlan, name: &str) -> &'a PlannedProbe {
+        plan.functions
+            .iter()
+            .find(|p| p.function == name)
+            .unwrap_or_else(|| panic!("{name} planned"))
+    }
+
+    #[test]
+    fn plans_arm64_libc_entries() {
+        let libc = arm64_lib("libc.so.6");
+        let plan = plan_library_as(Arch::Aarch64, &libc, &libc, &full_catalog(), true)
+            .expect("readable")
+            .expect("libc has allocators");
+        assert_eq!(plan.allocator, Some("libc"));
+        assert!(plan.refused.is_empty(), "{:?}", plan.refused);
+        // free: `cbz x0` at the entry is simulated; `stp` follows.
+        let free = planned(&plan, "free");
+        assert_eq!(
+            (free.probe_offset, free.emulated),
+            (0, true),
+            "{}",
+            free.placement
+        );
+        // Allocators with return probes stay at their entry `stp` (stepped).
+        for name in ["malloc", "calloc", "realloc", "posix_memalign"] {
+            let p = planned(&plan, name);
+            assert_eq!(
+                (p.probe_offset, p.emulated),
+                (0, false),
+                "{name}: {}",
+                p.placement
+            );
+            assert_eq!(p.return_offset(), Some(p.file_offset));
+        }
+        // Releases still attach first.
+        let names: Vec<&str> = plan.functions.iter().map(|p| p.function).collect();
+        let first_alloc = names.iter().position(|n| *n == "malloc").expect("malloc");
+        let free_at = names.iter().position(|n| *n == "free").expect("free");
+        assert!(free_at < first_alloc, "{names:?}");
+        // An x86-64 memtrace does not probe it, and says which file it is.
+        let err = plan_library_as(Arch::X86_64, &libc, &libc, &full_catalog(), true)
+            .expect_err("foreign");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{} is an aarch64 object, not x86_64: not probed",
+                libc.display()
+            )
+        );
+    }
+
+    #[test]
+    fn arm64_libstdcxx_deletes_forward_through_the_plt() {
+        let lib = arm64_lib("libstdc++.so.6");
+        let plan = plan_library_as(Arch::Aarch64, &lib, &lib, &full_catalog(), true)
+            .expect("readable")
+            .expect("libstdc++ defines operator new");
+        let forwards = |name: &str| {
+            plan.forwarders
+                .iter()
+                .find(|f| f.function == name)
+                .map(|f| f.to.as_str())
+        };
+        // _ZdlPv: `b free@plt`; _ZdlPvm: `b _ZdlPv@plt`; _Znam: `b _Znwm@plt`.
+        assert_eq!(forwards("_ZdlPv"), Some("free"), "{:?}", plan.forwarders);
+        assert_eq!(forwards("_ZdlPvm"), Some("_ZdlPv"));
+        assert_eq!(forwards("_Znam"), Some("_Znwm"));
+        // operator new: `stp x29, x30, [sp, #-32]!` at the entry, stepped.
+        let new = planned(&plan, "_Znwm");
+        assert_eq!(
+            (new.probe_offset, new.emulated),
+            (0, false),
+            "{}",
+            new.placement
+        );
+    }
+
+    /// Builds a small aarch64 shared object whose `free` starts with an
+    /// exclusive load and whose `malloc` starts with a literal load.
+    fn refused_fixture() -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("memtrace-plan-{}-refused", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let src = dir.join("refused.s");
+        std::fs::write(
+            &src,
+            "\t.text\n\
+             \t.globl free\n\t.type free, %function\nfree:\n\tldxr x1, [x0]\n\tret\n\t.size free, .-free\n\
+             \t.globl malloc\n\t.type malloc, %function\nmalloc:\n\tldr x16, 1f\n\tret\n1:\t.quad 0\n\t.size malloc, .-malloc\n\
+             \t.globl realloc\n\t.type realloc, %function\nrealloc:\n\tnop\n\tret\n\t.size realloc, .-realloc\n",
+        )
+        .expect("write source");
+        let out = dir.join("librefused.so");
+        let status = std::process::Command::new("aarch64-linux-gnu-gcc")
+            .args(["-shared", "-nostdlib", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .status()
+            .expect("aarch64-linux-gnu-gcc runs (apt-get install gcc-aarch64-linux-gnu)");
+        assert!(status.success(), "aarch64-linux-gnu-gcc failed");
+        out
+    }
+
+    #[test]
+    fn refused_arm64_entries_are_skipped_with_a_warning() {
+        let lib = refused_fixture();
+        for place in [true, false] {
+            let plan = plan_library_as(Arch::Aarch64, &lib, &lib, &full_catalog(), place)
+                .expect("readable")
+                .expect("defines allocators");
+            let names: Vec<&str> = plan.functions.iter().map(|p| p.function).collect();
+            assert_eq!(names, ["realloc"], "{place}");
+            let refused: Vec<&str> = plan.refused.iter().map(|r| r.function).collect();
+            assert_eq!(refused, ["malloc", "free"], "{place}");
+            let warnings = plan.warnings();
+            assert_eq!(
+                warnings[1],
+                format!(
+                    "{}: free is not probed: entry `ldxr x1, [x0]` (exclusive load/store) is \
+                     refused by the kernel's uprobes: cannot be probed",
+                    lib.display()
+                )
+            );
+            assert!(
+                warnings[0]
+                    .contains("malloc is not probed: entry `ldr x16, pc+0x8` (literal load)"),
+                "{warnings:?}"
+            );
+        }
+        if let Some(dir) = lib.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }

@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use super::catalog::{FuncDef, UsdtPoint};
 use super::usdt::{self, ArgLocation, UsdtArg, UsdtProbe};
+use crate::arch::Arch;
 
 /// One probe site to attach.
 #[derive(Clone, Debug, Serialize)]
@@ -63,7 +64,10 @@ pub enum SiteError {
     Arguments { probe: String, pc: u64, why: String },
 }
 
-/// The eBPF-side location of one decoded argument.
+/// The eBPF-side location of one decoded argument: `reg` is the register's
+/// slot in the traced architecture's frame ([`usdt::Reg`]: x86-64 `pt_regs`
+/// order; aarch64 `x<n>` = n, `sp` = 31), `offset` a memory displacement or
+/// the constant.
 pub fn arg_loc(arg: &UsdtArg) -> ArgLoc {
     let mut loc = ArgLoc::none();
     loc.size = arg.size;
@@ -71,11 +75,11 @@ pub fn arg_loc(arg: &UsdtArg) -> ArgLoc {
     match arg.location {
         ArgLocation::Register { reg } => {
             loc.kind = LOC_REG;
-            loc.reg = reg.0;
+            loc.reg = reg.slot();
         }
         ArgLocation::Memory { reg, offset } => {
             loc.kind = LOC_MEM;
-            loc.reg = reg.0;
+            loc.reg = reg.slot();
             loc.offset = offset;
         }
         ArgLocation::Constant { value } => {
@@ -162,7 +166,7 @@ pub fn plan_object(
     open_path: &Path,
     defs: &[&'static FuncDef],
 ) -> Result<(Option<UsdtPlan>, Vec<String>), usdt::ReadError> {
-    let probes = usdt::read(open_path)?;
+    let probes = usdt::read_for(open_path, Arch::HOST)?;
     let (sites, problems) = match_probes(&probes, defs);
     let warnings = problems
         .iter()
@@ -202,7 +206,7 @@ mod tests {
             semaphore: Some(0x867ca),
             semaphore_offset: Some(0x857ca),
             args_text: args.into(),
-            args: usdt::decode_args(args),
+            args: usdt::decode_args(args, Arch::X86_64),
         }
     }
 
@@ -287,13 +291,13 @@ mod tests {
 
     #[test]
     fn constants_and_memory_operands_become_arg_locs() {
-        let arg = usdt::decode_arg("-4@$-5").expect("constant");
+        let arg = usdt::decode_arg("-4@$-5", Arch::X86_64).expect("constant");
         let loc = arg_loc(&arg);
         assert_eq!(
             (loc.kind, loc.offset, loc.size, loc.signed),
             (LOC_CONST, -5, 4, 1)
         );
-        let loc = arg_loc(&usdt::decode_arg("8@16(%rsp)").expect("memory"));
+        let loc = arg_loc(&usdt::decode_arg("8@16(%rsp)", Arch::X86_64).expect("memory"));
         assert_eq!((loc.kind, loc.reg, loc.offset), (LOC_MEM, 19, 16));
     }
 }

@@ -1,8 +1,7 @@
-//! Probe placement: choosing the byte offset inside a traced function at
-//! which its uprobe (and uretprobe) is attached.
+//! x86-64 probe placement: where on an x86-64 function's first bytes
+//! (decoded with iced-x86) its probe goes.
 //!
-//! This module owns one decision, made from the first bytes of the function
-//! as read from the ELF file: attach at the entry (offset 0), or a few bytes
+//! Attach at the entry (offset 0), or a few bytes
 //! later where the kernel can *emulate* the probed instruction instead of
 //! single-stepping it out of line. On x86-64 (kernel 6.18, measured) a hit on
 //! an emulated instruction costs ~0.4 us; a single-stepped one ~15 us more,
@@ -40,218 +39,47 @@
 //!
 //! Only what lies inside the bytes given can be checked: a branch from
 //! further into the function back into the skipped bytes is not seen. Pass
-//! [`WINDOW`] bytes (fewer when the symbol is shorter).
+//! [`super::WINDOW`] bytes (fewer when the symbol is shorter).
 //!
 //! Over 800 lines with its tests (~670 of prologue cases); the decoder itself is ~490.
-
-use std::fmt;
 
 use iced_x86::{
     Code, ConditionCode, Decoder, DecoderError, DecoderOptions, FastFormatter, FlowControl,
     Instruction, InstructionInfoFactory, OpAccess, OpKind, Register,
 };
 
-/// How many bytes of the function's start [`choose`] wants to see.
-pub const WINDOW: usize = 256;
+use super::{stay, ArgReg, Needs, Placement, PlacementReason, IDENTITY};
+use crate::arch::Arch;
 
-/// An integer argument register of the x86-64 System V calling convention.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ArgReg {
-    Rdi,
-    Rsi,
-    Rdx,
-    Rcx,
-    R8,
-    R9,
-}
-
-const ARG_REGS: [ArgReg; 6] = [
-    ArgReg::Rdi,
-    ArgReg::Rsi,
-    ArgReg::Rdx,
-    ArgReg::Rcx,
-    ArgReg::R8,
-    ArgReg::R9,
+/// The x86-64 System V integer argument registers, in argument order.
+const ARG_REGISTERS: [Register; 6] = [
+    Register::RDI,
+    Register::RSI,
+    Register::RDX,
+    Register::RCX,
+    Register::R8,
+    Register::R9,
 ];
 
-impl ArgReg {
-    /// The register carrying integer argument `index` (0-based), if any.
-    pub fn nth(index: usize) -> Option<Self> {
-        ARG_REGS.get(index).copied()
-    }
-
-    /// The argument index this register carries at a call.
-    pub fn index(self) -> u8 {
-        ARG_REGS.iter().position(|&r| r == self).unwrap_or(0) as u8
-    }
-
-    /// The register's name, as in Intel syntax.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Rdi => "rdi",
-            Self::Rsi => "rsi",
-            Self::Rdx => "rdx",
-            Self::Rcx => "rcx",
-            Self::R8 => "r8",
-            Self::R9 => "r9",
-        }
-    }
-
-    fn register(self) -> Register {
-        match self {
-            Self::Rdi => Register::RDI,
-            Self::Rsi => Register::RSI,
-            Self::Rdx => Register::RDX,
-            Self::Rcx => Register::RCX,
-            Self::R8 => Register::R8,
-            Self::R9 => Register::R9,
-        }
-    }
-
-    fn of(register: Register) -> Option<Self> {
-        ARG_REGS
-            .iter()
-            .copied()
-            .find(|r| r.register() == register.full_register())
-    }
+/// The argument index of a register (any width), if it is an argument register.
+fn arg_of(register: Register) -> Option<u8> {
+    ARG_REGISTERS
+        .iter()
+        .position(|r| *r == register.full_register())
+        .map(|i| i as u8)
 }
 
-/// What the probe needs from the function, which bounds how far it may move.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Needs {
-    /// Bit `i` set: the probe reads integer argument `i` at entry.
-    pub args: u8,
-    /// The stack pointer must be unchanged at the probe (a return probe sits
-    /// there too, or the probe reads stack arguments).
-    pub keep_stack: bool,
-    /// A plain release reading only this pointer argument, for which NULL is
-    /// a no-op: a NULL check of it may be skipped.
-    pub release_ptr: Option<u8>,
+/// The 64-bit argument register of argument `index`.
+fn register(index: u8) -> Option<Register> {
+    ARG_REGISTERS.get(usize::from(index)).copied()
 }
 
-impl Needs {
-    /// Every argument and the stack untouched: moves only past instructions
-    /// that write no argument register nor the stack pointer.
-    #[cfg(test)]
-    pub const ENTRY: Needs = Needs {
-        args: 0x3f,
-        keep_stack: true,
-        release_ptr: None,
-    };
-
-    /// A plain release of the pointer in argument `index` (no return probe).
-    #[cfg(test)]
-    pub const fn release(index: u8) -> Needs {
-        Needs {
-            args: 1 << index,
-            keep_stack: false,
-            release_ptr: Some(index),
-        }
-    }
-}
-
-/// Where to attach, and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Placement {
-    /// Byte offset from the function's entry.
-    pub offset: u64,
-    pub reason: PlacementReason,
-    /// `args[i]`: the argument register holding argument `i` at the probe
-    /// (the identity unless a skipped `mov` copied it elsewhere).
-    pub args: [u8; 6],
-}
-
-const IDENTITY: [u8; 6] = [0, 1, 2, 3, 4, 5];
-
-impl Placement {
-    /// The function's entry, whatever the chooser said (placement disabled).
-    pub fn at_entry(self) -> Self {
-        if self.offset == 0 {
-            return self;
-        }
-        Placement {
-            offset: 0,
-            reason: PlacementReason::Stay {
-                entry: None,
-                why: "placement disabled".to_string(),
-            },
-            args: IDENTITY,
-        }
-    }
-
-    /// Whether the probed instruction is one the kernel emulates (fast path).
-    pub fn is_emulated(&self) -> bool {
-        !matches!(self.reason, PlacementReason::Stay { .. })
-    }
-
-    /// The register index holding argument `arg` at the probe (`arg` itself
-    /// for an unused slot).
-    #[cfg(test)]
-    pub fn arg(&self, arg: u8) -> u8 {
-        self.args.get(usize::from(arg)).copied().unwrap_or(arg)
-    }
-}
-
-impl fmt::Display for Placement {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "+{} ({})", self.offset, self.reason)
-    }
-}
-
-/// Why [`choose`] picked its offset. Instructions are in Intel syntax.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PlacementReason {
-    /// The entry instruction is emulated: offset 0.
-    EntryEmulated { insn: String },
-    /// Moved past `skipped` (each an instruction, or a NULL check as
-    /// `NULL check `test rdi,rdi; je``) onto the emulated `insn`; `moved`
-    /// lists the arguments read from another register than their own.
-    Moved {
-        skipped: Vec<String>,
-        insn: String,
-        moved: Vec<(u8, ArgReg)>,
-    },
-    /// Offset 0, single-stepped: `entry` is the entry instruction (`None`
-    /// when its bytes do not decode), `why` says why no later spot is safe.
-    Stay { entry: Option<String>, why: String },
-}
-
-impl fmt::Display for PlacementReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::EntryEmulated { insn } => write!(f, "entry `{insn}` is emulated"),
-            Self::Moved {
-                skipped,
-                insn,
-                moved,
-            } => {
-                const SHOWN: usize = 4;
-                let mut list = skipped
-                    .iter()
-                    .take(SHOWN)
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                if skipped.len() > SHOWN {
-                    list.push_str(&format!(" and {} more", skipped.len() - SHOWN));
-                }
-                write!(f, "skipped {list}; `{insn}` is emulated")?;
-                for (arg, reg) in moved {
-                    write!(f, "; argument {arg} read from {}", reg.name())?;
-                }
-                Ok(())
-            }
-            Self::Stay {
-                entry: Some(entry),
-                why,
-            } => write!(f, "entry `{entry}` is single-stepped; {why}"),
-            Self::Stay { entry: None, why } => write!(f, "entry does not decode; {why}"),
-        }
-    }
+fn arg_name(index: u8) -> &'static str {
+    ArgReg::nth(Arch::X86_64, usize::from(index)).map_or("?", ArgReg::name)
 }
 
 /// Chooses where to attach a probe with `needs` to the function whose first
-/// bytes (at its entry, up to [`WINDOW`], not past the symbol's end) are
+/// bytes (at its entry, up to [`super::WINDOW`], not past the symbol's end) are
 /// `code`.
 pub fn choose(code: &[u8], needs: Needs) -> Placement {
     let insns = decode(code);
@@ -387,13 +215,13 @@ impl<'a> Walk<'a> {
             Code::Mov_r64_rm64 | Code::Mov_rm64_r64
                 if instr.op0_kind() == OpKind::Register && instr.op1_kind() == OpKind::Register =>
             {
-                ArgReg::of(instr.op1_register()).map(|src| self.holds[usize::from(src.index())])
+                arg_of(instr.op1_register()).map(|src| self.holds[usize::from(src)])
             }
             _ => None,
         };
         for register in written {
-            if let Some(reg) = ArgReg::of(register) {
-                self.holds[usize::from(reg.index())] = match (copy, instr.op0_register()) {
+            if let Some(reg) = arg_of(register) {
+                self.holds[usize::from(reg)] = match (copy, instr.op0_register()) {
                     (Some(value), dst) if dst.full_register() == register => value,
                     _ => None,
                 };
@@ -401,7 +229,7 @@ impl<'a> Walk<'a> {
         }
         for arg in 0..6u8 {
             if self.needs.args & (1 << arg) != 0 && self.locate(arg).is_none() {
-                let reg = ArgReg::nth(usize::from(arg)).map_or("?", ArgReg::name);
+                let reg = arg_name(arg);
                 return Err(format!(
                     "skipped `{}` overwrites argument {arg} ({reg})",
                     insn.text
@@ -415,7 +243,7 @@ impl<'a> Walk<'a> {
     /// Matches `test r,r` / `cmp r,0` on the register holding argument
     /// `ptr` at `insns[at]`, then `je` forward past the fall-through.
     fn null_check(&self, at: usize, ptr: u8) -> Option<String> {
-        let reg = ArgReg::nth(usize::from(self.locate(ptr)?))?.register();
+        let reg = register(self.locate(ptr)?)?;
         let check = self.insns.get(at)?;
         let i = &check.instr;
         let tests_ptr = match i.code() {
@@ -462,7 +290,7 @@ impl<'a> Walk<'a> {
                 .ok_or_else(|| format!("argument {arg} is lost"))?;
             args[usize::from(arg)] = reg;
             if reg != arg {
-                if let Some(r) = ArgReg::nth(usize::from(reg)) {
+                if let Some(r) = ArgReg::nth(Arch::X86_64, usize::from(reg)) {
                     moved.push((arg, r));
                 }
             }
@@ -594,14 +422,6 @@ fn near_target(instr: &Instruction) -> Option<u64> {
     (direct && branches).then(|| instr.near_branch_target())
 }
 
-fn stay(entry: Option<String>, why: String) -> Placement {
-    Placement {
-        offset: 0,
-        reason: PlacementReason::Stay { entry, why },
-        args: IDENTITY,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -620,7 +440,7 @@ mod tests {
         release_ptr: None,
     };
 
-    include!("testdata/prologues.rs");
+    include!("../testdata/prologues.rs");
 
     // Bytes below are read from /lib/x86_64-linux-gnu/libc.so.6 of glibc
     // 2.36 (Debian 12), text file offset == vaddr, at the address `readelf
@@ -1151,9 +971,10 @@ mod tests {
 
     #[test]
     fn arg_regs() {
-        assert_eq!(ArgReg::nth(0), Some(ArgReg::Rdi));
-        assert_eq!(ArgReg::nth(5), Some(ArgReg::R9));
-        assert_eq!(ArgReg::nth(6), None);
-        assert_eq!(ArgReg::R8.name(), "r8");
+        assert_eq!(arg_name(0), "rdi");
+        assert_eq!(arg_name(5), "r9");
+        assert_eq!(register(6), None);
+        assert_eq!(arg_name(4), "r8");
+        assert_eq!(arg_of(Register::R8D), Some(4));
     }
 }
