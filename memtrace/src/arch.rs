@@ -30,7 +30,6 @@ impl Arch {
     }
 
     /// The architecture of an ELF `e_machine`, when memtrace traces it.
-    #[allow(dead_code)] // probe planning's check of each object's machine (next)
     pub fn from_elf_machine(machine: u16) -> Option<Self> {
         match machine {
             62 => Some(Self::X86_64),

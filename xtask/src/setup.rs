@@ -169,7 +169,8 @@ impl Need {
         let groups: &[&[Package]] = match self {
             Need::Demo => &[BUILD],
             Need::Fixtures | Need::BenchNoPeers => &[BUILD, FIXTURES],
-            Need::Test => &[BUILD, FIXTURES, TEST_TOOLS],
+            // The arm64 placement, CFI and USDT unit tests read cross-built code.
+            Need::Test => &[BUILD, FIXTURES, TEST_TOOLS, CROSS_ARM64],
             Need::Bench => &[BUILD, FIXTURES, BENCH_PEERS],
             Need::CrossArm64 => &[BUILD, CROSS_ARM64],
             Need::KernelsArm64 => &[BUILD, KERNELS_ARM64],

@@ -64,11 +64,17 @@ impl Discovery {
 
     /// Plans one object, keeping only the heap allocators wanted.
     fn plan(
-        &self,
+        &mut self,
         path: &std::path::Path,
         open_path: &std::path::Path,
     ) -> Result<Option<LibraryPlan>, crate::probe::elf::ElfError> {
         let plan = plan::plan_library(path, open_path, &self.catalog, self.place)?;
+        // Functions whose entry the kernel refuses to probe (arm64: literal
+        // or exclusive loads) are left out of the plan and said once each.
+        for line in plan.iter().flat_map(LibraryPlan::warnings) {
+            eprintln!("memtrace: warning: {line}");
+            self.problems.push(line);
+        }
         Ok(plan.and_then(|mut plan| {
             if !self.heap_allowed.is_empty() {
                 plan.functions
@@ -157,6 +163,11 @@ impl Discovery {
                     }
                 },
                 Ok(None) => self.check_stripped(pid, &path, &open_path),
+                Err(err @ crate::probe::elf::ElfError::ForeignArch { .. }) => {
+                    let line = format!("{err}");
+                    eprintln!("memtrace: warning: {line}");
+                    self.problems.push(line);
+                }
                 Err(err) => log::debug!("skipping {}: {err}", path.display()),
             }
         }
