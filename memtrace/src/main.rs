@@ -49,6 +49,15 @@ fn main() -> ExitCode {
         .filter_level(level)
         .format_timestamp(None)
         .init();
+    if matches!(
+        cli.command,
+        None | Some(cli::Command::Watch(_) | cli::Command::Doctor(_))
+    ) {
+        // Learnt while memtrace is one thread with no child: it asks the
+        // kernel about a child of its own (arm64), which a launch's wait
+        // for any child must never see.
+        kernel::pac::return_address_mask();
+    }
     let result = match cli.command {
         Some(cli::Command::Monitor(args)) => monitor::run(*args),
         Some(cli::Command::Report(args)) => run_report(args),

@@ -6,6 +6,9 @@
 //! it about a child of its own, stopped at birth and killed at once. On
 //! x86-64, and where the kernel does not answer, see [`return_address_mask`].
 
+/// `main` asks once, before any thread or child exists: the answer is kept
+/// for the process's life.
+///
 /// The mask the unwinder applies to every return address: all ones on
 /// x86-64; on arm64 the kernel's answer (address bits only), or the 48-bit
 /// user address space every arm64 Linux gives a process by default when the
