@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 /// The floors, lowest first (CONTRIBUTING.md, "Layers"). A unit is a
 /// top-level module.
 const FLOORS: &[&[&str]] = &[
-    &["error", "duration", "event", "stats", "btf", "signals"],
+    &[
+        "arch", "error", "duration", "event", "stats", "btf", "signals",
+    ],
     &["kernel", "target"],
     &["probe"],
     &[
