@@ -40,7 +40,7 @@ pub struct BlazeSymbolizer {
     symbolizer: Symbolizer,
     cache: HashMap<FileAddr, SymInfo>,
     /// How to open a module path (e.g. through `/proc/PID/root`); `None`
-    /// refuses the module (its links lead outside the target's root).
+    /// refuses the module (another file than the one mapped, or none).
     resolve: ResolvePath,
     /// The debug directories on memtrace's side, searched after the
     /// target's own ([`debug::DEBUG_DIRS`] as the target sees them).
