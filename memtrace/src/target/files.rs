@@ -6,8 +6,9 @@
 //! for a target (probes, unwind tables, symbols, Python detection) is opened
 //! here instead:
 //!
-//! 1. `/proc/PID/root/PATH` (links may not lead outside that root), accepted
-//!    when its device and inode are the mapping's;
+//! 1. `/proc/PID/root/PATH` (its symlinks resolved inside that root, as the
+//!    target resolves them), accepted when its device and inode are the
+//!    mapping's;
 //! 2. else `/proc/PID/map_files/START-END`, the kernel's own handle on the
 //!    mapped file (accepted when its inode is the mapping's: kernels where
 //!    `/proc/PID/maps` shows an overlay file's underlying device report
@@ -43,8 +44,6 @@ const MAX_HELD: usize = 512;
 pub enum Unopenable {
     #[error("the process is gone")]
     Gone,
-    #[error("its links lead outside the target's root")]
-    Escapes,
     #[error("the file at that path is another one (device {found_dev}, inode {found_ino}; mapped: device {dev}, inode {ino})")]
     Mismatch {
         dev: String,
@@ -91,15 +90,62 @@ pub fn accepts(via: Via, want: FileId, found: FileId) -> bool {
     }
 }
 
-/// `PATH` inside `/proc/PID/root`, or `None` when its links lead outside
-/// that root (memtrace never follows a container's symlink onto the host).
-/// Errors when the target (or the file) cannot be read.
-pub fn inside_root(pid: u32, path: &Path) -> std::io::Result<Option<PathBuf>> {
-    let root = PathBuf::from(format!("/proc/{pid}/root"));
-    let inside = root.join(path.strip_prefix("/").unwrap_or(path));
-    let root_real = std::fs::canonicalize(&root)?;
-    let real = std::fs::canonicalize(&inside)?;
-    Ok(real.starts_with(&root_real).then_some(inside))
+/// `PATH` inside `/proc/PID/root`, its symlinks resolved as the target
+/// resolves them ([`resolve_in_root`]): never onto the host. Errors when
+/// the target (or the file) cannot be read.
+pub fn inside_root(pid: u32, path: &Path) -> std::io::Result<PathBuf> {
+    resolve_in_root(Path::new(&format!("/proc/{pid}/root")), path)
+}
+
+/// Symlinks followed on one path before giving up (the kernel's limit).
+const MAX_LINKS: usize = 40;
+
+/// `path` as a process whose root is `root` sees it: each symlink read and
+/// followed inside `root` (an absolute target starts again at `root`, `..`
+/// never climbs above it), so a container's link cannot lead onto the
+/// host. Not `canonicalize`: through `/proc/PID/root` it resolves links
+/// against memtrace's own root (`/proc/PID/root` reads as `/` once the
+/// target has `pivot_root`ed), and the container's files are not found.
+/// Returns `root` joined with the resolved path, which exists.
+pub fn resolve_in_root(root: &Path, path: &Path) -> std::io::Result<PathBuf> {
+    use std::collections::VecDeque;
+    use std::path::Component;
+    let mut pending: VecDeque<std::ffi::OsString> = VecDeque::new();
+    let push_front = |pending: &mut VecDeque<_>, path: &Path| {
+        for component in path.components().rev() {
+            pending.push_front(component.as_os_str().to_os_string());
+        }
+    };
+    push_front(&mut pending, path);
+    let mut resolved = PathBuf::new();
+    let mut links = 0;
+    while let Some(part) = pending.pop_front() {
+        match Path::new(&part).components().next() {
+            None | Some(Component::RootDir | Component::CurDir | Component::Prefix(_)) => {}
+            Some(Component::ParentDir) => {
+                resolved.pop();
+            }
+            Some(Component::Normal(name)) => {
+                let here = root.join(&resolved).join(name);
+                if !std::fs::symlink_metadata(&here)?.file_type().is_symlink() {
+                    resolved.push(name);
+                    continue;
+                }
+                links += 1;
+                if links > MAX_LINKS {
+                    return Err(std::io::Error::from_raw_os_error(libc::ELOOP));
+                }
+                let target = std::fs::read_link(&here)?;
+                if target.is_absolute() {
+                    resolved.clear();
+                }
+                push_front(&mut pending, &target);
+            }
+        }
+    }
+    let inside = root.join(&resolved);
+    std::fs::metadata(&inside)?;
+    Ok(inside)
 }
 
 /// The mapping's file, opened and checked now (the check is on the opened
@@ -110,7 +156,7 @@ fn open_now(pid: u32, mapping: &Mapping) -> Result<(File, PathBuf, Via), Unopena
     let mut why = None;
     if !mapping.deleted {
         match inside_root(pid, path) {
-            Ok(Some(inside)) => match File::open(&inside).and_then(|f| Ok((f.metadata()?, f))) {
+            Ok(inside) => match File::open(&inside).and_then(|f| Ok((f.metadata()?, f))) {
                 Ok((meta, file)) if accepts(Via::Root, want, id_of(&meta)) => {
                     return Ok((file, inside, Via::Root))
                 }
@@ -125,7 +171,6 @@ fn open_now(pid: u32, mapping: &Mapping) -> Result<(File, PathBuf, Via), Unopena
                 }
                 Err(err) => why = Some(Unopenable::Io(err.to_string())),
             },
-            Ok(None) => why = Some(Unopenable::Escapes),
             Err(err) => why = Some(Unopenable::Io(err.to_string())),
         }
     }
@@ -181,9 +226,7 @@ impl Registry {
         }
         match self.files.get(&id) {
             Some(Ok(known)) => return Ok(known.open.clone()),
-            Some(Err(why @ (Unopenable::Mismatch { .. } | Unopenable::Escapes))) => {
-                return Err(why.clone())
-            }
+            Some(Err(why @ Unopenable::Mismatch { .. })) => return Err(why.clone()),
             // Another process (or a later try) may reach it.
             Some(Err(_)) | None => {}
         }
@@ -263,7 +306,7 @@ pub fn observe(pid: u32, mappings: &[Mapping]) {
     for mapping in mappings.iter().filter(|m| m.is_file()) {
         if matches!(
             registry.files.get(&(mapping.dev, mapping.inode)),
-            Some(Ok(_) | Err(Unopenable::Mismatch { .. } | Unopenable::Escapes))
+            Some(Ok(_) | Err(Unopenable::Mismatch { .. }))
         ) {
             continue;
         }
@@ -289,7 +332,7 @@ pub fn open_path(pid: u32, path: &Path) -> Option<PathBuf> {
         }
     }
     // Not mapped (`--lib`, a launched program before exec): inside its root.
-    inside_root(pid, path).ok().flatten()
+    inside_root(pid, path).ok()
 }
 
 /// The note on mappings that could not be opened as the target sees them.
@@ -332,6 +375,40 @@ mod tests {
             maps::parse("1000-2000 r-xp 00000000 103:20001 7 /x\n")[0].dev,
             dev_of_stat(big)
         );
+    }
+
+    /// A container's links, absolute, relative or climbing, resolve inside
+    /// its root, never on the host (`canonicalize` followed `/abs` to the
+    /// host's `/usr/lib`).
+    #[test]
+    fn links_resolve_inside_the_root() {
+        use std::os::unix::fs::symlink;
+        let dir = std::env::temp_dir().join(format!("memtrace-root-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let root = dir.join("root");
+        std::fs::create_dir_all(root.join("usr/lib/debug")).expect("mkdir");
+        std::fs::create_dir_all(root.join("etc")).expect("mkdir");
+        std::fs::write(root.join("usr/lib/debug/x.debug"), b"x").expect("write");
+        std::fs::write(root.join("etc/os-release"), b"container").expect("write");
+        symlink("usr/lib", root.join("lib")).expect("symlink");
+        symlink("/usr/lib", root.join("abs")).expect("symlink");
+        symlink("../../../../../etc", root.join("usr/lib/up")).expect("symlink");
+        let at = |path: &str| resolve_in_root(&root, Path::new(path)).ok();
+        let expected = Some(root.join("usr/lib/debug/x.debug"));
+        assert_eq!(at("/usr/lib/debug/x.debug"), expected);
+        assert_eq!(at("/lib/debug/x.debug"), expected);
+        assert_eq!(at("/abs/debug/x.debug"), expected);
+        assert_eq!(at("/abs/../lib/./debug/x.debug"), expected);
+        assert_eq!(at("/lib/up/os-release"), Some(root.join("etc/os-release")));
+        assert_eq!(
+            at("/../../etc/os-release"),
+            Some(root.join("etc/os-release"))
+        );
+        assert_eq!(at("/usr/lib/debug/absent.debug"), None);
+        symlink("loop", root.join("loop")).expect("symlink");
+        let looped = resolve_in_root(&root, Path::new("/loop")).expect_err("a loop");
+        assert_eq!(looped.raw_os_error(), Some(libc::ELOOP));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Stage 2 of a trace, attach: the target chosen (`--pid`), found
-//! (`--name`, `--container`, `--cgroup`: the first process selected; the
-//! others are traced beside it) or started and held (`-- CMD`); the eBPF
+//! (`--name`, `--container`, `--cgroup`: the first process selected with
+//! something to probe, see [`by_name::first_traceable`]; the others are
+//! traced beside it) or started and held (`-- CMD`); the eBPF
 //! programs loaded; the probes found and attached in the target, its
 //! children and its peers; the trace announced on stderr; the record file
 //! and the metrics endpoint opened. What it builds is a [`Trace`], ready for
@@ -137,29 +138,61 @@ impl<'a> Trace<'a> {
         };
         let mut discovery = Discovery::new(exclude, !args.entry_probes, catalog);
         discovery.heap_allowed = heap_allowed(&args.allocators);
-        for warning in discovery.add_libraries(pid, &mut probes, &args.libs)? {
-            eprintln!("memtrace: warning: {warning}");
-            discovery.problems.push(warning);
-        }
-        discovery
-            .scan(pid, &mut probes, &extra)
-            .with_context(|| format!("cannot read the mappings of pid {pid}"))?;
-        // Not `probes.specs()`: a spec is recorded before its attach is tried.
-        if discovery.libraries.iter().all(|l| l.functions.is_empty()) && discovery.usdt.is_empty() {
+        // A selection's processes are tried in turn: one with nothing to
+        // probe (`docker run --init`'s docker-init) is skipped with a note.
+        let candidates: Vec<u32> = std::iter::once(pid).chain(peers).collect();
+        let several = candidates.len() > 1;
+        let what = names
+            .as_ref()
+            .map(|watch| watch.selector().what())
+            .unwrap_or_default();
+        discovery.hold_warnings = several;
+        let mut loaded_for = pid;
+        let mut mark = 0;
+        let (pid, skipped) = by_name::first_traceable(&candidates, &what, |candidate| {
+            if candidate != loaded_for {
+                probes.remove_process(loaded_for);
+                probes.add_process(candidate)?;
+                loaded_for = candidate;
+            }
+            mark = discovery.problems.len();
+            for warning in discovery.add_libraries(candidate, &mut probes, &args.libs)? {
+                discovery.warn(warning);
+            }
+            let scanned = discovery.scan(candidate, &mut probes, &extra);
+            // Not `probes.specs()`: a spec is recorded before its attach is tried.
+            if scanned.is_ok() && !discovery.nothing_probed() {
+                return Ok(by_name::Tried::Traced);
+            }
             if let Some(unsupported) = discovery.unsupported.take() {
                 return Err(Failure::from(unsupported).into());
             }
-            let why = discovery.problems.join("; ");
-            return Err(Failure::runtime(format!(
-                "found no allocator function to probe in pid {pid}{}",
-                if why.is_empty() {
-                    String::new()
-                } else {
-                    format!(": {why}")
+            let mut why = discovery.take_problems_since(mark);
+            match scanned {
+                Ok(_) => {}
+                Err(err) if several => why.push(format!("cannot read its mappings: {err}")),
+                Err(err) => {
+                    return Err(anyhow::Error::new(err)
+                        .context(format!("cannot read the mappings of pid {candidate}")))
                 }
-            ))
-            .into());
+            }
+            Ok(by_name::Tried::Nothing {
+                comm: target::inspect(candidate)
+                    .map(|info| info.comm)
+                    .unwrap_or_default(),
+                why: why.join("; "),
+            })
+        })?;
+        discovery.release_warnings(mark);
+        for skip in &skipped {
+            eprintln!("memtrace: {}", skip.note());
         }
+        let peers: Vec<u32> = candidates
+            .iter()
+            .skip_while(|&&candidate| candidate != pid)
+            .skip(1)
+            .copied()
+            .collect();
         for library in &discovery.libraries {
             log::info!(
                 "probing {} ({} functions)",
@@ -215,7 +248,8 @@ impl<'a> Trace<'a> {
                 args.follow_forks,
                 args.max_processes,
             )
-            .with_selector(names.as_ref().map(|watch| watch.selector().clone())),
+            .with_selector(names.as_ref().map(|watch| watch.selector().clone()))
+            .with_skipped(skipped),
             pipeline: Pipeline::new(usize::try_from(args.max_live).unwrap_or(usize::MAX)),
             history: History::default(),
             suppressions,

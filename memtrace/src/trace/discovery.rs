@@ -38,6 +38,10 @@ pub struct Discovery {
     pub heap_allowed: Vec<Allocator>,
     /// Whether the stripped-executable warning was given.
     warned_stripped: bool,
+    /// Warnings are kept in `problems` but not printed (yet): while the
+    /// processes of a selection are tried, those of a skipped one become
+    /// its note.
+    pub hold_warnings: bool,
 }
 
 impl Discovery {
@@ -59,7 +63,38 @@ impl Discovery {
             unsupported: None,
             heap_allowed: Vec::new(),
             warned_stripped: false,
+            hold_warnings: false,
         }
+    }
+
+    /// One warning: on stderr (unless held) and in the report's notes.
+    pub fn warn(&mut self, line: String) {
+        if !self.hold_warnings {
+            eprintln!("memtrace: warning: {line}");
+        }
+        self.problems.push(line);
+    }
+
+    /// Takes back the problems found since `problems` had `mark` entries
+    /// (a skipped process's): they are its note, not the trace's; its
+    /// stripped-executable warning no longer counts as given.
+    pub fn take_problems_since(&mut self, mark: usize) -> Vec<String> {
+        self.warned_stripped = false;
+        self.problems.split_off(mark.min(self.problems.len()))
+    }
+
+    /// Stops holding warnings and prints those held since `mark`.
+    pub fn release_warnings(&mut self, mark: usize) {
+        if std::mem::replace(&mut self.hold_warnings, false) {
+            for line in self.problems.iter().skip(mark) {
+                eprintln!("memtrace: warning: {line}");
+            }
+        }
+    }
+
+    /// Whether nothing is probed yet (no catalogue function, no USDT site).
+    pub fn nothing_probed(&self) -> bool {
+        self.libraries.iter().all(|l| l.functions.is_empty()) && self.usdt.is_empty()
     }
 
     /// Plans one object, keeping only the heap allocators wanted.
@@ -102,8 +137,7 @@ impl Discovery {
                  --symbol-prefix for a prefixed build)",
                 path.display()
             );
-            eprintln!("memtrace: warning: {line}");
-            self.problems.push(line);
+            self.warn(line);
         }
     }
 
@@ -236,9 +270,7 @@ impl Discovery {
         let (plan, warnings) = match usdt_plan::plan_object(path, open_path, &self.usdt_defs) {
             Ok(planned) => planned,
             Err(err @ crate::probe::usdt::ReadError::Usdt { .. }) => {
-                let line = format!("USDT notes unreadable: {err}");
-                eprintln!("memtrace: warning: {line}");
-                self.problems.push(line);
+                self.warn(format!("USDT notes unreadable: {err}"));
                 return 0;
             }
             Err(err) => {
@@ -247,8 +279,7 @@ impl Discovery {
             }
         };
         for line in warnings {
-            eprintln!("memtrace: warning: {line}");
-            self.problems.push(line);
+            self.warn(line);
         }
         let Some(mut plan) = plan else {
             return 0;

@@ -11,7 +11,7 @@ use aya::maps::{MapData, RingBuf};
 
 use crate::report::ProcessInfo;
 use crate::target;
-use crate::trace::by_name::Selector;
+use crate::trace::by_name::{Selector, Skipped};
 use crate::trace::discovery::Discovery;
 use crate::trace::loader::Probes;
 use crate::trace::pipeline::Pipeline;
@@ -81,6 +81,8 @@ pub struct Family {
     children_seen: u64,
     /// `--name`, `--container`, `--cgroup`: the processes traced for it.
     selector: Option<Selector>,
+    /// Processes of the selection not traced: nothing in them to probe.
+    skipped: Vec<Skipped>,
 }
 
 impl Family {
@@ -98,6 +100,7 @@ impl Family {
             forks_reported: 0,
             children_seen: 0,
             selector: None,
+            skipped: Vec::new(),
         }
     }
 
@@ -108,6 +111,13 @@ impl Family {
             target.info.by_name = true;
         }
         self.selector = selector;
+        self
+    }
+
+    /// Processes of the selection that were skipped before the target
+    /// (nothing to probe): noted, and never adopted later.
+    pub fn with_skipped(mut self, skipped: Vec<Skipped>) -> Self {
+        self.skipped = skipped;
         self
     }
 
@@ -125,6 +135,7 @@ impl Family {
             .chain(self.failed.keys())
             .chain(&self.gone_early)
             .copied()
+            .chain(self.skipped.iter().map(|s| s.pid))
             .collect()
     }
 
@@ -417,6 +428,7 @@ impl Family {
                 list(&mut self.over_cap.iter().copied())
             ));
         }
+        notes.extend(self.skipped.iter().map(Skipped::note));
         for (pid, why) in &self.failed {
             notes.push(format!("pid {pid} could not be traced: {why}"));
         }

@@ -19,7 +19,7 @@ impl Watcher {
     /// Judges every selected metric of every watched process; starts an
     /// episode on the process whose metric fires.
     pub fn judge_and_act(&mut self, t: f64) -> Result<(), WatchError> {
-        let half = self.args.judge_window.as_secs_f64() / 2.0;
+        let span = self.args.judge_window.as_secs_f64();
         let mut firing: Vec<(usize, u32, (Family, String), Judgement)> = Vec::new();
         let mut views = Vec::new();
         let mut any_ready = false;
@@ -28,7 +28,7 @@ impl Watcher {
             // A verdict needs history: judging starts once half a window has
             // been sampled after the warm-up (one tooth of a sawtooth rises
             // like a leak; several do not).
-            let ready = t >= from + half;
+            let ready = trigger::may_judge(t, from, span);
             any_ready |= ready;
             for (key, w) in &watched.windows {
                 let Some((_, value)) = w.last() else { continue };

@@ -34,6 +34,22 @@ impl Trigger {
     }
 }
 
+/// When judging a process found at `now` may start: `warmup` after it
+/// started (`age_s` before now), and never before its first sample, taken
+/// now. A process that ran before the watch began has no samples from
+/// before then: counted from its start, its warm-up and the half window
+/// below would be long over, and it would be judged on its first few
+/// samples (one tooth of a sawtooth rises like a leak).
+pub fn judge_from(now: f64, age_s: f64, warmup_s: f64) -> f64 {
+    (now - age_s + warmup_s).max(now)
+}
+
+/// Whether a process whose judging starts at `judge_from` may be judged at
+/// `t`: once half a judged window has been sampled after that.
+pub fn may_judge(t: f64, judge_from: f64, judge_window_s: f64) -> bool {
+    t >= judge_from + judge_window_s / 2.0
+}
+
 /// The recent samples of one metric, bounded in time and in count.
 #[derive(Clone, Debug)]
 pub struct Window {
@@ -249,6 +265,29 @@ mod tests {
     }
 
     const ALL: [Trigger; 3] = [Trigger::Growth, Trigger::SlowGrowth, Trigger::Jump];
+
+    /// A process running for an hour when the watch finds it, 100 s in,
+    /// with `--judge-window 60s --warmup 30s`: judged 30 s (half a window)
+    /// after its first sample, not 5 s.
+    #[test]
+    fn a_process_already_running_is_judged_half_a_window_after_its_first_sample() {
+        let (found_at, window, warmup) = (100.0, 60.0, 30.0);
+        let from = judge_from(found_at, 3600.0, warmup);
+        assert_eq!(from, found_at);
+        assert!(!may_judge(found_at + 5.0, from, window));
+        assert!(!may_judge(found_at + 29.9, from, window));
+        assert!(may_judge(found_at + 30.0, from, window));
+    }
+
+    /// A process started 2 s before it was found: its warm-up ends 28 s
+    /// later, and half a window after that it is judged.
+    #[test]
+    fn a_young_process_is_judged_after_its_warm_up_and_half_a_window() {
+        let from = judge_from(10.0, 2.0, 30.0);
+        assert_eq!(from, 38.0);
+        assert!(!may_judge(67.9, from, 60.0));
+        assert!(may_judge(68.0, from, 60.0));
+    }
 
     fn fires(w: &Window) -> bool {
         w.judge(0.0, &Thresholds::default()).fires(&ALL)

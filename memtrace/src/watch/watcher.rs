@@ -17,12 +17,13 @@ use crate::watch::args::WatchArgs;
 use crate::watch::episode::InFlight;
 use crate::watch::publish::{self, Heartbeat, LastEpisode, MetricView, Phase};
 use crate::watch::targets::{process_age_s, Target};
-use crate::watch::trigger::Window;
+use crate::watch::trigger::{self, Window};
 use crate::watch::{millis, now_unix_ms, say, state, WatchError};
 
 /// One watched process: when judging may start, and its metrics' windows.
 pub struct Watched {
-    /// Judging starts at this time on the watcher's axis (its warm-up end).
+    /// Judging starts at this time on the watcher's axis: its warm-up end,
+    /// or its first sample if later ([`trigger::judge_from`]).
     pub judge_from: f64,
     pub windows: BTreeMap<(Family, String), Window>,
     /// Its container and pod, read when it was found.
@@ -221,7 +222,7 @@ impl Watcher {
             })?;
         for pid in found {
             let age = process_age_s(pid).unwrap_or(0.0);
-            let judge_from = self.now() - age + self.args.warmup.as_secs_f64();
+            let judge_from = trigger::judge_from(self.now(), age, self.args.warmup.as_secs_f64());
             if self.restarts_seen > 0 && self.target.single() {
                 say(&format!("target restarted: watching pid {pid}"));
             } else {
