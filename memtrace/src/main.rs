@@ -4,9 +4,6 @@
 //! one line on stderr with a documented exit code (see `error`).
 
 mod analysis;
-// Nothing on this branch uses it yet (arm64 support on main does); drop the
-// allow when that is merged.
-#[allow(dead_code)]
 mod arch;
 mod btf;
 mod cli;
