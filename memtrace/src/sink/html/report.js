@@ -35,9 +35,14 @@
     return f[2] ? f[2] + (f[3] ? ":" + f[3] : "") : "";
   }
   function isPy(f) { return f[7] === "python"; }
-  // A Python frame's name cell: a "py" tag, then the name, in Python's colour.
-  function nameCell(tr, f, cls, title) {
-    var td = cell(tr, "", (cls ? cls + " " : "") + (isPy(f) ? "py" : "native"), title);
+  // A frame's full name: f[8] when the shown name f[0] is shortened.
+  function fullName(f) { return f[8] || f[0]; }
+  // A frame's name cell (its full name the tooltip, then `title`); a Python
+  // frame's gets a "py" tag, then the name, in Python's colour. `expand`: a
+  // click shows the full name in place (and the short one again).
+  function nameCell(tr, f, cls, title, expand) {
+    var tip = f[8] ? f[8] + (title ? "\n" + title : "") : title;
+    var td = cell(tr, "", (cls ? cls + " " : "") + (isPy(f) ? "py" : "native"), tip);
     if (isPy(f)) {
       var tag = document.createElement("span");
       tag.className = "tag py";
@@ -45,7 +50,14 @@
       td.appendChild(tag);
       td.appendChild(document.createTextNode(" "));
     }
-    td.appendChild(document.createTextNode(f[0]));
+    var text = document.createTextNode(f[0]);
+    td.appendChild(text);
+    if (expand && f[8]) {
+      td.className += " expand";
+      td.addEventListener("click", function () {
+        text.textContent = text.textContent === f[0] ? f[8] : f[0];
+      });
+    }
     return td;
   }
   function haystack(site) {
@@ -53,7 +65,7 @@
       var parts = [site.allocator, site.memory, site.functions.join(" ")];
       for (var i = 0; i < site.stack.length; i++) {
         var f = frames[site.stack[i]];
-        parts.push(f[0], f[1] || "", where(f));
+        parts.push(fullName(f), f[1] || "", where(f));
       }
       site._q = parts.join("\n").toLowerCase();
     }
@@ -198,7 +210,7 @@
         var f = frames[fi], tr = document.createElement("tr");
         if (isPy(f)) tr.className = "py";
         cell(tr, depth, "num");
-        nameCell(tr, f);
+        nameCell(tr, f, "", "", true);
         cell(tr, where(f));
         cell(tr, f[1] || "", "", f[6] || "");
         cell(tr, f[5] || "");
