@@ -85,7 +85,9 @@ pub fn short(name: &str, width: usize) -> String {
     fit(&elided.text, &elided.segments, width)
 }
 
-/// `name` with template arguments and parameter lists elided, not cut.
+/// `name` with template arguments and parameter lists elided, not cut
+/// (the views use [`short`] with `usize::MAX` for that).
+#[cfg(test)]
 pub fn shorten(name: &str) -> String {
     elide(name, 0).text
 }
@@ -244,13 +246,19 @@ fn last_name(side: &str, nesting: usize) -> String {
         }
     }
     let elided = elide(rest, nesting + 1);
-    let start = elided.segments.last().copied().unwrap_or(0);
+    // A closure's or shim's part (`{{closure}}`) keeps the name it is in.
+    let mut parts = elided.segments.iter().rev().copied();
+    let mut start = parts.next().unwrap_or(0);
+    if elided.text.get(start..).is_some_and(|s| s.starts_with('{')) {
+        start = parts.next().unwrap_or(start);
+    }
     prefix.push_str(elided.text.get(start..).unwrap_or(&elided.text));
     prefix
 }
 
-/// Splits a qualified path's inside at its top-level ` as `.
-fn split_as(inside: &str) -> (&str, Option<&str>) {
+/// Splits a qualified path's inside at its top-level `separator` (` as `,
+/// ` for `).
+fn split_at_word<'a>(inside: &'a str, separator: &str) -> (&'a str, Option<&'a str>) {
     let bytes = inside.as_bytes();
     let mut i = 0;
     while i < bytes.len() {
@@ -259,8 +267,8 @@ fn split_as(inside: &str) -> (&str, Option<&str>) {
                 Some(close) => i = close + 1,
                 None => return (inside, None),
             },
-            b' ' if inside[i..].starts_with(" as ") => {
-                return (&inside[..i], Some(&inside[i + 4..]));
+            b' ' if inside[i..].starts_with(separator) => {
+                return (&inside[..i], Some(&inside[i + separator.len()..]));
             }
             _ => i += 1,
         }
@@ -315,9 +323,19 @@ fn elide(name: &str, nesting: usize) -> Elided {
                     break;
                 };
                 let inside = &name[i + 1..close];
-                if out.is_empty() && nesting < MAX_NESTING {
+                if let (Some(block), true) = (inside.strip_prefix("impl "), nesting < MAX_NESTING) {
+                    // A Rust impl block: `<impl Trait for Type>`.
+                    let (left, right) = split_at_word(block, " for ");
+                    out.push_str("<impl ");
+                    out.push_str(&last_name(left, nesting));
+                    if let Some(right) = right {
+                        out.push_str(" for ");
+                        out.push_str(&last_name(right, nesting));
+                    }
+                    out.push('>');
+                } else if out.is_empty() && nesting < MAX_NESTING {
                     // A Rust qualified path: `<A as B>` or `<A>`.
-                    let (left, right) = split_as(inside);
+                    let (left, right) = split_at_word(inside, " as ");
                     out.push('<');
                     out.push_str(&last_name(left, nesting));
                     if let Some(right) = right {
@@ -362,7 +380,27 @@ fn elide(name: &str, nesting: usize) -> Elided {
                     out.push_str(rest);
                     break;
                 };
-                out.push_str(&name[i..=close]);
+                let inside = &name[i + 1..close];
+                if inside.starts_with("abi:") || inside.starts_with("clone ") || inside.is_empty() {
+                    out.push_str(&name[i..=close]);
+                } else if nesting < MAX_NESTING {
+                    // A Rust slice or array: `[Vec<…>]`, `[u8; 4]`.
+                    let (element, length) = match inside.rsplit_once("; ") {
+                        Some((element, length)) if !length.contains([']', '>']) => {
+                            (element, Some(length))
+                        }
+                        _ => (inside, None),
+                    };
+                    out.push('[');
+                    out.push_str(&last_name(element, nesting));
+                    if let Some(length) = length {
+                        out.push_str("; ");
+                        out.push_str(length);
+                    }
+                    out.push(']');
+                } else {
+                    out.push_str("[…]");
+                }
                 i = close + 1;
             }
             b'{' => {

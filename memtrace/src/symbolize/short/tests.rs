@@ -264,6 +264,31 @@ fn rust_symbols_read_as_rust() {
             "memtrace::trace::run::{{closure}}",
             "memtrace::trace::run::{{closure}}",
         ),
+        (
+            "core::ptr::drop_in_place<[core::option::Option<plotters::drawing::area::DrawingArea<plotters_svg::svg::SVGBackend,plotters::coord::Shift>>]>",
+            "core::ptr::drop_in_place<[Option<…>]>",
+        ),
+        (
+            "core::array::iter::<impl core::iter::traits::collect::IntoIterator for [T; N]>::into_iter",
+            "core::array::iter::<impl IntoIterator for [T; N]>::into_iter",
+        ),
+        (
+            "alloc::vec::partial_eq::<impl core::cmp::PartialEq<alloc::vec::Vec<U,A2>> for alloc::vec::Vec<T,A1>>::eq",
+            "alloc::vec::partial_eq::<impl PartialEq<…> for Vec<…>>::eq",
+        ),
+        (
+            "<T as alloc::string::SpecToString>::spec_to_string",
+            "<T as SpecToString>::spec_to_string",
+        ),
+        // A closure keeps the name it is in.
+        (
+            "core::ptr::drop_in_place<alloc::vec::Vec<f64>::extend_trusted<core::iter::adapters::map::Map<I,F>>::{{closure}}>",
+            "core::ptr::drop_in_place<extend_trusted<…>::{{closure}}>",
+        ),
+        (
+            "<core::ops::control_flow::ControlFlow<B,C> as core::ops::try_trait::FromResidual<core::ops::control_flow::ControlFlow<B,core::convert::Infallible>>>::from_residual",
+            "<ControlFlow<…> as FromResidual<…>>::from_residual",
+        ),
         // Not a hash: too short, or not hex.
         ("foo::h0123", "foo::h0123"),
         ("foo::hxyz456789abcdef0", "foo::hxyz456789abcdef0"),
