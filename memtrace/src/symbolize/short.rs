@@ -10,7 +10,9 @@
 //! name (`<Vec<…> as Clone>::clone`) and `drop_in_place` keeps what it drops
 //! (`core::ptr::drop_in_place<Vec<…>>`). Then, when the name is still wider
 //! than asked, whole namespaces are cut from its front behind a `…`
-//! ([`short`]); a Python name is only cut to the width ([`fit_plain`]).
+//! ([`short`]); a Python name is only cut to the width ([`fit_plain`]), and
+//! a name the symbolizer could not demangle (`_ZSt11make_shared…`) keeps its
+//! front, where the function's name is.
 //!
 //! Pure functions on strings: any input, malformed or unbalanced included,
 //! gives an answer in time linear in its length (an unmatched bracket keeps
@@ -81,6 +83,9 @@ const TRAILING_QUALIFIERS: &[&str] = &["const", "volatile", "noexcept", "restric
 /// and parameter lists elided, then front namespaces cut behind `…::`, then
 /// (when the last name alone is wider) its front cut behind `…`.
 pub fn short(name: &str, width: usize) -> String {
+    if is_mangled(name) {
+        return fit_end(name.trim(), width);
+    }
     let elided = elide(name, 0);
     fit(&elided.text, &elided.segments, width)
 }
@@ -104,6 +109,28 @@ pub fn fit_plain(text: &str, width: usize) -> String {
     }
     let mut out = String::from(ELLIPSIS);
     out.extend(text.chars().skip(count - (width - 1)));
+    out
+}
+
+/// Whether `name` is still mangled (Itanium `_Z…`, Rust v0 `_R…`): one
+/// word, no path.
+fn is_mangled(name: &str) -> bool {
+    let name = name.trim();
+    (name.starts_with("_Z") || name.starts_with("_R"))
+        && name.len() > 2
+        && name.bytes().all(|b| is_ident(b) || b == b'.')
+}
+
+/// `text` cut to `width` characters at its end behind `…`.
+fn fit_end(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        return text.to_string();
+    }
+    if width == 0 {
+        return String::new();
+    }
+    let mut out: String = text.chars().take(width - 1).collect();
+    out.push(ELLIPSIS);
     out
 }
 

@@ -296,6 +296,18 @@ fn rust_symbols_read_as_rust() {
 }
 
 #[test]
+fn names_left_mangled_keep_their_front() {
+    // Seen from blazesym on g++ 12's `std::make_shared<std::vector<float>>`.
+    let mangled = "_ZSt11make_sharedISt6vectorIfSaIfEEJmEESt10shared_ptrINSt9enable_ifIXntsrSt8is_arrayIT_E5valueES6_E4typeEEDpOT0_";
+    assert_eq!(fit_checked(mangled, 24), "_ZSt11make_sharedISt6ve…");
+    assert_eq!(fit_checked(mangled, 200), mangled);
+    assert_eq!(fit_checked("_ZN3foo3barEv.cold", 10), "_ZN3foo3b…");
+    assert_eq!(fit_checked("_RNvCs1234_7mycrate3foo", 8), "_RNvCs1…");
+    // `_Z` words that are names: not mangled, cut as names.
+    assert_eq!(fit_checked("_Zfoo::bar::baz()", 12), "…::baz()");
+}
+
+#[test]
 fn python_names_are_only_cut() {
     assert_eq!(fit_plain("Handler.handle", 40), "Handler.handle");
     assert_eq!(fit_plain("pkg.module.Handler.handle", 12), "…dler.handle");
