@@ -28,8 +28,11 @@
     if (s < 7200) return (s / 60).toFixed(1) + "m";
     return (s / 3600).toFixed(1) + "h";
   }
-  function topFrame(site) {
-    return site.stack.length ? frames[site.stack[0]][0] : site.functions.join(", ");
+  // A site's top frame as shown, or by its full name (`full`: the sort key).
+  function topFrame(site, full) {
+    if (!site.stack.length) return site.functions.join(", ");
+    var f = frames[site.stack[0]];
+    return full ? fullName(f) : f[0];
   }
   function where(f) {
     return f[2] ? f[2] + (f[3] ? ":" + f[3] : "") : "";
@@ -74,7 +77,7 @@
   function value(site, key) {
     switch (key) {
       case "trend": return TREND[site.trend];
-      case "frame": return topFrame(site);
+      case "frame": return topFrame(site, true);
       case "pattern": return site.pattern || "";
       default: return site[key];
     }
