@@ -80,6 +80,12 @@ pub struct ReportArgs {
     /// Allow-list to apply (see `memtrace --help`).
     #[arg(long, value_name = "FILE")]
     pub suppress: Option<PathBuf>,
+    /// Show frame names whole in the text and HTML reports (by default
+    /// template arguments and parameter lists are elided, `<…>` and `(…)`,
+    /// and long names cut at the front); JSON, pprof, folded and flame
+    /// graphs always have them whole.
+    #[arg(long)]
+    pub full_names: bool,
 }
 
 #[cfg(test)]

@@ -82,7 +82,11 @@ fn run_report(args: cli::ReportArgs) -> anyhow::Result<ExitCode> {
         ),
         None => None,
     };
-    let output = output::Output::open(args.output.as_deref(), args.format)?;
+    let output = output::Output::open(
+        args.output.as_deref(),
+        args.format,
+        sink::Names::full_if(args.full_names),
+    )?;
     let report = record::replay(
         &args.file,
         record::ReplayOptions {

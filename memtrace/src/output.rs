@@ -12,8 +12,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::Failure;
 use crate::report::Report;
-use crate::sink::Format;
-use crate::sink::{self, Sink};
+use crate::sink::{self, Format, Names, Sink};
 
 pub struct Output {
     path: Option<PathBuf>,
@@ -21,15 +20,16 @@ pub struct Output {
 }
 
 impl Output {
-    /// Checks up front that the output file can be written.
-    pub fn open(path: Option<&Path>, format: Format) -> Result<Self, Failure> {
+    /// Checks up front that the output file can be written. `names`: how
+    /// the text and HTML formats show frame names (`--full-names`).
+    pub fn open(path: Option<&Path>, format: Format, names: Names) -> Result<Self, Failure> {
         if let Some(path) = path {
             check_writable(path, REPORT_MODE)
                 .map_err(|err| Failure::usage(format!("cannot write {}: {err}", path.display())))?;
         }
         Ok(Output {
             path: path.map(Path::to_path_buf),
-            sink: sink::for_format(format),
+            sink: sink::for_format(format, names),
         })
     }
 
@@ -168,7 +168,7 @@ mod tests {
         std::fs::write(&target, "old").expect("target");
         let _ = std::fs::remove_file(&link);
         std::os::unix::fs::symlink(&target, &link).expect("symlink");
-        let output = Output::open(Some(&link), Format::Json).expect("opens");
+        let output = Output::open(Some(&link), Format::Json, Names::Short).expect("opens");
         output
             .finish(&crate::sink::fixture::report())
             .expect("writes");
@@ -176,7 +176,8 @@ mod tests {
         assert!(meta.file_type().is_symlink(), "the link is not replaced");
         let written = std::fs::read_to_string(&target).expect("through the link");
         assert!(written.starts_with('{'), "{written}");
-        let null = Output::open(Some(Path::new("/dev/null")), Format::Text).expect("opens");
+        let null =
+            Output::open(Some(Path::new("/dev/null")), Format::Text, Names::Short).expect("opens");
         null.finish(&crate::sink::fixture::report())
             .expect("writes");
         let meta = std::fs::metadata("/dev/null").expect("/dev/null");

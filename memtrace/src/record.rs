@@ -851,7 +851,7 @@ mod tests {
 
     fn rendered(report: &Report, format: crate::sink::Format) -> Vec<u8> {
         let mut out = Vec::new();
-        crate::sink::for_format(format)
+        crate::sink::for_format(format, crate::sink::Names::Short)
             .write(report, false, &mut out)
             .expect("renders");
         out

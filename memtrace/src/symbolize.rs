@@ -20,6 +20,8 @@ use blazesym::symbolize::{Input, Symbolized, Symbolizer};
 
 use crate::probe::maps::FileAddr;
 
+pub mod short;
+
 /// What is known of one code address.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SymInfo {

@@ -51,9 +51,9 @@ pub struct LiveView {
 }
 
 impl LiveView {
-    /// Starts the view for `target`; `None` (after a warning) when stdout
-    /// is not a terminal.
-    pub fn start(target: &str) -> anyhow::Result<Option<LiveView>> {
+    /// Starts the view for `target`, showing frame names as `names` says;
+    /// `None` (after a warning) when stdout is not a terminal.
+    pub fn start(target: &str, names: crate::sink::Names) -> anyhow::Result<Option<LiveView>> {
         if !std::io::stdout().is_terminal() {
             eprintln!("memtrace: --live: stdout is not a terminal; tracing without the live view");
             return Ok(None);
@@ -91,6 +91,7 @@ impl LiveView {
         let mut state = State::default();
         state.header.target = target.to_string();
         state.header.complete = true;
+        state.names = names;
         let mut view = LiveView {
             terminal,
             state,

@@ -3,7 +3,8 @@
 //! its growth), the ranked sites (trend, bytes, growth, sparkline, pattern,
 //! top frame), the selected site's stack and a key line. Any size works:
 //! parts that do not fit are left out, never panicked over (tested on a
-//! `TestBackend` down to 1x1).
+//! `TestBackend` down to 1x1). A short top frame is cut at its front to
+//! the column's width (namespaces first), so its last name stays in view.
 
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
@@ -13,7 +14,8 @@ use ratatui::Frame;
 
 use super::state::{sparkline, State};
 use crate::analysis::Trend;
-use crate::sink::human_bytes;
+use crate::sink::{human_bytes, Names};
+use crate::symbolize::short;
 
 /// Columns of the sparkline.
 const SPARK_WIDTH: u16 = 16;
@@ -235,7 +237,31 @@ fn columns(width: u16) -> Vec<(Column, Constraint)> {
     out
 }
 
-fn cell(column: Column, r: &super::state::Row) -> Cell<'static> {
+/// The characters the top-frame column has when the table is `width`
+/// wide: what the fixed columns, the spaces between columns and the
+/// highlight symbol leave.
+fn top_width(columns: &[(Column, Constraint)], width: u16) -> usize {
+    let fixed: u16 = columns
+        .iter()
+        .map(|(_, c)| match c {
+            Constraint::Length(n) => *n,
+            _ => 0,
+        })
+        .sum();
+    let spaces = u16::try_from(columns.len()).unwrap_or(u16::MAX);
+    usize::from(width.saturating_sub(fixed).saturating_sub(spaces)).max(1)
+}
+
+/// The top frame as its column shows it.
+fn top_text(r: &super::state::Row, names: Names, width: usize) -> String {
+    match names {
+        Names::Full => r.top.clone(),
+        Names::Short if r.top_python => short::fit_plain(&r.top, width.saturating_sub(3)),
+        Names::Short => short::short(&r.top, width),
+    }
+}
+
+fn cell(column: Column, r: &super::state::Row, top: &str) -> Cell<'static> {
     match column {
         Column::Rank => Cell::from(r.rank.to_string()),
         Column::Trend => Cell::from(trend_name(r.trend)).style(trend_style(r.trend)),
@@ -252,9 +278,9 @@ fn cell(column: Column, r: &super::state::Row) -> Cell<'static> {
         Column::Top if r.top_python => Cell::from(Line::from(vec![
             py_tag(),
             Span::raw(" "),
-            Span::styled(r.top.clone(), py_style()),
+            Span::styled(top.to_string(), py_style()),
         ])),
-        Column::Top => Cell::from(r.top.clone()),
+        Column::Top => Cell::from(top.to_string()),
     }
 }
 
@@ -284,7 +310,10 @@ fn sites_table(frame: &mut Frame<'_>, state: &mut State, area: Rect) {
     let columns = columns(area.width);
     let rows: Vec<Row<'_>> = visible
         .iter()
-        .map(|r| Row::new(columns.iter().map(|(c, _)| cell(*c, r))))
+        .map(|r| {
+            let top = top_text(r, state.names, top_width(&columns, area.width));
+            Row::new(columns.iter().map(|(c, _)| cell(*c, r, &top)))
+        })
         .collect();
     let empty = rows.is_empty();
     let table = Table::new(rows, columns.iter().map(|(_, w)| *w))
@@ -510,6 +539,46 @@ mod tests {
         // covers its colours).
         let (_, table_y) = find("py Cache.put");
         assert!(table_y < y, "the sites table shows the py tag");
+    }
+
+    #[test]
+    fn long_cpp_names_keep_their_last_names_in_view() {
+        let name = "c10::impl::wrap_kernel_functor_unboxed_<c10::impl::detail::WrapFunctionIntoFunctor_<c10::CompileTimeFunctionPointer<at::Tensor (c10::DispatchKeySet, at::Tensor const&), &at::empty_strided> > >::call(c10::OperatorKernel*, c10::DispatchKeySet, at::Tensor const&)";
+        let mut report = crate::sink::fixture::report();
+        report.sites[0].frames[0].symbol = Some(name.into());
+        let mut state = State::default();
+        state.update(&report);
+        assert_eq!(
+            state.visible()[0].top,
+            "c10::impl::wrap_kernel_functor_unboxed_<…>::call(…)"
+        );
+        let text = screen(&mut state, 80, 24);
+        // At 80 columns the top-frame column (25 wide) keeps the name's end.
+        assert!(text.contains(" …tor_unboxed_<…>::call(…)\n"), "{text}");
+        assert!(
+            text.contains("#0  c10::impl::wrap_kernel_functor_unboxed_<…>::call(…)  app.c:42"),
+            "{text}"
+        );
+        assert!(!text.contains("OperatorKernel"), "{text}");
+        // Wide enough: whole.
+        let text = screen(&mut state, 160, 24);
+        assert!(
+            text.contains(" c10::impl::wrap_kernel_functor_unboxed_<…>::call(…)"),
+            "{text}"
+        );
+        // --full-names: as symbolized (cut by the terminal's edge only).
+        let mut state = State::default();
+        state.names = Names::Full;
+        state.update(&report);
+        assert_eq!(state.visible()[0].top, name);
+        let text = screen(&mut state, 80, 24);
+        assert!(
+            text.contains("#0  c10::impl::wrap_kernel_functor_unboxed_<c10::impl::"),
+            "{text}"
+        );
+        for (width, height) in [(1, 1), (10, 5), (30, 10)] {
+            screen(&mut state, width, height);
+        }
     }
 
     #[test]

@@ -2,15 +2,21 @@
 //! report reduced to rows, the sort order, the allocator filter, the
 //! selection (kept on the same site across refreshes), pause and the
 //! full-stack view. Pure: no terminal here, so every key is unit-tested.
+//! Frame names are short ([`crate::symbolize::short`]: the top frame
+//! elided, cut to its column when drawn; stack frames cut to
+//! [`STACK_NAME_WIDTH`]) unless `--full-names` ([`Names::Full`]).
 
 use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 
 use crate::analysis::Trend;
 use crate::report::Report;
-use crate::sink::{frame_name, module_name, pattern_label, scaled, site_live};
+use crate::sink::{module_name, pattern_label, scaled, short_frame_name, site_live, Names};
 
 /// Most points a row's sparkline keeps.
 pub const SPARK_POINTS: usize = 64;
+
+/// Most characters of a short frame name in a stack line.
+pub const STACK_NAME_WIDTH: usize = 72;
 
 /// How the sites are ordered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +119,8 @@ pub struct State {
     pending: Option<(Header, Vec<Row>)>,
     /// Rows a page-up/down moves (set by the renderer).
     pub page: usize,
+    /// Short or whole frame names (`--full-names`).
+    pub names: Names,
 }
 
 impl Default for State {
@@ -129,6 +137,7 @@ impl Default for State {
             help: false,
             pending: None,
             page: 10,
+            names: Names::Short,
         }
     }
 }
@@ -141,7 +150,7 @@ impl State {
             .as_ref()
             .map_or(&self.header, |(header, _)| header);
         let header = header_of(report, previous);
-        let rows = rows_of(report);
+        let rows = rows_of(report, self.names);
         if self.paused {
             self.pending = Some((header, rows));
         } else {
@@ -372,7 +381,7 @@ fn header_of(report: &Report, previous: &Header) -> Header {
     }
 }
 
-fn rows_of(report: &Report) -> Vec<Row> {
+fn rows_of(report: &Report, names: Names) -> Vec<Row> {
     report
         .sites
         .iter()
@@ -413,10 +422,10 @@ fn rows_of(report: &Report) -> Vec<Row> {
                 },
                 trend: site.trend,
                 pattern: site.pattern.as_ref().map(pattern_label),
-                top: site
-                    .frames
-                    .first()
-                    .map_or_else(|| site.functions.join(","), frame_name),
+                top: site.frames.first().map_or_else(
+                    || site.functions.join(","),
+                    |f| short_frame_name(f, names, usize::MAX),
+                ),
                 top_python: site.frames.first().is_some_and(is_python),
                 stack_python: site.frames.iter().map(is_python).collect(),
                 stack: site
@@ -433,7 +442,8 @@ fn rows_of(report: &Report) -> Vec<Row> {
                             (Some(m), None) => format!("  {}", module_name(m)),
                             _ => format!("  {}", f.addr),
                         };
-                        format!("{}{place}{module}", frame_name(f))
+                        let name = short_frame_name(f, names, STACK_NAME_WIDTH);
+                        format!("{name}{place}{module}")
                     })
                     .collect(),
                 note: site.stack_note.clone(),

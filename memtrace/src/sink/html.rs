@@ -11,6 +11,11 @@
 //! the first [`HISTORY_SITES`] sites. Static text is escaped here
 //! ([`escape`]); the script only ever sets `textContent`.
 //!
+//! Frame names in the table, the stacks and the chart legends are short
+//! ([`crate::symbolize::short`], at most [`NAME_WIDTH`] characters) unless
+//! `--full-names` asks for them whole; a shortened name's full form is its
+//! tooltip (and the filter searches it). The flame graph keeps full names.
+//!
 //! Sampled traces show estimates and say so in a banner; incomplete traces
 //! (lost events, a full table, failed attaches) say so on top. Only the
 //! final report is written.
@@ -27,7 +32,8 @@ use base64::Engine as _;
 use serde::Serialize;
 
 use super::{
-    frame_name, human_bytes, module_name, pattern_label, scaled, scaling_note, site_live, Sink,
+    frame_name, human_bytes, module_name, pattern_label, scaled, scaling_note, short_frame_name,
+    site_live, Names, Sink,
 };
 use crate::report::{Frame, FrameKind, Report};
 
@@ -39,20 +45,27 @@ const HISTORY_POINTS: usize = 120;
 /// pixel are left out of it: with 10,000 sites they would be most of the
 /// page, and every site is in the table anyway.
 const FLAME_WIDTH: usize = 1200;
+/// Most characters of a short frame name in the table and the stacks.
+pub const NAME_WIDTH: usize = 120;
+/// Most characters of a short frame name in a chart legend.
+const LEGEND_WIDTH: usize = 60;
 /// Sites drawn in the "top sites" chart.
 const CHART_SITES: usize = 8;
 
 const STYLE: &str = include_str!("html/report.css");
 const SCRIPT: &str = include_str!("html/report.js");
 
-pub struct HtmlSink;
+pub struct HtmlSink {
+    /// Short or whole frame names (`--full-names`).
+    pub names: Names,
+}
 
 impl Sink for HtmlSink {
     fn write(&self, report: &Report, interim: bool, out: &mut dyn Write) -> std::io::Result<()> {
         if interim {
             return Ok(());
         }
-        out.write_all(page(report)?.as_bytes())
+        out.write_all(page(report, self.names)?.as_bytes())
     }
 }
 
@@ -78,7 +91,7 @@ pub fn style() -> &'static str {
 }
 
 /// The whole page.
-pub fn page(report: &Report) -> std::io::Result<String> {
+pub fn page(report: &Report, names: Names) -> std::io::Result<String> {
     let mut out = String::with_capacity(64 << 10);
     let title = format!(
         "memtrace: {} (pid {})",
@@ -110,13 +123,13 @@ pub fn page(report: &Report) -> std::io::Result<String> {
     );
     out.push_str("<nav><a href=\"#summary\">Summary</a><a href=\"#charts\">Live bytes over time</a><a href=\"#flame\">Flame graph</a><a href=\"#sites\">Sites</a></nav>");
     summary(&mut out, report);
-    charts(&mut out, report);
+    charts(&mut out, report, names);
     flame(&mut out, report);
     sites_section(&mut out, report);
     let _ = write!(
         out,
         "<script type=\"application/json\" id=\"memtrace-data\">{}</script><script>{SCRIPT}</script></body></html>",
-        data(report)?
+        data(report, names)?
     );
     out.push('\n');
     Ok(out)
@@ -365,7 +378,7 @@ fn sampled(report: &Report) -> bool {
 }
 
 /// Live bytes per allocator from the timeline, and the top sites' histories.
-fn charts(out: &mut String, report: &Report) {
+fn charts(out: &mut String, report: &Report, names: Names) {
     out.push_str("<section id=\"charts\"><h2>Live bytes over time</h2><div class=\"charts\">");
     let mut per_allocator: Vec<(String, Vec<(u64, u64)>)> = Vec::new();
     for sample in &report.timeline {
@@ -397,9 +410,10 @@ fn charts(out: &mut String, report: &Report) {
             format!(
                 "#{} {}",
                 i + 1,
-                site.frames
-                    .first()
-                    .map_or_else(|| site.functions.join(","), frame_name)
+                site.frames.first().map_or_else(
+                    || site.functions.join(","),
+                    |f| short_frame_name(f, names, LEGEND_WIDTH)
+                )
             )
         })
         .collect();
@@ -509,7 +523,8 @@ struct Data<'a> {
     sample_rate: u32,
     duration_ms: u64,
     /// `[name, module file name, file, line, addr, offset, module path,
-    /// kind]` (kind: `native` or `python`).
+    /// kind, full name]` (kind: `native` or `python`; name: short unless
+    /// `--full-names`; full name: only when it differs from name).
     frames: Vec<FrameData<'a>>,
     sites: Vec<SiteData<'a>>,
 }
@@ -523,6 +538,7 @@ type FrameData<'a> = (
     Option<&'a str>,
     Option<&'a str>,
     FrameKind,
+    Option<String>,
 );
 
 #[derive(Serialize)]
@@ -558,7 +574,7 @@ type FrameKey<'a> = (
     Option<&'a str>,
 );
 
-fn data(report: &Report) -> std::io::Result<String> {
+fn data(report: &Report, names: Names) -> std::io::Result<String> {
     let mut frame_index: HashMap<FrameKey<'_>, usize> = HashMap::new();
     let mut frames: Vec<FrameData<'_>> = Vec::new();
     let mut sites = Vec::with_capacity(report.sites.len());
@@ -578,8 +594,11 @@ fn data(report: &Report) -> std::io::Result<String> {
                     frame.offset.as_deref(),
                 );
                 *frame_index.entry(key).or_insert_with(|| {
+                    let full = frame_name(frame);
+                    let name = short_frame_name(frame, names, NAME_WIDTH);
+                    let full = (full != name).then_some(full);
                     frames.push((
-                        frame_name(frame),
+                        name,
                         frame.module.as_deref().map(module_name),
                         frame.file.as_deref(),
                         frame.line,
@@ -587,6 +606,7 @@ fn data(report: &Report) -> std::io::Result<String> {
                         frame.offset.as_deref(),
                         frame.module.as_deref(),
                         frame.kind,
+                        full,
                     ));
                     frames.len() - 1
                 })
@@ -646,7 +666,11 @@ mod tests {
 
     fn render(report: &Report) -> String {
         let mut out = Vec::new();
-        HtmlSink.write(report, false, &mut out).expect("renders");
+        HtmlSink {
+            names: Names::Short,
+        }
+        .write(report, false, &mut out)
+        .expect("renders");
         String::from_utf8(out).expect("utf-8")
     }
 
@@ -685,23 +709,59 @@ mod tests {
     #[test]
     fn symbols_are_escaped_everywhere() {
         let mut report = fixture::report();
-        report.sites[0].frames[0].symbol = Some("std::vector<int>::push_back&</script>".into());
+        // A name that shortening leaves as it is (the chart legend shows it).
+        report.sites[0].frames[0].symbol = Some("ns::operator<</script>&x".into());
         report.target.comm = "a<b>&c".into();
         let html = render(&report);
         assert!(!html.contains("</script>\""));
-        assert!(!html.contains("push_back&</script>"));
+        assert!(!html.contains("operator<</script>"));
         assert!(html.contains("a&lt;b&gt;&amp;c"));
         // In the JSON blob `<` is \u003c: the script element is not closed early.
-        let blob_start = html.find("id=\"memtrace-data\">").expect("blob");
-        let blob_end = html[blob_start..].find("</script>").expect("end") + blob_start;
-        let blob = &html[blob_start + "id=\"memtrace-data\">".len()..blob_end];
-        let value: Value = serde_json::from_str(blob).expect("blob is JSON");
+        let value = blob(&html);
+        assert_eq!(value["frames"][0][0], "ns::operator<</script>&x");
+        assert_eq!(value["frames"][0][8], Value::Null);
+        // The top-sites chart legend is escaped too.
+        assert!(html.contains("ns::operator&lt;&lt;/script&gt;&amp;x"));
+        // A shortened one keeps its full name, escaped the same way.
+        report.sites[0].frames[0].symbol = Some("std::vector<int>::push_back&</script>".into());
+        let html = render(&report);
+        assert!(!html.contains("push_back&</script>"));
+        let value = blob(&html);
+        assert_eq!(value["frames"][0][0], "std::vector<…>::push_back&<…>");
         assert_eq!(
-            value["frames"][0][0],
+            value["frames"][0][8],
             "std::vector<int>::push_back&</script>"
         );
-        // The top-sites chart legend is escaped too.
-        assert!(html.contains("std::vector&lt;int&gt;::push_back&amp;&lt;/script&gt;"));
+    }
+
+    /// The page's embedded JSON blob.
+    fn blob(html: &str) -> Value {
+        let start =
+            html.find("id=\"memtrace-data\">").expect("blob") + "id=\"memtrace-data\">".len();
+        let end = html[start..].find("</script>").expect("end") + start;
+        serde_json::from_str(&html[start..end]).expect("blob is JSON")
+    }
+
+    #[test]
+    fn frame_names_are_short_with_the_full_name_kept_unless_full_names() {
+        let full = "at::Tensor c10::Dispatcher::redispatch<at::Tensor, c10::ArrayRef<long> >(c10::TypedOperatorHandle<at::Tensor (c10::ArrayRef<long>)> const&, c10::DispatchKeySet, c10::ArrayRef<long>) const";
+        let mut report = fixture::report();
+        report.sites[0].frames[0].symbol = Some(full.into());
+        let html = render(&report);
+        let value = blob(&html);
+        assert_eq!(value["frames"][0][0], "c10::Dispatcher::redispatch<…>(…)");
+        assert_eq!(value["frames"][0][8], full);
+        // The chart legend is short; the flame graph keeps the full name.
+        assert!(html.contains("#1 c10::Dispatcher::redispatch&lt;…&gt;(…)"));
+        // The script shows the full name as the tooltip and searches it.
+        assert!(SCRIPT.contains("f[8]") && SCRIPT.contains("fullName(f)"));
+        let mut out = Vec::new();
+        HtmlSink { names: Names::Full }
+            .write(&report, false, &mut out)
+            .expect("renders");
+        let value = blob(&String::from_utf8(out).expect("utf-8"));
+        assert_eq!(value["frames"][0][0], full);
+        assert_eq!(value["frames"][0][8], Value::Null);
     }
 
     #[test]
@@ -787,9 +847,11 @@ mod tests {
     #[test]
     fn interim_reports_are_not_written() {
         let mut out = Vec::new();
-        HtmlSink
-            .write(&fixture::report(), true, &mut out)
-            .expect("ok");
+        HtmlSink {
+            names: Names::Short,
+        }
+        .write(&fixture::report(), true, &mut out)
+        .expect("ok");
         assert!(out.is_empty());
     }
 

@@ -20,6 +20,7 @@ use std::io::Write;
 use clap::ValueEnum;
 
 use crate::report::{Frame, Report, Site};
+pub use crate::symbolize::short::Names;
 
 /// Output formats of the trace report (`--format`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -46,16 +47,17 @@ pub trait Sink {
     fn write(&self, report: &Report, interim: bool, out: &mut dyn Write) -> std::io::Result<()>;
 }
 
-/// The sink for a `--format` value.
-pub fn for_format(format: Format) -> Box<dyn Sink> {
+/// The sink for a `--format` value. `names`: how the formats a person
+/// reads (text, HTML) show frame names; the others always show them whole.
+pub fn for_format(format: Format, names: Names) -> Box<dyn Sink> {
     match format {
-        Format::Text => Box::new(text::TextSink),
+        Format::Text => Box::new(text::TextSink { names }),
         Format::Json => Box::new(json::JsonSink),
         Format::Folded => Box::new(folded::FoldedSink),
         Format::Flamegraph => Box::new(flamegraph::FlamegraphSink),
         Format::Pprof => Box::new(pprof::PprofSink),
         Format::Timeline => Box::new(timeline::TimelineSink),
-        Format::Html => Box::new(html::HtmlSink),
+        Format::Html => Box::new(html::HtmlSink { names }),
     }
 }
 
@@ -129,6 +131,24 @@ pub fn frame_name(frame: &Frame) -> String {
     match (&frame.module, &frame.offset) {
         (Some(module), Some(offset)) => format!("{}+{offset}", module_name(module)),
         _ => frame.addr.clone(),
+    }
+}
+
+/// [`frame_name`] for a person: a native symbol shortened to `width`
+/// ([`crate::symbolize::short`]), a Python frame's `name (file:line)` cut
+/// to it; whole under [`Names::Full`].
+pub fn short_frame_name(frame: &Frame, names: Names, width: usize) -> String {
+    use crate::symbolize::short;
+    let full = frame_name(frame);
+    match names {
+        Names::Full => full,
+        Names::Short if frame.kind == crate::report::FrameKind::Python => {
+            short::fit_plain(&full, width)
+        }
+        Names::Short => match frame.symbol.as_deref().filter(|s| !s.is_empty()) {
+            Some(symbol) => short::short(symbol, width),
+            None => full,
+        },
     }
 }
 
@@ -340,7 +360,7 @@ mod tests {
             Format::Html,
         ] {
             let mut out = Vec::new();
-            for_format(format)
+            for_format(format, Names::Short)
                 .write(&report, false, &mut out)
                 .expect("renders");
             if format == Format::Pprof {

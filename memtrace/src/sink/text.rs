@@ -1,13 +1,22 @@
 //! Text sink: what a person reads — totals, what the tracked bytes mean next
 //! to the process's resident memory, the traced processes, then each site
-//! with its bytes, count, oldest age and symbolized frames.
+//! with its bytes, count, oldest age and symbolized frames. Frame names are
+//! shortened to [`NAME_WIDTH`] ([`crate::symbolize::short`]) unless
+//! `--full-names` asks for them whole.
 
 use std::io::Write;
 
-use super::{human_bytes, Sink};
+use super::{human_bytes, Names, Sink};
 use crate::report::{Frame, ProcessInfo, Reconciliation, Report};
 
-pub struct TextSink;
+/// Most characters of a frame's name in a short frame line: with the
+/// depth, address, file and module it fits a wide terminal line.
+pub const NAME_WIDTH: usize = 80;
+
+pub struct TextSink {
+    /// Short or whole frame names (`--full-names`).
+    pub names: Names,
+}
 
 impl Sink for TextSink {
     fn write(&self, report: &Report, interim: bool, out: &mut dyn Write) -> std::io::Result<()> {
@@ -171,7 +180,7 @@ impl Sink for TextSink {
                 writeln!(out, "    ({note})")?;
             }
             for (depth, frame) in site.frames.iter().enumerate() {
-                writeln!(out, "    {depth:>2} {}", frame_line(frame))?;
+                writeln!(out, "    {depth:>2} {}", frame_line(frame, self.names))?;
             }
         }
         if report.sites.is_empty() {
@@ -365,12 +374,21 @@ fn python_line(found: &crate::interp::python::Interpreter) -> String {
     )
 }
 
-fn frame_line(frame: &Frame) -> String {
-    let place = match frame.kind {
-        crate::report::FrameKind::Python => "[python]",
-        crate::report::FrameKind::Native => frame.addr.as_str(),
+fn frame_line(frame: &Frame, names: Names) -> String {
+    use crate::symbolize::short;
+    let symbol = frame.symbol.as_deref().unwrap_or("??");
+    let python = frame.kind == crate::report::FrameKind::Python;
+    let place = if python {
+        "[python]"
+    } else {
+        frame.addr.as_str()
     };
-    let mut line = format!("{place} {}", frame.symbol.as_deref().unwrap_or("??"));
+    let name = match names {
+        Names::Full => symbol.to_string(),
+        Names::Short if python => short::fit_plain(symbol, NAME_WIDTH),
+        Names::Short => short::short(symbol, NAME_WIDTH),
+    };
+    let mut line = format!("{place} {name}");
     if let (Some(file), Some(number)) = (&frame.file, frame.line) {
         line.push_str(&format!(" at {file}:{number}"));
     }
@@ -391,7 +409,11 @@ mod tests {
 
     fn render(report: &Report) -> String {
         let mut out = Vec::new();
-        TextSink.write(report, false, &mut out).expect("writes");
+        TextSink {
+            names: Names::Short,
+        }
+        .write(report, false, &mut out)
+        .expect("writes");
         String::from_utf8(out).expect("utf-8")
     }
 
@@ -529,6 +551,47 @@ mod tests {
         assert!(!render(&report).contains("expected"));
     }
 
+    /// PyTorch's dispatcher frame, as it made 1,189-character lines.
+    const PYTORCH_CALL: &str = "c10::impl::wrap_kernel_functor_unboxed_<c10::impl::detail::WrapFunctionIntoFunctor_<c10::CompileTimeFunctionPointer<at::Tensor (c10::DispatchKeySet, at::Tensor const&, c10::ArrayRef<long>, c10::optional<c10::ScalarType>), &torch::autograd::VariableType::(anonymous namespace)::empty_strided>, at::Tensor, c10::guts::typelist::typelist<c10::DispatchKeySet, at::Tensor const&, c10::ArrayRef<long>, c10::optional<c10::ScalarType> > >, at::Tensor (c10::DispatchKeySet, at::Tensor const&, c10::ArrayRef<long>, c10::optional<c10::ScalarType>)>::call(c10::OperatorKernel*, c10::DispatchKeySet, at::Tensor const&, c10::ArrayRef<long>, c10::optional<c10::ScalarType>)";
+
+    #[test]
+    fn cpp_frames_are_short_unless_full_names_are_asked() {
+        let mut report = fixture::report();
+        report.sites[0].frames[0].symbol = Some(PYTORCH_CALL.into());
+        let short = render(&report);
+        assert!(
+            short.contains(
+                " c10::impl::wrap_kernel_functor_unboxed_<…>::call(…) at app.c:42 [app+0x600]\n"
+            ),
+            "{short}"
+        );
+        assert!(!short.contains("OperatorKernel"), "{short}");
+        let mut out = Vec::new();
+        TextSink { names: Names::Full }
+            .write(&report, false, &mut out)
+            .expect("writes");
+        let full = String::from_utf8(out).expect("utf-8");
+        assert!(
+            full.contains(&format!(" {PYTORCH_CALL} at app.c:42")),
+            "{full}"
+        );
+        // Only the frame line differs.
+        assert_eq!(short.lines().count(), full.lines().count());
+        // Too long even short: the front namespaces go.
+        report.sites[0].frames[0].symbol = Some(format!(
+            "{}::Allocator::malloc(unsigned long)",
+            ["outer", "middle", "inner"].repeat(8).join("::")
+        ));
+        let text = render(&report);
+        let line = text
+            .lines()
+            .find(|l| l.contains("Allocator::malloc(…)"))
+            .expect("frame line");
+        assert!(line.contains(" …::"), "{line}");
+        let name = line.split(' ').find(|w| w.starts_with('…')).expect("name");
+        assert!(name.chars().count() <= NAME_WIDTH, "{name}");
+    }
+
     #[test]
     fn python_frames_show_name_file_and_line() {
         let frame =
@@ -537,7 +600,10 @@ mod tests {
                 file: Some("app.py".into()),
                 line: Some(8),
             });
-        assert_eq!(frame_line(&frame), "[python] Handler.handle at app.py:8");
+        assert_eq!(
+            frame_line(&frame, Names::Short),
+            "[python] Handler.handle at app.py:8"
+        );
     }
 
     #[test]

@@ -70,6 +70,13 @@ pub struct TraceArgs {
     #[arg(short, long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
 
+    /// Show frame names whole in the text report, the HTML page and
+    /// `--live` (by default template arguments and parameter lists are
+    /// elided, `<…>` and `(…)`, and long names cut at the front); JSON,
+    /// pprof, folded, flame graphs and records always have them whole.
+    #[arg(long)]
+    pub full_names: bool,
+
     /// Write the report to FILE instead of stdout.
     #[arg(short, long)]
     pub output: Option<PathBuf>,

@@ -225,7 +225,10 @@ impl<'a> Trace<'a> {
         let probed: usize = discovery.libraries.iter().map(|l| l.functions.len()).sum();
 
         let live = if args.live {
-            crate::live::LiveView::start(&format!("{} (pid {pid})", target_info.comm))?
+            crate::live::LiveView::start(
+                &format!("{} (pid {pid})", target_info.comm),
+                crate::sink::Names::full_if(args.full_names),
+            )?
         } else {
             None
         };

@@ -59,7 +59,11 @@ impl Plan {
         };
         let catalog = catalog_for(args)?;
         crate::kernel::privilege::check(args.command.is_empty())?;
-        let output = Output::open(args.output.as_deref(), args.format)?;
+        let output = Output::open(
+            args.output.as_deref(),
+            args.format,
+            crate::sink::Names::full_if(args.full_names),
+        )?;
         Ok(Plan {
             selector,
             suppressions,

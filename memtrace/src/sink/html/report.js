@@ -28,16 +28,24 @@
     if (s < 7200) return (s / 60).toFixed(1) + "m";
     return (s / 3600).toFixed(1) + "h";
   }
-  function topFrame(site) {
-    return site.stack.length ? frames[site.stack[0]][0] : site.functions.join(", ");
+  // A site's top frame as shown, or by its full name (`full`: the sort key).
+  function topFrame(site, full) {
+    if (!site.stack.length) return site.functions.join(", ");
+    var f = frames[site.stack[0]];
+    return full ? fullName(f) : f[0];
   }
   function where(f) {
     return f[2] ? f[2] + (f[3] ? ":" + f[3] : "") : "";
   }
   function isPy(f) { return f[7] === "python"; }
-  // A Python frame's name cell: a "py" tag, then the name, in Python's colour.
-  function nameCell(tr, f, cls, title) {
-    var td = cell(tr, "", (cls ? cls + " " : "") + (isPy(f) ? "py" : "native"), title);
+  // A frame's full name: f[8] when the shown name f[0] is shortened.
+  function fullName(f) { return f[8] || f[0]; }
+  // A frame's name cell (its full name the tooltip, then `title`); a Python
+  // frame's gets a "py" tag, then the name, in Python's colour. `expand`: a
+  // click shows the full name in place (and the short one again).
+  function nameCell(tr, f, cls, title, expand) {
+    var tip = f[8] ? f[8] + (title ? "\n" + title : "") : title;
+    var td = cell(tr, "", (cls ? cls + " " : "") + (isPy(f) ? "py" : "native"), tip);
     if (isPy(f)) {
       var tag = document.createElement("span");
       tag.className = "tag py";
@@ -45,7 +53,14 @@
       td.appendChild(tag);
       td.appendChild(document.createTextNode(" "));
     }
-    td.appendChild(document.createTextNode(f[0]));
+    var text = document.createTextNode(f[0]);
+    td.appendChild(text);
+    if (expand && f[8]) {
+      td.className += " expand";
+      td.addEventListener("click", function () {
+        text.textContent = text.textContent === f[0] ? f[8] : f[0];
+      });
+    }
     return td;
   }
   function haystack(site) {
@@ -53,7 +68,7 @@
       var parts = [site.allocator, site.memory, site.functions.join(" ")];
       for (var i = 0; i < site.stack.length; i++) {
         var f = frames[site.stack[i]];
-        parts.push(f[0], f[1] || "", where(f));
+        parts.push(fullName(f), f[1] || "", where(f));
       }
       site._q = parts.join("\n").toLowerCase();
     }
@@ -62,7 +77,7 @@
   function value(site, key) {
     switch (key) {
       case "trend": return TREND[site.trend];
-      case "frame": return topFrame(site);
+      case "frame": return topFrame(site, true);
       case "pattern": return site.pattern || "";
       default: return site[key];
     }
@@ -198,7 +213,7 @@
         var f = frames[fi], tr = document.createElement("tr");
         if (isPy(f)) tr.className = "py";
         cell(tr, depth, "num");
-        nameCell(tr, f);
+        nameCell(tr, f, "", "", true);
         cell(tr, where(f));
         cell(tr, f[1] || "", "", f[6] || "");
         cell(tr, f[5] || "");
