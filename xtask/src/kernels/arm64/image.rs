@@ -233,6 +233,10 @@ fn build_fixtures(sysroot: &Path) -> Result<PathBuf> {
                 "CC=aarch64-linux-gnu-gcc",
                 "CXX=aarch64-linux-gnu-g++",
                 "STRIP=aarch64-linux-gnu-strip",
+                // Signed return addresses (paciasp/autiasp: hints, so no-ops
+                // on CPUs without pointer authentication): the PAC row then
+                // unwinds through them.
+                "ARCH_CFLAGS=-mbranch-protection=standard",
             ])
             .arg(format!(
                 "SDT_CFLAGS=-isystem {}",
