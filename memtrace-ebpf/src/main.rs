@@ -711,7 +711,7 @@ fn finish_call<C: EbpfContext + UserStack>(
     if walk {
         #[cfg(not(feature = "compat"))]
         {
-            event.stack_id = unwind::capture(ctx);
+            event.stack_id = unwind::capture(ctx, C::AT_RETURN);
         }
     } else if stack_mode == STACK_MODE_FP || stack_mode == STACK_MODE_DWARF {
         event.stack_id = match ctx.get_stackid_user() {
@@ -737,10 +737,15 @@ fn finish_call<C: EbpfContext + UserStack>(
 }
 
 trait UserStack {
+    /// A return probe (the stack starts in the caller, which has saved its
+    /// return address), not a probe inside a function.
+    const AT_RETURN: bool;
     fn get_stackid_user(&self) -> Result<i32, i32>;
 }
 
 impl UserStack for RetProbeContext {
+    const AT_RETURN: bool = true;
+
     #[inline(always)]
     fn get_stackid_user(&self) -> Result<i32, i32> {
         use aya_ebpf::programs::tracing::StackIdContext;
@@ -750,6 +755,8 @@ impl UserStack for RetProbeContext {
 }
 
 impl UserStack for ProbeContext {
+    const AT_RETURN: bool = false;
+
     #[inline(always)]
     fn get_stackid_user(&self) -> Result<i32, i32> {
         use aya_ebpf::programs::tracing::StackIdContext;

@@ -1052,14 +1052,27 @@ extern "C" fn frame_callback(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
 /// Walks the user stack at a return probe and returns its id in
 /// `DWARF_STACKS`, or a negative errno (as `bpf_get_stackid` does).
 #[inline(always)]
-pub fn capture<C: EbpfContext>(ctx: &C) -> i32 {
+pub fn capture<C: EbpfContext>(ctx: &C, at_return: bool) -> i32 {
     let (pc, sp, bp, lr) = crate::arch::frame(crate::arch::regs(ctx));
     // A walk preempted by another on its CPU (their per-CPU state is
     // shared; preemptible kernels allow it) is walked once more: it is a
     // function of these registers and the stack, both still as they were.
-    match memtrace_walk_stack(pc, sp, bp, lr) {
+    #[cfg(bpf_target_arch = "x86_64")]
+    let walk = |_lr: u64| {
+        let _ = at_return;
+        memtrace_walk_stack(pc, sp, bp)
+    };
+    #[cfg(bpf_target_arch = "aarch64")]
+    let walk = |lr: u64| {
+        if at_return {
+            memtrace_walk_stack(pc, sp, bp)
+        } else {
+            memtrace_walk_stack_lr(pc, sp, bp, lr)
+        }
+    };
+    match walk(lr) {
         key if key == -EAGAIN => {
-            let again = memtrace_walk_stack(pc, sp, bp, lr);
+            let again = walk(lr);
             if again == -EAGAIN {
                 bump(Counter::StackOther);
             }
@@ -1081,7 +1094,27 @@ pub fn capture<C: EbpfContext>(ctx: &C) -> i32 {
 /// lives in `WALK_STATE`.
 #[no_mangle]
 #[inline(never)]
-pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64, lr: u64) -> i32 {
+pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
+    walk_stack(pc, sp, bp, 0, 0)
+}
+
+#[cfg(all(not(feature = "compat"), bpf_target_arch = "aarch64"))]
+/// [`memtrace_walk_stack`] at an arm64 probe inside a function (a USDT
+/// site), whose innermost frame may still have its return address in the
+/// link register. At a return probe the caller has saved it (it made a
+/// call), so return probes use [`memtrace_walk_stack`]: a fourth argument
+/// costs a frame 16 bytes of the call chain's stack budget, and the return
+/// probe's chain is the deepest.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn memtrace_walk_stack_lr(pc: u64, sp: u64, bp: u64, lr: u64) -> i32 {
+    walk_stack(pc, sp, bp, lr, 1)
+}
+
+#[cfg(not(feature = "compat"))]
+/// The body of [`memtrace_walk_stack`].
+#[inline(always)]
+fn walk_stack(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> i32 {
     let started = walk_started();
     let Some(state) = WALK_STATE.get_ptr_mut(0) else {
         return -EAGAIN;
@@ -1115,7 +1148,7 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64, lr: u64) -> i32
             start_sp: sp,
             start_bp: bp,
             lr,
-            lr_live: 1,
+            lr_live,
         };
         (*state).tid = bpf_get_current_pid_tgid() as u32;
     }

@@ -389,6 +389,13 @@ fn fixtures_target(target: &str) -> Result<PathBuf> {
 fn test(extra: &[String]) -> Result<()> {
     setup::ensure(setup::Need::Test)?;
     build_ebpf()?;
+    // The other architecture's objects too: unit tests hold both to the
+    // verifier's stack budget (kernel/stack_budget.rs).
+    let other = match Arch::of_target(None)? {
+        Arch::X86_64 => Arch::Aarch64,
+        Arch::Aarch64 => Arch::X86_64,
+    };
+    build_ebpf_for(other)?;
     run(Command::new("cargo")
         .current_dir(root())
         .args(["fmt", "--all", "--check"]))?;

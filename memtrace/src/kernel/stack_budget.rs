@@ -499,6 +499,37 @@ mod tests {
         imm: 0,
     };
 
+    /// The kernel suite's headroom test (tests/kernel/headroom.rs) holds the
+    /// object embedded for this host; this holds both architectures' full and
+    /// compat objects to the same budget (< 448 B per call chain), which
+    /// matters more on arm64: no arm64 kernel gives BPF programs private
+    /// stacks. `cargo xtask test` builds all four objects first.
+    #[test]
+    fn every_architectures_objects_keep_64_bytes_of_stack_headroom() {
+        let ebpf = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../memtrace-ebpf/target");
+        let mut checked = 0;
+        for dir in ["", "compat", "aarch64", "compat-aarch64"] {
+            let path = ebpf.join(dir).join("bpfel-unknown-none/release/memtrace");
+            let Ok(data) = std::fs::read(&path) else {
+                continue;
+            };
+            let budget = of_object(&data).expect("the object's call chains");
+            for chain in &budget.chains {
+                assert!(
+                    chain.bytes < 448,
+                    "{}: {} = {} B",
+                    path.display(),
+                    chain.functions.join(" -> "),
+                    chain.bytes
+                );
+            }
+            checked += 1;
+        }
+        if checked < 4 && std::env::var_os("MEMTRACE_REQUIRE_KERNEL_TESTS").is_some() {
+            panic!("only {checked} of 4 eBPF objects built: run `cargo xtask build-ebpf` and `cargo xtask build-ebpf --target aarch64-unknown-linux-gnu`");
+        }
+    }
+
     #[test]
     fn depth_counts_direct_and_derived_stack_pointers() {
         // *(u64 *)(r10 - 24) = r1; r2 = r10; r2 += -200; call helper; exit
