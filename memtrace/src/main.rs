@@ -21,6 +21,7 @@ mod monitor;
 mod output;
 mod probe;
 mod prometheus;
+mod push;
 mod record;
 mod report;
 mod signals;
@@ -83,7 +84,7 @@ fn run_report(args: cli::ReportArgs) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let output = output::Output::open(args.output.as_deref(), args.format)?;
-    let report = record::replay(
+    let mut report = record::replay(
         &args.file,
         record::ReplayOptions {
             top: args.top,
@@ -92,7 +93,7 @@ fn run_report(args: cli::ReportArgs) -> anyhow::Result<ExitCode> {
             suppressions,
         },
     )?;
-    output.finish(&report)?;
+    output.finish(&mut report)?;
     Ok(ExitCode::SUCCESS)
 }
 
