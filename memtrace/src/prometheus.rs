@@ -668,7 +668,11 @@ mod tests {
                 "memtrace_push_reports_total",
                 &[endpoint, ("outcome", outcome)],
             );
-            assert_eq!(found.map(|l| l.2), Some(f64::from(value)), "{outcome}: {text}");
+            assert_eq!(
+                found.map(|l| l.2),
+                Some(f64::from(value)),
+                "{outcome}: {text}"
+            );
         }
         let retries = find(&samples, "memtrace_push_retries_total", &[endpoint]);
         assert_eq!(retries.map(|l| l.2), Some(5.0));

@@ -215,9 +215,7 @@ pub fn endpoint(url: &str) -> Result<String, ConfigError> {
         .ok_or_else(|| bad(""))?;
     let authority = rest.split('/').next().unwrap_or_default();
     if authority.contains('@') {
-        return Err(ConfigError::Credentials {
-            url: redact(url),
-        });
+        return Err(ConfigError::Credentials { url: redact(url) });
     }
     if authority.is_empty() || authority.starts_with(':') {
         return Err(bad(": no host"));

@@ -104,7 +104,11 @@ fn serve(stream: TcpStream, status: Option<u16>, seen: &Mutex<Vec<Received>>) {
     let mut stream = reader.into_inner();
     match status {
         Some(status) => {
-            let text = if status == 200 { "" } else { r#"{"code":"internal"}"# };
+            let text = if status == 200 {
+                ""
+            } else {
+                r#"{"code":"internal"}"#
+            };
             let _ = write!(
                 stream,
                 "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
@@ -247,11 +251,11 @@ fn credentials_come_from_the_environment_and_never_show() {
     );
     assert!(!format!("{basic:?}").contains("pw"), "{basic:?}");
     assert_eq!(basic.tenant.as_deref(), Some("team-a"));
-    let bearer = PushConfig::from_args_with(&args(None), env(&[(TOKEN_ENV, "tok")]))
+    let bearer = PushConfig::from_args_with(&args(None), env(&[(TOKEN_ENV, "s3cr3t")]))
         .expect("valid")
         .expect("configured");
-    assert_eq!(bearer.auth.header().as_deref(), Some("Bearer tok"));
-    assert!(!format!("{bearer:?}").contains("tok"), "{bearer:?}");
+    assert_eq!(bearer.auth.header().as_deref(), Some("Bearer s3cr3t"));
+    assert!(!format!("{bearer:?}").contains("s3cr3t"), "{bearer:?}");
     assert_eq!(
         PushConfig::from_args_with(&args(Some("123")), env(&[])).err(),
         Some(ConfigError::NoPassword)
@@ -367,7 +371,11 @@ fn a_pushed_report_reaches_the_receiver_whole() {
     pusher.offer(interim);
     pusher.offer(fixture::report());
     let stats = pusher.finish();
-    assert_eq!((stats.sent, stats.failed, stats.dropped), (2, 0, 0), "{stats:?}");
+    assert_eq!(
+        (stats.sent, stats.failed, stats.dropped),
+        (2, 0, 0),
+        "{stats:?}"
+    );
     assert_eq!(stats.last_error, None);
     let got = receiver.requests();
     assert_eq!(got.len(), 2);
@@ -392,9 +400,16 @@ fn a_store_answering_500_is_retried_then_counted_as_failed() {
     let pusher = Pusher::start(config(&receiver.url), quick()).expect("starts");
     pusher.offer(fixture::report());
     let stats = pusher.finish();
-    assert_eq!((stats.sent, stats.failed, stats.retries), (0, 1, 2), "{stats:?}");
+    assert_eq!(
+        (stats.sent, stats.failed, stats.retries),
+        (0, 1, 2),
+        "{stats:?}"
+    );
     let error = stats.last_error.expect("an error");
-    assert!(error.contains("HTTP 500") && error.contains("internal"), "{error}");
+    assert!(
+        error.contains("HTTP 500") && error.contains("internal"),
+        "{error}"
+    );
     assert_eq!(receiver.requests().len(), 3, "one try and two retries");
 }
 
@@ -404,7 +419,11 @@ fn a_store_that_recovers_gets_the_report() {
     let pusher = Pusher::start(config(&receiver.url), quick()).expect("starts");
     pusher.offer(fixture::report());
     let stats = pusher.finish();
-    assert_eq!((stats.sent, stats.failed, stats.retries), (1, 0, 1), "{stats:?}");
+    assert_eq!(
+        (stats.sent, stats.failed, stats.retries),
+        (1, 0, 1),
+        "{stats:?}"
+    );
 }
 
 #[test]
@@ -458,7 +477,9 @@ fn a_store_that_is_down_loses_nothing_of_the_report() {
     assert_eq!(push["sent"], 0);
     assert_eq!(push["failed"], 1);
     assert_eq!(push["retries"], 2);
-    assert!(push["endpoint"].as_str().is_some_and(|e| e.ends_with(PUSH_PATH)));
+    assert!(push["endpoint"]
+        .as_str()
+        .is_some_and(|e| e.ends_with(PUSH_PATH)));
     assert!(push["last_error"].as_str().is_some(), "{push}");
     // Without --pyroscope, no `push` key at all.
     let mut out = Vec::new();

@@ -64,9 +64,7 @@ impl TryError {
     /// not change.
     fn retryable(&self) -> bool {
         match self {
-            TryError::Status { status, .. } => {
-                *status >= 500 || *status == 408 || *status == 429
-            }
+            TryError::Status { status, .. } => *status >= 500 || *status == 408 || *status == 429,
             TryError::Transport(_) => true,
             TryError::Build(_) => false,
         }
@@ -360,11 +358,7 @@ fn send(agent: &ureq::Agent, config: &PushConfig, body: &[u8]) -> Result<(), Try
         .limit(4096)
         .read_to_string()
         .unwrap_or_default();
-    let text: String = text
-        .chars()
-        .filter(|c| !c.is_control())
-        .take(200)
-        .collect();
+    let text: String = text.chars().filter(|c| !c.is_control()).take(200).collect();
     let body = if text.trim().is_empty() {
         String::new()
     } else {

@@ -62,7 +62,8 @@ impl Watcher {
         let target = Target::from_args(&args)?;
         // Each episode's tracer pushes its report: the options are checked
         // here, once, and passed on (the credentials in the environment).
-        crate::push::PushConfig::from_env(&args.push).map_err(|e| WatchError::Usage(e.to_string()))?;
+        crate::push::PushConfig::from_env(&args.push)
+            .map_err(|e| WatchError::Usage(e.to_string()))?;
         let mut tracer_args = args.push.as_tracer_args();
         tracer_args.append(&mut args.tracer_args);
         args.tracer_args = tracer_args;
