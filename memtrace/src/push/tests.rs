@@ -47,15 +47,13 @@ impl Receiver {
         let got = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&got);
         std::thread::spawn(move || {
-            let mut served = 0usize;
-            for stream in listener.incoming() {
+            for (served, stream) in listener.incoming().enumerate() {
                 let Ok(stream) = stream else { return };
                 let answer = answer.clone();
                 let status = match &answer {
                     Answer::Statuses(list) => Some(list[served.min(list.len() - 1)]),
                     Answer::Silent => None,
                 };
-                served += 1;
                 let seen = Arc::clone(&seen);
                 std::thread::spawn(move || serve(stream, status, &seen));
             }
