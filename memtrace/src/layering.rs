@@ -27,7 +27,7 @@ const FLOORS: &[&[&str]] = &[
         "analysis",
     ],
     &["report", "record"],
-    &["sink", "output", "prometheus", "live"],
+    &["sink", "output", "prometheus", "live", "push"],
     &["monitor", "trace", "watch", "doctor"],
     &["cli"],
 ];

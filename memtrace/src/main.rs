@@ -21,6 +21,7 @@ mod monitor;
 mod output;
 mod probe;
 mod prometheus;
+mod push;
 mod record;
 mod report;
 mod signals;
@@ -87,7 +88,7 @@ fn run_report(args: cli::ReportArgs) -> anyhow::Result<ExitCode> {
         args.format,
         sink::Names::full_if(args.full_names),
     )?;
-    let report = record::replay(
+    let mut report = record::replay(
         &args.file,
         record::ReplayOptions {
             top: args.top,
@@ -96,7 +97,7 @@ fn run_report(args: cli::ReportArgs) -> anyhow::Result<ExitCode> {
             suppressions,
         },
     )?;
-    output.finish(&report)?;
+    output.finish(&mut report)?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -1,6 +1,8 @@
 //! Where reports go: stdout, or a file created 0600 and written whole (to a
 //! temporary name, then renamed), so a partial file never pretends to be a
-//! report. Interim reports always go to stdout. A device, FIFO, socket or
+//! report, and with `--pyroscope` a profile store too (the [`Pusher`], which
+//! takes each report without holding up the trace, and whose counters the
+//! report's `push` shows). Interim reports always go to stdout. A device, FIFO, socket or
 //! symbolic link given as the file is written in place instead
 //! ([`write_whole`], which `memtrace monitor`'s writers share).
 
@@ -11,12 +13,14 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::Failure;
+use crate::push::Pusher;
 use crate::report::Report;
 use crate::sink::{self, Format, Names, Sink};
 
 pub struct Output {
     path: Option<PathBuf>,
     sink: Box<dyn Sink>,
+    push: Option<Pusher>,
 }
 
 impl Output {
@@ -30,17 +34,54 @@ impl Output {
         Ok(Output {
             path: path.map(Path::to_path_buf),
             sink: sink::for_format(format, names),
+            push: None,
         })
     }
 
-    pub fn interim(&self, report: &Report) -> anyhow::Result<()> {
+    /// Reports go to a profile store as well (`--pyroscope`).
+    pub fn push_to(mut self, pusher: Option<Pusher>) -> Self {
+        self.push = pusher;
+        self
+    }
+
+    /// Whether reports go to a profile store as well.
+    pub fn pushes(&self) -> bool {
+        self.push.is_some()
+    }
+
+    /// Hands `report` to the profile store's queue, if there is one;
+    /// returns at once.
+    pub fn offer(&self, report: &Report) {
+        if let Some(pusher) = &self.push {
+            pusher.offer(report.clone());
+        }
+    }
+
+    /// Puts the push counters so far in `report` (its `push`).
+    pub fn stamp(&self, report: &mut Report) {
+        if let Some(pusher) = &self.push {
+            report.push = Some(pusher.stats());
+        }
+    }
+
+    /// An interim report: pushed (queued), and written to stdout with the
+    /// push counters so far.
+    pub fn interim(&self, report: &mut Report) -> anyhow::Result<()> {
+        self.offer(report);
+        self.stamp(report);
         let mut out = std::io::stdout().lock();
         self.sink.write(report, true, &mut out)?;
         out.flush()?;
         Ok(())
     }
 
-    pub fn finish(&self, report: &Report) -> anyhow::Result<()> {
+    /// The final report: pushed, waiting a bounded time for the queue to
+    /// drain ([`Pusher::finish`]), then written with the push's outcome.
+    pub fn finish(&self, report: &mut Report) -> anyhow::Result<()> {
+        if let Some(pusher) = &self.push {
+            pusher.offer(report.clone());
+            report.push = Some(pusher.finish());
+        }
         match &self.path {
             None => {
                 let mut out = std::io::stdout().lock();
@@ -170,7 +211,7 @@ mod tests {
         std::os::unix::fs::symlink(&target, &link).expect("symlink");
         let output = Output::open(Some(&link), Format::Json, Names::Short).expect("opens");
         output
-            .finish(&crate::sink::fixture::report())
+            .finish(&mut crate::sink::fixture::report())
             .expect("writes");
         let meta = std::fs::symlink_metadata(&link).expect("link stays");
         assert!(meta.file_type().is_symlink(), "the link is not replaced");
@@ -178,7 +219,7 @@ mod tests {
         assert!(written.starts_with('{'), "{written}");
         let null =
             Output::open(Some(Path::new("/dev/null")), Format::Text, Names::Short).expect("opens");
-        null.finish(&crate::sink::fixture::report())
+        null.finish(&mut crate::sink::fixture::report())
             .expect("writes");
         let meta = std::fs::metadata("/dev/null").expect("/dev/null");
         assert!(!meta.file_type().is_file(), "/dev/null stays a device");

@@ -169,6 +169,29 @@ pub fn render(report: &Report) -> String {
         "memtrace_trace_duration_seconds",
         report.duration_ms as f64 / 1000.0,
     );
+    if let Some(push) = &report.push {
+        out.family(
+            "memtrace_push_reports_total",
+            "counter",
+            "Reports pushed to the profile store (--pyroscope), by outcome: sent, failed (given up after retries), dropped (never tried: queue full or memtrace ending), skipped_empty (no live site).",
+        );
+        for (outcome, value) in [
+            ("sent", push.sent),
+            ("failed", push.failed),
+            ("dropped", push.dropped),
+            ("skipped_empty", push.skipped_empty),
+        ] {
+            let labels = [("endpoint", push.endpoint.as_str()), ("outcome", outcome)];
+            out.sample("memtrace_push_reports_total", &labels, value);
+        }
+        out.family(
+            "memtrace_push_retries_total",
+            "counter",
+            "Tries of a push after a first one failed.",
+        );
+        let labels = [("endpoint", push.endpoint.as_str())];
+        out.sample("memtrace_push_retries_total", &labels, push.retries);
+    }
     out.0
 }
 
@@ -616,6 +639,43 @@ mod tests {
                 "{family}"
             );
         }
+    }
+
+    #[test]
+    fn push_counters_are_exported_only_with_a_push() {
+        let mut report = fixture::report();
+        assert!(!render(&report).contains("memtrace_push_"));
+        report.push = Some(crate::report::PushStats {
+            endpoint: "http://store:4040/push.v1.PusherService/Push".into(),
+            sent: 3,
+            failed: 2,
+            dropped: 1,
+            retries: 5,
+            skipped_empty: 4,
+            last_error: Some("HTTP 500".into()),
+        });
+        let text = render(&report);
+        let samples = parse(&text);
+        let endpoint = ("endpoint", "http://store:4040/push.v1.PusherService/Push");
+        for (outcome, value) in [
+            ("sent", 3u32),
+            ("failed", 2),
+            ("dropped", 1),
+            ("skipped_empty", 4),
+        ] {
+            let found = find(
+                &samples,
+                "memtrace_push_reports_total",
+                &[endpoint, ("outcome", outcome)],
+            );
+            assert_eq!(
+                found.map(|l| l.2),
+                Some(f64::from(value)),
+                "{outcome}: {text}"
+            );
+        }
+        let retries = find(&samples, "memtrace_push_retries_total", &[endpoint]);
+        assert_eq!(retries.map(|l| l.2), Some(5.0));
     }
 
     #[test]

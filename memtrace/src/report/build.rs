@@ -99,6 +99,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         bpf_programs: Vec::new(),
         device_cache: None,
         usdt: Vec::new(),
+        push: None,
         target: input.target,
         duration_ms: input.duration_ms,
         interim: false,

@@ -80,6 +80,32 @@ pub struct Report {
     /// absent when none are.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub usdt: Vec<serde_json::Value>,
+    /// With `--pyroscope URL`: what became of the reports pushed to the
+    /// profile store so far; absent without.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub push: Option<PushStats>,
+}
+
+/// The reports pushed to a profile store (`--pyroscope`), counted: none is
+/// lost silently.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PushStats {
+    /// Where they go (the push endpoint; credentials never appear in it).
+    pub endpoint: String,
+    /// Reports the store accepted.
+    pub sent: u64,
+    /// Reports given up on after their tries (an error answer, the store
+    /// unreachable or too slow).
+    pub failed: u64,
+    /// Reports never tried: pushed out of the full queue by newer ones, or
+    /// still waiting when memtrace ended.
+    pub dropped: u64,
+    /// Tries after a first one failed.
+    pub retries: u64,
+    /// Reports with no live site, not pushed (an empty profile).
+    pub skipped_empty: u64,
+    /// The latest failure, if any.
+    pub last_error: Option<String>,
 }
 
 /// A caching device allocator seen two ways: the blocks its USDT probes

@@ -11,7 +11,7 @@ mod flamegraph;
 mod folded;
 pub mod html;
 mod json;
-mod pprof;
+pub mod pprof;
 mod text;
 mod timeline;
 
@@ -253,6 +253,7 @@ pub(crate) mod fixture {
             bpf_programs: Vec::new(),
             device_cache: None,
             usdt: Vec::new(),
+            push: None,
             python: Vec::new(),
             processes: Vec::new(),
             attach_failures: Vec::new(),

@@ -116,6 +116,9 @@ impl Sink for TextSink {
                 .collect();
             writeln!(out, "memtrace's own BPF time: {}", programs.join("; "))?;
         }
+        if let Some(push) = &report.push {
+            writeln!(out, "{}", push_line(push))?;
+        }
         if let Some(reconciliation) = &report.reconciliation {
             let pid = (report.processes.len() > 1).then_some(target.pid);
             let rate = super::sample_rate(report);
@@ -191,6 +194,21 @@ impl Sink for TextSink {
 }
 
 /// The site's trend and leak pattern in words.
+/// What became of the pushes to the profile store (`--pyroscope`).
+fn push_line(push: &crate::report::PushStats) -> String {
+    let mut line = format!(
+        "pushed to {}: {} sent, {} failed, {} dropped, {} retries",
+        push.endpoint, push.sent, push.failed, push.dropped, push.retries
+    );
+    if push.skipped_empty > 0 {
+        line.push_str(&format!(", {} empty not pushed", push.skipped_empty));
+    }
+    if let Some(error) = &push.last_error {
+        line.push_str(&format!(" (last error: {error})"));
+    }
+    line
+}
+
 fn judgment(site: &crate::report::Site) -> String {
     use crate::analysis::{Pattern, Trend};
     use crate::probe::catalog::Memory;
@@ -494,6 +512,22 @@ mod tests {
         report.reconciliation = Some(reconciliation(1 << 20, 1 << 20, 0));
         let text = render(&report);
         assert!(text.contains("\nmemory: tracked 1.0 MiB live since attach; RssAnon grew 1.0 MiB: the tracked blocks explain the growth\n"), "{text}");
+    }
+
+    #[test]
+    fn the_push_outcome_is_one_line() {
+        let mut report = fixture::report();
+        assert!(!render(&report).contains("pushed to"));
+        report.push = Some(crate::report::PushStats {
+            endpoint: "http://store/push.v1.PusherService/Push".into(),
+            sent: 2,
+            failed: 1,
+            last_error: Some("HTTP 500".into()),
+            ..Default::default()
+        });
+        assert!(render(&report).contains(
+            "pushed to http://store/push.v1.PusherService/Push: 2 sent, 1 failed, 0 dropped, 0 retries (last error: HTTP 500)"
+        ));
     }
 
     #[test]

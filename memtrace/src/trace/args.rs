@@ -162,6 +162,10 @@ pub struct TraceArgs {
     #[arg(long, value_name = "ADDR")]
     pub prometheus: Option<String>,
 
+    /// Pushing each report to a profile store (Pyroscope, Grafana).
+    #[command(flatten)]
+    pub push: crate::push::PushArgs,
+
     /// Most live blocks tracked; past it new blocks are counted in
     /// `events.table_full` and the report is marked incomplete.
     #[arg(long, default_value_t = 50_000_000, value_parser = clap::value_parser!(u64).range(1..))]

@@ -2,7 +2,9 @@
 //! programs stop recording allocations; releases of earlier blocks still
 //! count for a short grace), what the ring buffer and the kernel hold is
 //! read, and the report is the state at that moment: written to the output,
-//! the `--record` file and the metrics endpoint. Detaching the probes
+//! the `--record` file, the metrics endpoint and, with `--pyroscope`, the
+//! profile store (the probes are then detached before the push is waited
+//! for). Detaching the probes
 //! (seconds for many) comes after; on a kernel where the window cannot be
 //! closed, the probes are detached first, in a safe order, while the ring
 //! is still read.
@@ -67,16 +69,25 @@ impl Trace<'_> {
             close_while_draining(detaching, session, ring, probes).await;
         }
         session.snapshot(probes);
-        let report = session.report(probes, &self.discovery);
-        if let Some(tx) = &self.metrics {
-            let _ = tx.send(Arc::new(crate::prometheus::render(&report)));
-        }
+        let mut report = session.report(probes, &self.discovery);
         if let Some(recorder) = session.pipeline.recorder.take() {
             let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
             recorder.finish(&report, ended_ns, session.pipeline.thread_names())?;
         }
-        self.output.finish(&report)?;
-        if closed {
+        // With a push to a profile store, the report waits for it (a bounded
+        // time) to say what became of it: the probes go first, so that the
+        // traced process does not keep trapping into them meanwhile.
+        let detach_first = closed && self.output.pushes();
+        if detach_first {
+            let detaching = probes.detach();
+            let _ = tokio::task::spawn_blocking(move || detaching.close_at_once()).await;
+        }
+        let written = self.output.finish(&mut report);
+        if let Some(tx) = &self.metrics {
+            let _ = tx.send(Arc::new(crate::prometheus::render(&report)));
+        }
+        written?;
+        if closed && !detach_first {
             // Nothing is recorded any more: the probes only need to go.
             let detaching = probes.detach();
             let _ = tokio::task::spawn_blocking(move || detaching.close_at_once()).await;

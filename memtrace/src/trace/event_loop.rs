@@ -102,7 +102,8 @@ impl Trace<'_> {
                 }
                 _ = metrics_tick.tick(), if self.metrics.is_some() => {
                     if let Some(tx) = &self.metrics {
-                        let report = self.session.report(&self.probes, &self.discovery);
+                        let mut report = self.session.report(&self.probes, &self.discovery);
+                        self.output.stamp(&mut report);
                         let _ = tx.send(Arc::new(crate::prometheus::render(&report)));
                     }
                 }
@@ -191,12 +192,15 @@ impl Trace<'_> {
         if let Some(view) = self.live.as_mut() {
             let mut report = self.session.report(&self.probes, &self.discovery);
             report.interim = true;
+            if self.args.interval.is_some() {
+                self.output.offer(&report);
+            }
             view.update(&report);
             crate::live::redraw(&mut self.live);
         } else if self.args.interval.is_some() {
             let mut report = self.session.report(&self.probes, &self.discovery);
             report.interim = true;
-            self.output.interim(&report)?;
+            self.output.interim(&mut report)?;
         }
         Ok(())
     }

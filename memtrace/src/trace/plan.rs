@@ -1,9 +1,10 @@
 //! Stage 1 of a trace, the plan: the arguments checked and turned into
 //! what is traced and how, before anything is loaded or started. It owns
 //! the usage errors (nothing to trace, a bad `--suppress` file, `--prometheus`
-//! address, `--allocators` name, `--symbol-prefix`, `--preset` or `--pairs`
-//! file), the functions to probe (the catalogue, prefixed builds, declared
-//! pairs), the privilege check, the eBPF load settings and the output.
+//! address, `--pyroscope` URL or credentials, `--allocators` name,
+//! `--symbol-prefix`, `--preset` or `--pairs` file), the functions to probe
+//! (the catalogue, prefixed builds, declared pairs), the privilege check,
+//! the eBPF load settings and the output (and its push to a profile store).
 
 use super::by_name::Selector;
 use super::loader::LoadOptions;
@@ -57,13 +58,24 @@ impl Plan {
             Some(text) => Some(crate::prometheus::parse_bind(text).map_err(Failure::usage)?),
             None => None,
         };
+        let push = crate::push::PushConfig::from_env(&args.push)
+            .map_err(|err| Failure::usage(err.to_string()))?;
         let catalog = catalog_for(args)?;
         crate::kernel::privilege::check(args.command.is_empty())?;
+        let pusher = match push {
+            Some(config) => Some(
+                crate::push::Pusher::start(config, crate::push::Policy::default()).map_err(
+                    |err| Failure::runtime(format!("--pyroscope: cannot start the push: {err}")),
+                )?,
+            ),
+            None => None,
+        };
         let output = Output::open(
             args.output.as_deref(),
             args.format,
             crate::sink::Names::full_if(args.full_names),
-        )?;
+        )?
+        .push_to(pusher);
         Ok(Plan {
             selector,
             suppressions,

@@ -144,6 +144,10 @@ pub struct WatchArgs {
     #[arg(long, value_name = "ADDR")]
     pub prometheus: Option<String>,
 
+    /// Pushing each episode's report to a profile store (Pyroscope, Grafana).
+    #[command(flatten)]
+    pub push: crate::push::PushArgs,
+
     /// Stop after this long (default: until the target ends or SIGTERM).
     #[arg(short, long, value_parser = parse_duration)]
     pub duration: Option<Duration>,

@@ -218,6 +218,10 @@ pub struct Summary {
     /// Files of the episode, relative to its directory.
     pub files: Vec<String>,
     pub notes: Vec<String>,
+    /// With `--pyroscope`: the tracer's push of the report (its report's
+    /// `push`: endpoint, sent, failed, dropped, retries, last_error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub push: Option<Value>,
 }
 
 /// Whether a report site's memory is what `family`/`metric` measures.
@@ -425,6 +429,17 @@ pub fn finish(run: &Running, input: Finish<'_>) -> Result<Summary, WatchError> {
     notes.extend(render_notes);
     let (found_bytes, metric_growth, explained_ratio, explanation) =
         explain(&input.why, input.family, &input.change, &found, traced_ms);
+    let push = report.as_ref().and_then(|r| r.get("push")).cloned();
+    if let Some(push) = &push {
+        let lost = push["failed"].as_u64().unwrap_or(0) + push["dropped"].as_u64().unwrap_or(0);
+        if lost > 0 {
+            notes.push(format!(
+                "the report was not pushed to {}: {}",
+                push["endpoint"].as_str().unwrap_or("the profile store"),
+                push["last_error"].as_str().unwrap_or("unknown error")
+            ));
+        }
+    }
     let summary = Summary {
         format: "memtrace-watch-episode/1",
         number: run.number,
@@ -442,6 +457,7 @@ pub fn finish(run: &Running, input: Finish<'_>) -> Result<Summary, WatchError> {
         tracer_reconciliation: reconciliation,
         files,
         notes,
+        push,
     };
     crate::watch::state::write_json(&run.dir.join(EPISODE_JSON), &summary)?;
     Ok(summary)

@@ -58,8 +58,15 @@ pub struct Watcher {
 }
 
 impl Watcher {
-    pub fn new(args: WatchArgs) -> Result<Watcher, WatchError> {
+    pub fn new(mut args: WatchArgs) -> Result<Watcher, WatchError> {
         let target = Target::from_args(&args)?;
+        // Each episode's tracer pushes its report: the options are checked
+        // here, once, and passed on (the credentials in the environment).
+        crate::push::PushConfig::from_env(&args.push)
+            .map_err(|e| WatchError::Usage(e.to_string()))?;
+        let mut tracer_args = args.push.as_tracer_args();
+        tracer_args.append(&mut args.tracer_args);
+        args.tracer_args = tracer_args;
         if args.interval.is_zero() || args.window.is_zero() {
             return Err(WatchError::Usage(
                 "--interval and --window must be more than 0".into(),
