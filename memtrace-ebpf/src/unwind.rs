@@ -602,6 +602,20 @@ impl Walk {
         Some(ra)
     }
 
+    /// rbp (x29) restored from its save slot under `row`, `cfa`-relative.
+    #[inline(always)]
+    fn restore_saved_bp(
+        &mut self,
+        log: &mut WalkReplay,
+        row: &UnwindRule,
+        cfa: u64,
+    ) -> Result<(), u32> {
+        let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
+        let bp = read_u64(at).ok_or(FAULT)?;
+        self.restore_bp(log, at, bp);
+        Ok(())
+    }
+
     /// rbp restored from the stack word at `addr`.
     #[inline(always)]
     fn restore_bp(&mut self, log: &mut WalkReplay, addr: u64, value: u64) {
@@ -965,15 +979,12 @@ fn return_address(
     } else {
         let ra = walk.read(log, cfa.wrapping_sub(8)).ok_or(FAULT)?;
         if saves_rbp {
-            let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
-            match read_u64(at) {
-                Some(bp) => walk.restore_bp(log, at, bp),
-                None => return Err(FAULT),
-            }
+            walk.restore_saved_bp(log, row, cfa)?;
         }
         ra
     };
-    walk.untrampolined(log, cfa.wrapping_sub(8), ra).ok_or(FAULT)
+    walk.untrampolined(log, cfa.wrapping_sub(8), ra)
+        .ok_or(FAULT)
 }
 
 /// arm64: x30's save slot (the frame record `{x29, x30}` in one read when
@@ -997,9 +1008,7 @@ fn return_address(
         // The link register is not part of a replayed walk's key.
         log.unreplayable = 1;
         if saves_fp {
-            let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
-            let bp = read_u64(at).ok_or(FAULT)?;
-            walk.restore_bp(log, at, bp);
+            walk.restore_saved_bp(log, row, cfa)?;
         }
         walk.lr
     } else if saves_fp && row.ra_offset8 == row.rbp_offset8.wrapping_add(1) {
@@ -1007,12 +1016,13 @@ fn return_address(
         walk.read_bp_ra(log, at).ok_or(FAULT)?
     } else {
         let ra = walk
-            .read(log, cfa.wrapping_add((i64::from(row.ra_offset8) * 8) as u64))
+            .read(
+                log,
+                cfa.wrapping_add((i64::from(row.ra_offset8) * 8) as u64),
+            )
             .ok_or(FAULT)?;
         if saves_fp {
-            let at = cfa.wrapping_add((i64::from(row.rbp_offset8) * 8) as u64);
-            let bp = read_u64(at).ok_or(FAULT)?;
-            walk.restore_bp(log, at, bp);
+            walk.restore_saved_bp(log, row, cfa)?;
         }
         ra
     };
@@ -1351,7 +1361,8 @@ extern "C" fn span_word(i: u64, _ctx: *mut core::ffi::c_void) -> i64 {
 #[inline(always)]
 fn remember(walk: &Walk, key: i32, started: u64) {
     let (pc, sp, bp, tgid) = (walk.start_pc, walk.start_sp, walk.start_bp, walk.tgid);
-    let (replay, generation, stop, words_seal) = (walk.replay, walk.generation, walk.stop, walk.seal);
+    let (replay, generation, stop, words_seal) =
+        (walk.replay, walk.generation, walk.stop, walk.seal);
     if stop == FAULT || stop == BAD_RULE {
         return;
     }

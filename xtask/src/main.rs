@@ -355,7 +355,7 @@ pub fn build_release_target(target: Option<&str>) -> Result<PathBuf> {
 }
 
 /// `rustup target add` for the stable toolchain, when it is missing.
-fn ensure_rust_target(triple: &str) -> Result<()> {
+pub fn ensure_rust_target(triple: &str) -> Result<()> {
     let out = Command::new("rustup")
         .args(["target", "list", "--installed"])
         .output()

@@ -167,26 +167,11 @@ fn boot(
     )
 }
 
-/// `rustup target add aarch64-unknown-linux-gnu` when it is missing.
-fn ensure_rust_target() -> Result<()> {
-    let out = Command::new("rustup")
-        .args(["target", "list", "--installed"])
-        .output()
-        .context("rustup is needed to cross-build for aarch64")?;
-    if !String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .any(|l| l.trim() == TARGET)
-    {
-        crate::run(Command::new("rustup").args(["target", "add", TARGET]))?;
-    }
-    Ok(())
-}
-
 /// What every arm64 run needs first: root, the host packages, the Rust target.
 fn prepare(task: &str) -> Result<()> {
     require_root(task)?;
     setup::ensure(Need::KernelsArm64)?;
-    ensure_rust_target()
+    crate::ensure_rust_target(TARGET)
 }
 
 /// The aarch64 memtrace: `given`, or cross-built. A build that fails leaves a

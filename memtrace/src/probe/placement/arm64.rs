@@ -27,7 +27,7 @@
 //! slower, never wrong.
 
 use super::a64::{self, Insn, Kernel, SpWrite, Straight, Test};
-use super::{stay, ArgReg, Needs, Placement, PlacementReason, ARG_REGS, IDENTITY};
+use super::{relocated_args, stay, ArgReg, Needs, Placement, PlacementReason, ARG_REGS, IDENTITY};
 use crate::arch::Arch;
 
 /// x29 (frame pointer) and x30 (link register): never skipped over a write.
@@ -270,22 +270,7 @@ impl Walk<'_> {
                 }
             }
         }
-        let mut args = IDENTITY;
-        let mut moved = Vec::new();
-        for arg in 0..ARG_REGS {
-            if self.needs.args & (1 << arg) == 0 {
-                continue;
-            }
-            let reg = self
-                .locate(arg)
-                .ok_or_else(|| format!("argument {arg} is lost"))?;
-            args[usize::from(arg)] = reg;
-            if reg != arg {
-                if let Some(r) = ArgReg::nth(Arch::Aarch64, usize::from(reg)) {
-                    moved.push((arg, r));
-                }
-            }
-        }
+        let (args, moved) = relocated_args(Arch::Aarch64, self.needs, |arg| self.locate(arg))?;
         Ok(Placement {
             offset: candidate.offset,
             reason: PlacementReason::Moved {

@@ -115,6 +115,34 @@ pub struct Placement {
 
 const IDENTITY: [u8; 6] = [0, 1, 2, 3, 4, 5];
 
+/// A placement's `args` and the argument moves it reports.
+type Relocated = ([u8; 6], Vec<(u8, ArgReg)>);
+
+/// Where each argument the probe reads sits at a candidate: `locate(i)`
+/// names the argument register holding argument `i` there (`None`: lost).
+/// Returns the placement's `args` and the moves to report.
+fn relocated_args(
+    arch: Arch,
+    needs: Needs,
+    locate: impl Fn(u8) -> Option<u8>,
+) -> Result<Relocated, String> {
+    let mut args = IDENTITY;
+    let mut moved = Vec::new();
+    for arg in 0..ARG_REGS {
+        if needs.args & (1 << arg) == 0 {
+            continue;
+        }
+        let reg = locate(arg).ok_or_else(|| format!("argument {arg} is lost"))?;
+        args[usize::from(arg)] = reg;
+        if reg != arg {
+            if let Some(r) = ArgReg::nth(arch, usize::from(reg)) {
+                moved.push((arg, r));
+            }
+        }
+    }
+    Ok((args, moved))
+}
+
 impl Placement {
     /// The function's entry, whatever the chooser said (placement disabled).
     /// A refused entry stays refused.

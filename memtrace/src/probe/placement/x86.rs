@@ -48,7 +48,7 @@ use iced_x86::{
     Instruction, InstructionInfoFactory, OpAccess, OpKind, Register,
 };
 
-use super::{stay, ArgReg, Needs, Placement, PlacementReason, IDENTITY};
+use super::{relocated_args, stay, ArgReg, Needs, Placement, PlacementReason, IDENTITY};
 use crate::arch::Arch;
 
 /// The x86-64 System V integer argument registers, in argument order.
@@ -279,22 +279,7 @@ impl<'a> Walk<'a> {
                 }
             }
         }
-        let mut args = IDENTITY;
-        let mut moved = Vec::new();
-        for arg in 0..6u8 {
-            if self.needs.args & (1 << arg) == 0 {
-                continue;
-            }
-            let reg = self
-                .locate(arg)
-                .ok_or_else(|| format!("argument {arg} is lost"))?;
-            args[usize::from(arg)] = reg;
-            if reg != arg {
-                if let Some(r) = ArgReg::nth(Arch::X86_64, usize::from(reg)) {
-                    moved.push((arg, r));
-                }
-            }
-        }
+        let (args, moved) = relocated_args(Arch::X86_64, self.needs, |arg| self.locate(arg))?;
         Ok(Placement {
             offset: target_offset,
             reason: PlacementReason::Moved {
