@@ -18,6 +18,7 @@ mod headroom;
 mod outputs;
 mod pairs;
 mod privilege;
+mod push;
 mod python;
 mod reliability;
 mod settle;
