@@ -2,7 +2,8 @@
 //! temporary name, then renamed), so a partial file never pretends to be a
 //! report, and with `--pyroscope` a profile store too (the [`Pusher`], which
 //! takes each report without holding up the trace, and whose counters the
-//! report's `push` shows). Interim reports always go to stdout. A device, FIFO, socket or
+//! report's `push` shows), and with `--otlp-profiles` an OpenTelemetry
+//! Collector (a second [`Pusher`], counted in the report's `otlp`). Interim reports always go to stdout. A device, FIFO, socket or
 //! symbolic link given as the file is written in place instead
 //! ([`write_whole`], which `memtrace monitor`'s writers share).
 
@@ -21,6 +22,7 @@ pub struct Output {
     path: Option<PathBuf>,
     sink: Box<dyn Sink>,
     push: Option<Pusher>,
+    otlp: Option<Pusher>,
 }
 
 impl Output {
@@ -35,6 +37,7 @@ impl Output {
             path: path.map(Path::to_path_buf),
             sink: sink::for_format(format, names),
             push: None,
+            otlp: None,
         })
     }
 
@@ -44,23 +47,32 @@ impl Output {
         self
     }
 
-    /// Whether reports go to a profile store as well.
+    /// Reports go to an OpenTelemetry Collector as well (`--otlp-profiles`).
+    pub fn otlp_to(mut self, pusher: Option<Pusher>) -> Self {
+        self.otlp = pusher;
+        self
+    }
+
+    /// Whether reports go to a profile store or a Collector as well.
     pub fn pushes(&self) -> bool {
-        self.push.is_some()
+        self.push.is_some() || self.otlp.is_some()
     }
 
     /// Hands `report` to the profile store's queue, if there is one;
     /// returns at once.
     pub fn offer(&self, report: &Report) {
-        if let Some(pusher) = &self.push {
+        for pusher in self.push.iter().chain(&self.otlp) {
             pusher.offer(report.clone());
         }
     }
 
-    /// Puts the push counters so far in `report` (its `push`).
+    /// Puts the push counters so far in `report` (its `push` and `otlp`).
     pub fn stamp(&self, report: &mut Report) {
         if let Some(pusher) = &self.push {
             report.push = Some(pusher.stats());
+        }
+        if let Some(pusher) = &self.otlp {
+            report.otlp = Some(pusher.stats());
         }
     }
 
@@ -78,9 +90,13 @@ impl Output {
     /// The final report: pushed, waiting a bounded time for the queue to
     /// drain ([`Pusher::finish`]), then written with the push's outcome.
     pub fn finish(&self, report: &mut Report) -> anyhow::Result<()> {
+        // Both queues drain at once: each is offered the report first.
+        self.offer(report);
         if let Some(pusher) = &self.push {
-            pusher.offer(report.clone());
             report.push = Some(pusher.finish());
+        }
+        if let Some(pusher) = &self.otlp {
+            report.otlp = Some(pusher.finish());
         }
         match &self.path {
             None => {

@@ -169,28 +169,36 @@ pub fn render(report: &Report) -> String {
         "memtrace_trace_duration_seconds",
         report.duration_ms as f64 / 1000.0,
     );
-    if let Some(push) = &report.push {
+    let pushes: Vec<&crate::report::PushStats> = report.push.iter().chain(&report.otlp).collect();
+    if !pushes.is_empty() {
         out.family(
             "memtrace_push_reports_total",
             "counter",
-            "Reports pushed to the profile store (--pyroscope), by outcome: sent, failed (given up after retries), dropped (never tried: queue full or memtrace ending), skipped_empty (no live site).",
+            "Reports pushed to the profile store (--pyroscope) or the OpenTelemetry Collector (--otlp-profiles), by endpoint and outcome: sent, failed (given up after retries), dropped (never tried: queue full or memtrace ending), skipped_empty (no live site).",
         );
         for (outcome, value) in [
-            ("sent", push.sent),
-            ("failed", push.failed),
-            ("dropped", push.dropped),
-            ("skipped_empty", push.skipped_empty),
+            (
+                "sent",
+                (|p: &crate::report::PushStats| p.sent) as fn(&_) -> u64,
+            ),
+            ("failed", |p| p.failed),
+            ("dropped", |p| p.dropped),
+            ("skipped_empty", |p| p.skipped_empty),
         ] {
-            let labels = [("endpoint", push.endpoint.as_str()), ("outcome", outcome)];
-            out.sample("memtrace_push_reports_total", &labels, value);
+            for push in &pushes {
+                let labels = [("endpoint", push.endpoint.as_str()), ("outcome", outcome)];
+                out.sample("memtrace_push_reports_total", &labels, value(push));
+            }
         }
         out.family(
             "memtrace_push_retries_total",
             "counter",
             "Tries of a push after a first one failed.",
         );
-        let labels = [("endpoint", push.endpoint.as_str())];
-        out.sample("memtrace_push_retries_total", &labels, push.retries);
+        for push in &pushes {
+            let labels = [("endpoint", push.endpoint.as_str())];
+            out.sample("memtrace_push_retries_total", &labels, push.retries);
+        }
     }
     out.0
 }

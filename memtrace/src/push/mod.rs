@@ -13,10 +13,17 @@
 //! once. The request itself is built in `request`, the messages are in
 //! `proto`, the queue and the HTTP client in `worker`.
 //!
+//! With `--otlp-profiles URL` (experimental), each report also goes to an
+//! OpenTelemetry Collector as the OTLP profiles signal (v1development):
+//! `POST URL/v1development/profiles`, an `ExportProfilesServiceRequest`
+//! built in `otlp`, through the same kind of [`Pusher`] (its own queue and
+//! counters, the report's `otlp`).
+//!
 //! Credentials never come from the command line: the basic-auth password
 //! is read from `MEMTRACE_PYROSCOPE_PASSWORD`, a bearer token from
 //! `MEMTRACE_PYROSCOPE_TOKEN`; neither is ever printed.
 
+mod otlp;
 pub mod proto;
 mod request;
 mod worker;
@@ -29,12 +36,17 @@ use clap::Args;
 pub use crate::report::PushStats;
 pub use worker::{Policy, Pusher};
 
+#[cfg(test)]
+pub(crate) use otlp::request as otlp_request;
+
 /// The environment variable holding the basic-auth password.
 pub const PASSWORD_ENV: &str = "MEMTRACE_PYROSCOPE_PASSWORD";
 /// The environment variable holding a bearer token.
 pub const TOKEN_ENV: &str = "MEMTRACE_PYROSCOPE_TOKEN";
 /// The path of the push API under the store's URL.
 pub const PUSH_PATH: &str = "/push.v1.PusherService/Push";
+/// The path of the OTLP/HTTP profiles signal under a Collector's URL.
+pub const OTLP_PROFILES_PATH: &str = "/v1development/profiles";
 
 /// Options of the push to a profile store (shared by the tracer and `watch`).
 #[derive(Clone, Debug, Default, Args)]
@@ -47,8 +59,18 @@ pub struct PushArgs {
     #[arg(long, value_name = "URL")]
     pub pyroscope: Option<String>,
 
-    /// The profiles' `service_name` label (default: the traced process's name).
-    #[arg(long, value_name = "NAME", requires = "pyroscope")]
+    /// Experimental: push each report (as --pyroscope does) to an
+    /// OpenTelemetry Collector at URL (http:// or https://, e.g.
+    /// http://otel-collector:4318) as the OTLP profiles signal
+    /// (v1development, POST URL/v1development/profiles), one profile per
+    /// sample type. The Collector needs an OTLP receiver and the feature
+    /// gate service.profilesSupport; the signal may still change upstream.
+    #[arg(long, value_name = "URL")]
+    pub otlp_profiles: Option<String>,
+
+    /// The profiles' `service_name` label and `service.name` resource
+    /// attribute (default: the traced process's name).
+    #[arg(long, value_name = "NAME")]
     pub service_name: Option<String>,
 
     /// Basic-auth user for --pyroscope (Grafana Cloud: the stack's user id);
@@ -70,6 +92,7 @@ impl PushArgs {
         let mut out = Vec::new();
         for (flag, value) in [
             ("--pyroscope", &self.pyroscope),
+            ("--otlp-profiles", &self.otlp_profiles),
             ("--service-name", &self.service_name),
             ("--pyroscope-user", &self.pyroscope_user),
             ("--pyroscope-tenant", &self.pyroscope_tenant),
@@ -86,10 +109,20 @@ impl PushArgs {
 /// Why the push options cannot be used.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
-    #[error("--pyroscope: '{url}' is not an http:// or https:// URL with a host{why}")]
-    Url { url: String, why: &'static str },
-    #[error("--pyroscope: '{url}' carries credentials: give --pyroscope-user and set MEMTRACE_PYROSCOPE_PASSWORD instead")]
-    Credentials { url: String },
+    #[error("--{flag}: '{url}' is not an http:// or https:// URL with a host{why}")]
+    Url {
+        flag: &'static str,
+        url: String,
+        why: &'static str,
+    },
+    #[error("--{flag}: '{url}' carries credentials{instead}")]
+    Credentials {
+        flag: &'static str,
+        url: String,
+        instead: &'static str,
+    },
+    #[error("--service-name needs --pyroscope or --otlp-profiles")]
+    NoTarget,
     #[error("--pyroscope-user needs the password in the environment variable MEMTRACE_PYROSCOPE_PASSWORD")]
     NoPassword,
     #[error("MEMTRACE_PYROSCOPE_PASSWORD is set but --pyroscope-user is not")]
@@ -152,23 +185,13 @@ impl PushConfig {
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Option<PushConfig>, ConfigError> {
         let Some(url) = &args.pyroscope else {
+            if args.otlp_profiles.is_none() && args.service_name.is_some() {
+                return Err(ConfigError::NoTarget);
+            }
             return Ok(None);
         };
         let endpoint = endpoint(url)?;
-        for (flag, value) in [
-            ("service-name", &args.service_name),
-            ("pyroscope-user", &args.pyroscope_user),
-            ("pyroscope-tenant", &args.pyroscope_tenant),
-        ] {
-            if let Some(value) = value {
-                if value.trim().is_empty() || value.chars().any(char::is_control) {
-                    return Err(ConfigError::BadValue {
-                        flag,
-                        value: value.clone(),
-                    });
-                }
-            }
-        }
+        check_values(args)?;
         let password = env(PASSWORD_ENV).filter(|p| !p.is_empty());
         let token = env(TOKEN_ENV).filter(|t| !t.is_empty());
         let auth = match (&args.pyroscope_user, password, token) {
@@ -201,11 +224,90 @@ impl PushConfig {
     }
 }
 
+/// The values of the push options: none empty or with control characters.
+fn check_values(args: &PushArgs) -> Result<(), ConfigError> {
+    for (flag, value) in [
+        ("service-name", &args.service_name),
+        ("pyroscope-user", &args.pyroscope_user),
+        ("pyroscope-tenant", &args.pyroscope_tenant),
+    ] {
+        if let Some(value) = value {
+            if value.trim().is_empty() || value.chars().any(char::is_control) {
+                return Err(ConfigError::BadValue {
+                    flag,
+                    value: value.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `--otlp-profiles` options, checked.
+#[derive(Clone, Debug)]
+pub struct OtlpConfig {
+    /// The URL, without a trailing `/`, and [`OTLP_PROFILES_PATH`].
+    pub endpoint: String,
+    pub service_name: Option<String>,
+}
+
+impl OtlpConfig {
+    /// The checked options, or `None` without `--otlp-profiles`.
+    pub fn from_args(args: &PushArgs) -> Result<Option<OtlpConfig>, ConfigError> {
+        let Some(url) = &args.otlp_profiles else {
+            return Ok(None);
+        };
+        let endpoint = endpoint_at("otlp-profiles", url, OTLP_PROFILES_PATH)?;
+        check_values(args)?;
+        Ok(Some(OtlpConfig {
+            endpoint,
+            service_name: args.service_name.clone(),
+        }))
+    }
+}
+
+/// Where a [`Pusher`] sends, and in which form.
+#[derive(Clone, Debug)]
+pub enum Endpoint {
+    /// Pyroscope's push API: a gzipped pprof profile in a `PushRequest`.
+    Pyroscope(PushConfig),
+    /// An OpenTelemetry Collector: the OTLP profiles signal over HTTP.
+    Otlp(OtlpConfig),
+}
+
+impl From<PushConfig> for Endpoint {
+    fn from(config: PushConfig) -> Self {
+        Endpoint::Pyroscope(config)
+    }
+}
+
+impl From<OtlpConfig> for Endpoint {
+    fn from(config: OtlpConfig) -> Self {
+        Endpoint::Otlp(config)
+    }
+}
+
+impl Endpoint {
+    /// The URL requests go to.
+    pub fn url(&self) -> &str {
+        match self {
+            Endpoint::Pyroscope(config) => &config.endpoint,
+            Endpoint::Otlp(config) => &config.endpoint,
+        }
+    }
+}
+
 /// The push endpoint of a store's URL: `http(s)://HOST[:PORT][/PREFIX]`
 /// with [`PUSH_PATH`] after it. No user or password in it (they would show
 /// in process listings and logs), no query or fragment.
 pub fn endpoint(url: &str) -> Result<String, ConfigError> {
+    endpoint_at("pyroscope", url, PUSH_PATH)
+}
+
+/// [`endpoint`] for the URL given to `--FLAG`, with `path` after it.
+fn endpoint_at(flag: &'static str, url: &str, path: &str) -> Result<String, ConfigError> {
     let bad = |why: &'static str| ConfigError::Url {
+        flag,
         url: url.to_string(),
         why,
     };
@@ -215,7 +317,15 @@ pub fn endpoint(url: &str) -> Result<String, ConfigError> {
         .ok_or_else(|| bad(""))?;
     let authority = rest.split('/').next().unwrap_or_default();
     if authority.contains('@') {
-        return Err(ConfigError::Credentials { url: redact(url) });
+        return Err(ConfigError::Credentials {
+            flag,
+            url: redact(url),
+            instead: if flag == "pyroscope" {
+                ": give --pyroscope-user and set MEMTRACE_PYROSCOPE_PASSWORD instead"
+            } else {
+                ""
+            },
+        });
     }
     if authority.is_empty() || authority.starts_with(':') {
         return Err(bad(": no host"));
@@ -226,7 +336,7 @@ pub fn endpoint(url: &str) -> Result<String, ConfigError> {
     if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(bad(": it holds spaces"));
     }
-    let endpoint = format!("{}{PUSH_PATH}", url.trim_end_matches('/'));
+    let endpoint = format!("{}{path}", url.trim_end_matches('/'));
     endpoint
         .parse::<ureq::http::Uri>()
         .map_err(|_| bad(": it does not parse"))?;

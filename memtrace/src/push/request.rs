@@ -12,6 +12,26 @@ use super::PushConfig;
 use crate::report::Report;
 use crate::sink::pprof;
 
+/// The service's name: `--service-name`, else the process's name.
+pub(crate) fn service_name(report: &Report, configured: Option<&str>) -> String {
+    configured
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .or_else(|| Some(report.target.comm.clone()).filter(|c| !c.is_empty()))
+        .unwrap_or_else(|| "memtrace".to_string())
+}
+
+/// The container's name, else the first 12 characters of its id.
+pub(crate) fn container_name(report: &Report) -> Option<String> {
+    let placement = &report.target.placement;
+    placement.container_name.clone().or_else(|| {
+        placement
+            .container_id
+            .as_ref()
+            .map(|id| id.chars().take(12).collect())
+    })
+}
+
 /// The labels of a report's series, sorted by name (as the store keeps
 /// them): `__name__="memory"`, `__delta__="false"` (each profile is the
 /// live memory at its time, not a change), `service_name` (`--service-name`,
@@ -26,18 +46,8 @@ pub fn labels(
 ) -> Vec<LabelPair> {
     let target = &report.target;
     let placement = &target.placement;
-    let service = config
-        .service_name
-        .clone()
-        .filter(|s| !s.is_empty())
-        .or_else(|| Some(target.comm.clone()).filter(|c| !c.is_empty()))
-        .unwrap_or_else(|| "memtrace".to_string());
-    let container = placement.container_name.clone().or_else(|| {
-        placement
-            .container_id
-            .as_ref()
-            .map(|id| id.chars().take(12).collect())
-    });
+    let service = service_name(report, config.service_name.as_deref());
+    let container = container_name(report);
     let mut pairs: Vec<LabelPair> = [
         ("__name__", Some("memory".to_string())),
         ("__delta__", Some("false".to_string())),
@@ -115,6 +125,20 @@ pub(crate) fn host_name() -> Option<String> {
 
 /// A random (version 4) UUID for a profile's id.
 pub(crate) fn profile_id() -> String {
+    let bytes = random_id();
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// 16 random bytes with a version 4 UUID's marks (never all zero).
+pub(crate) fn random_id() -> [u8; 16] {
     let mut bytes = [0u8; 16];
     // SAFETY: `bytes` is valid for writes of its length for the call.
     let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
@@ -127,13 +151,5 @@ pub(crate) fn profile_id() -> String {
     }
     bytes[6] = (bytes[6] & 0x0f) | 0x40;
     bytes[8] = (bytes[8] & 0x3f) | 0x80;
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
+    bytes
 }

@@ -288,6 +288,7 @@ fn credentials_come_from_the_environment_and_never_show() {
 fn watch_passes_the_push_options_to_its_tracer() {
     let args = PushArgs {
         pyroscope: Some("http://store:4040".into()),
+        otlp_profiles: None,
         service_name: Some("shop".into()),
         pyroscope_user: None,
         pyroscope_tenant: Some("t".into()),
@@ -541,6 +542,7 @@ fn pushes_to_a_real_pyroscope_when_asked() {
     };
     let args = PushArgs {
         pyroscope: Some(url),
+        otlp_profiles: None,
         service_name: Some("memtrace-test".into()),
         pyroscope_user: std::env::var("MEMTRACE_PYROSCOPE_USER").ok(),
         pyroscope_tenant: std::env::var("MEMTRACE_PYROSCOPE_TENANT").ok(),
@@ -552,4 +554,249 @@ fn pushes_to_a_real_pyroscope_when_asked() {
     pusher.offer(fixture::report());
     let stats = pusher.finish();
     assert_eq!((stats.sent, stats.failed), (1, 0), "{stats:?}");
+}
+
+fn otlp_config(url: &str) -> OtlpConfig {
+    let args = PushArgs {
+        otlp_profiles: Some(url.to_string()),
+        ..PushArgs::default()
+    };
+    OtlpConfig::from_args(&args)
+        .expect("valid")
+        .expect("configured")
+}
+
+/// A resource attribute's text (or number, as text).
+fn attribute(
+    attributes: &[opentelemetry_proto::tonic::common::v1::KeyValue],
+    key: &str,
+) -> Option<String> {
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    let value = attributes.iter().find(|a| a.key == key)?.value.as_ref()?;
+    match value.value.as_ref()? {
+        Value::StringValue(text) => Some(text.clone()),
+        Value::IntValue(number) => Some(number.to_string()),
+        _ => None,
+    }
+}
+
+/// The request's sample types, and the value at `alloc_buffers` (the
+/// fixture's leak: 4096 bytes in one block) in each profile, resolved
+/// through the dictionary's stack, location, function and string tables.
+fn assert_otlp_holds_the_leak(
+    request: &opentelemetry_proto::tonic::collector::profiles::v1development::ExportProfilesServiceRequest,
+) {
+    let dict = request.dictionary.as_ref().expect("a dictionary");
+    assert_eq!(dict.string_table[0], "");
+    let s = |i: i32| dict.string_table[i as usize].as_str();
+    let profiles = &request.resource_profiles[0].scope_profiles[0].profiles;
+    let types: Vec<(&str, &str)> = profiles
+        .iter()
+        .map(|p| {
+            let t = p.sample_type.as_ref().expect("a sample type");
+            (s(t.type_strindex), s(t.unit_strindex))
+        })
+        .collect();
+    assert_eq!(
+        types,
+        [("inuse_space", "bytes"), ("inuse_objects", "count")]
+    );
+    let leaf = |sample: &opentelemetry_proto::tonic::profiles::v1development::Sample| {
+        let stack = &dict.stack_table[sample.stack_index as usize];
+        let location = &dict.location_table[stack.location_indices[0] as usize];
+        let function = &dict.function_table[location.lines[0].function_index as usize];
+        s(function.name_strindex).to_string()
+    };
+    let at_leak: Vec<i64> = profiles
+        .iter()
+        .map(|p| {
+            p.samples
+                .iter()
+                .find(|sample| leaf(sample) == "alloc_buffers")
+                .expect("the leak's site")
+                .values[0]
+        })
+        .collect();
+    assert_eq!(at_leak, [4096, 1]);
+    let total: i64 = profiles[0].samples.iter().map(|s| s.values[0]).sum();
+    assert_eq!(total, 4096 + 300 + 50);
+    assert_ne!(profiles[0].profile_id, profiles[1].profile_id);
+    assert_eq!(profiles[0].profile_id.len(), 16);
+}
+
+#[test]
+fn otlp_urls_are_checked() {
+    assert_eq!(
+        otlp_config("http://otel-collector:4318/").endpoint,
+        "http://otel-collector:4318/v1development/profiles"
+    );
+    for bad in ["otel:4318", "http://", "http://host?x=1"] {
+        let args = PushArgs {
+            otlp_profiles: Some(bad.to_string()),
+            ..PushArgs::default()
+        };
+        let err = OtlpConfig::from_args(&args).expect_err(bad);
+        assert!(
+            matches!(
+                err,
+                ConfigError::Url {
+                    flag: "otlp-profiles",
+                    ..
+                }
+            ),
+            "{bad}"
+        );
+        assert!(err.to_string().starts_with("--otlp-profiles: "), "{err}");
+    }
+    let args = PushArgs {
+        otlp_profiles: Some("http://u:pw@host".into()),
+        ..PushArgs::default()
+    };
+    let err = OtlpConfig::from_args(&args).expect_err("credentials");
+    assert!(!err.to_string().contains("pw@"), "{err}");
+    // --service-name alone pushes nowhere.
+    let alone = PushArgs {
+        service_name: Some("x".into()),
+        ..PushArgs::default()
+    };
+    assert_eq!(
+        PushConfig::from_args_with(&alone, |_| None).err(),
+        Some(ConfigError::NoTarget)
+    );
+    let with_otlp = PushArgs {
+        otlp_profiles: Some("http://c:4318".into()),
+        service_name: Some("x".into()),
+        ..PushArgs::default()
+    };
+    assert!(matches!(
+        PushConfig::from_args_with(&with_otlp, |_| None),
+        Ok(None)
+    ));
+    assert_eq!(
+        with_otlp.as_tracer_args(),
+        ["--otlp-profiles", "http://c:4318", "--service-name", "x"]
+    );
+}
+
+#[test]
+fn otlp_request_carries_the_resource_sample_types_and_the_leak() {
+    let mut report = fixture::report();
+    report.target.placement = crate::target::container::Placement::sample_pod();
+    let request = otlp_request(
+        &report,
+        &otlp_config("http://c"),
+        Some("node-host"),
+        Some("node-1"),
+        [7; 16],
+    )
+    .expect("not empty");
+    let attributes = &request.resource_profiles[0]
+        .resource
+        .as_ref()
+        .expect("a resource")
+        .attributes;
+    for (key, value) in [
+        ("service.name", "app"),
+        ("host.name", "node-host"),
+        ("process.pid", "4242"),
+        ("k8s.pod.name", "web-0"),
+        ("k8s.namespace.name", "shop"),
+        ("k8s.container.name", "app"),
+        ("k8s.node.name", "node-1"),
+    ] {
+        assert_eq!(attribute(attributes, key).as_deref(), Some(value), "{key}");
+    }
+    assert_otlp_holds_the_leak(&request);
+    // --service-name wins; what is not known is left out.
+    let mut named = otlp_config("http://c");
+    named.service_name = Some("checkout".into());
+    let request = otlp_request(&fixture::report(), &named, None, None, [1; 16]).expect("request");
+    let attributes = &request.resource_profiles[0]
+        .resource
+        .as_ref()
+        .expect("a resource")
+        .attributes;
+    let keys: Vec<&str> = attributes.iter().map(|a| a.key.as_str()).collect();
+    assert_eq!(keys, ["service.name", "process.pid"]);
+    assert_eq!(
+        attribute(attributes, "service.name").as_deref(),
+        Some("checkout")
+    );
+    let mut empty = fixture::report();
+    empty.sites.clear();
+    assert!(otlp_request(&empty, &named, None, None, [1; 16]).is_none());
+}
+
+#[test]
+fn an_otlp_push_reaches_the_collector_whole() {
+    use opentelemetry_proto::tonic::collector::profiles::v1development::ExportProfilesServiceRequest;
+    let receiver = Receiver::start(Answer::Statuses(vec![200]));
+    let pusher = Pusher::start(otlp_config(&receiver.url), quick()).expect("starts");
+    pusher.offer(fixture::report());
+    let stats = pusher.finish();
+    assert_eq!((stats.sent, stats.failed), (1, 0), "{stats:?}");
+    assert!(stats.endpoint.ends_with(OTLP_PROFILES_PATH));
+    let got = receiver.requests();
+    assert_eq!(got.len(), 1);
+    let request = &got[0];
+    assert_eq!(request.method, "POST");
+    assert_eq!(request.path, OTLP_PROFILES_PATH);
+    assert_eq!(
+        request.headers.get("content-type").map(String::as_str),
+        Some("application/x-protobuf")
+    );
+    let decoded = ExportProfilesServiceRequest::decode(request.body.as_slice()).expect("decodes");
+    let attributes = &decoded.resource_profiles[0]
+        .resource
+        .as_ref()
+        .expect("a resource")
+        .attributes;
+    assert_eq!(
+        attribute(attributes, "service.name").as_deref(),
+        Some("app")
+    );
+    assert_otlp_holds_the_leak(&decoded);
+}
+
+#[test]
+fn a_collector_answering_500_or_down_loses_nothing_of_the_report() {
+    let failing = Receiver::start(Answer::Statuses(vec![500]));
+    for url in [failing.url.clone(), dead_url()] {
+        let dir = std::env::temp_dir().join(format!(
+            "memtrace-otlp-{}-{}",
+            std::process::id(),
+            url.len()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("report.json");
+        let otlp = Pusher::start(otlp_config(&url), quick()).expect("starts");
+        let pyroscope_receiver = Receiver::start(Answer::Statuses(vec![200]));
+        let pyroscope = Pusher::start(config(&pyroscope_receiver.url), quick()).expect("starts");
+        let output = crate::output::Output::open(
+            Some(&path),
+            crate::sink::Format::Json,
+            crate::sink::Names::Short,
+        )
+        .expect("opens")
+        .push_to(Some(pyroscope))
+        .otlp_to(Some(otlp));
+        let mut report = fixture::report();
+        output.finish(&mut report).expect("the report is written");
+        let written: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).expect("written")).expect("json");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(written["sites"][0]["live_bytes"], 4096, "{url}");
+        assert_eq!(written["sites"].as_array().map(Vec::len), Some(3));
+        let otlp = &written["otlp"];
+        assert_eq!(
+            (otlp["sent"].as_u64(), otlp["failed"].as_u64()),
+            (Some(0), Some(1)),
+            "{otlp}"
+        );
+        assert_eq!(otlp["retries"], 2);
+        assert!(otlp["last_error"].as_str().is_some(), "{otlp}");
+        // The Pyroscope push beside it is untouched, under its own key.
+        assert_eq!(written["push"]["sent"], 1, "{}", written["push"]);
+    }
+    assert_eq!(failing.requests().len(), 3, "one try and two retries");
 }

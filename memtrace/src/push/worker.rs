@@ -3,15 +3,18 @@
 //! thread of its own drains, building each request and sending it with
 //! retries and backoff. The trace only clones the report and wakes the
 //! thread: a slow or dead store never holds it up. At the end,
-//! [`Pusher::finish`] gives the queue a bounded time to drain.
+//! [`Pusher::finish`] gives the queue a bounded time to drain. One pusher
+//! serves one [`Endpoint`]: Pyroscope's push API or an OTLP Collector; only
+//! the request's body and headers differ.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::request::{host_name, profile_id, push_request};
-use super::{PushConfig, PushStats};
+use super::otlp::export_request;
+use super::request::{host_name, profile_id, push_request, random_id};
+use super::{Endpoint, PushStats};
 use crate::report::Report;
 
 /// How the pusher queues, waits and retries.
@@ -83,7 +86,7 @@ struct Shared {
     wake: Condvar,
     /// Signalled when the worker has finished a report.
     done: Condvar,
-    config: PushConfig,
+    config: Endpoint,
     policy: Policy,
 }
 
@@ -103,17 +106,20 @@ struct State {
 
 impl Pusher {
     /// Starts the thread. Plain http with credentials is warned about here.
-    pub fn start(config: PushConfig, policy: Policy) -> std::io::Result<Pusher> {
-        if config.credentials_in_clear() {
-            eprintln!(
-                "memtrace: warning: --pyroscope {} is plain http: its credentials travel unencrypted",
-                config.endpoint
-            );
+    pub fn start(config: impl Into<Endpoint>, policy: Policy) -> std::io::Result<Pusher> {
+        let config = config.into();
+        if let Endpoint::Pyroscope(pyroscope) = &config {
+            if pyroscope.credentials_in_clear() {
+                eprintln!(
+                    "memtrace: warning: --pyroscope {} is plain http: its credentials travel unencrypted",
+                    pyroscope.endpoint
+                );
+            }
         }
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 stats: PushStats {
-                    endpoint: config.endpoint.clone(),
+                    endpoint: config.url().to_string(),
                     ..PushStats::default()
                 },
                 ..State::default()
@@ -248,8 +254,12 @@ fn run(shared: &Shared) {
                     if !state.warned {
                         state.warned = true;
                         eprintln!(
-                            "memtrace: warning: pushing to {} failed: {why} (later failures are counted in the report's `push` and in /metrics, not logged)",
-                            shared.config.endpoint
+                            "memtrace: warning: pushing to {} failed: {why} (later failures are counted in the report's `{}` and in /metrics, not logged)",
+                            shared.config.url(),
+                            match shared.config {
+                                Endpoint::Pyroscope(_) => "push",
+                                Endpoint::Otlp(_) => "otlp",
+                            }
                         );
                     }
                     state.stats.last_error = Some(why);
@@ -276,7 +286,11 @@ fn push_one(
     host: Option<&str>,
     node: Option<&str>,
 ) -> Outcome {
-    let body = match push_request(report, &shared.config, host, node, profile_id()) {
+    let built = match &shared.config {
+        Endpoint::Pyroscope(config) => push_request(report, config, host, node, profile_id()),
+        Endpoint::Otlp(config) => export_request(report, config, host, node, random_id()),
+    };
+    let body = match built {
         Ok(Some(body)) => body,
         Ok(None) => return Outcome::Empty,
         Err(err) => return Outcome::Failed(TryError::Build(err.to_string()).to_string()),
@@ -333,16 +347,23 @@ fn agent(policy: &Policy) -> ureq::Agent {
 }
 
 /// One try: the request, and the store's answer judged.
-fn send(agent: &ureq::Agent, config: &PushConfig, body: &[u8]) -> Result<(), TryError> {
-    let mut request = agent
-        .post(&config.endpoint)
-        .header("Content-Type", "application/proto")
-        .header("Connect-Protocol-Version", "1");
-    if let Some(auth) = config.auth.header() {
-        request = request.header("Authorization", auth);
-    }
-    if let Some(tenant) = &config.tenant {
-        request = request.header("X-Scope-OrgID", tenant);
+fn send(agent: &ureq::Agent, endpoint: &Endpoint, body: &[u8]) -> Result<(), TryError> {
+    let mut request = agent.post(endpoint.url());
+    match endpoint {
+        Endpoint::Pyroscope(config) => {
+            request = request
+                .header("Content-Type", "application/proto")
+                .header("Connect-Protocol-Version", "1");
+            if let Some(auth) = config.auth.header() {
+                request = request.header("Authorization", auth);
+            }
+            if let Some(tenant) = &config.tenant {
+                request = request.header("X-Scope-OrgID", tenant);
+            }
+        }
+        Endpoint::Otlp(_) => {
+            request = request.header("Content-Type", "application/x-protobuf");
+        }
     }
     let mut response = request
         .send(body)

@@ -100,6 +100,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         device_cache: None,
         usdt: Vec::new(),
         push: None,
+        otlp: None,
         target: input.target,
         duration_ms: input.duration_ms,
         interim: false,

@@ -84,10 +84,14 @@ pub struct Report {
     /// profile store so far; absent without.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub push: Option<PushStats>,
+    /// With `--otlp-profiles URL`: what became of the reports pushed to the
+    /// OpenTelemetry Collector so far (the same counters); absent without.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub otlp: Option<PushStats>,
 }
 
-/// The reports pushed to a profile store (`--pyroscope`), counted: none is
-/// lost silently.
+/// The reports pushed to a profile store (`--pyroscope`) or a Collector
+/// (`--otlp-profiles`), counted: none is lost silently.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PushStats {
     /// Where they go (the push endpoint; credentials never appear in it).

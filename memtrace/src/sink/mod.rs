@@ -254,6 +254,7 @@ pub(crate) mod fixture {
             device_cache: None,
             usdt: Vec::new(),
             push: None,
+            otlp: None,
             python: Vec::new(),
             processes: Vec::new(),
             attach_failures: Vec::new(),

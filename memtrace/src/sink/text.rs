@@ -116,7 +116,7 @@ impl Sink for TextSink {
                 .collect();
             writeln!(out, "memtrace's own BPF time: {}", programs.join("; "))?;
         }
-        if let Some(push) = &report.push {
+        for push in report.push.iter().chain(&report.otlp) {
             writeln!(out, "{}", push_line(push))?;
         }
         if let Some(reconciliation) = &report.reconciliation {
@@ -194,7 +194,8 @@ impl Sink for TextSink {
 }
 
 /// The site's trend and leak pattern in words.
-/// What became of the pushes to the profile store (`--pyroscope`).
+/// What became of the pushes to the profile store (`--pyroscope`) or the
+/// Collector (`--otlp-profiles`).
 fn push_line(push: &crate::report::PushStats) -> String {
     let mut line = format!(
         "pushed to {}: {} sent, {} failed, {} dropped, {} retries",

@@ -60,6 +60,8 @@ impl Plan {
         };
         let push = crate::push::PushConfig::from_env(&args.push)
             .map_err(|err| Failure::usage(err.to_string()))?;
+        let otlp = crate::push::OtlpConfig::from_args(&args.push)
+            .map_err(|err| Failure::usage(err.to_string()))?;
         let catalog = catalog_for(args)?;
         crate::kernel::privilege::check(args.command.is_empty())?;
         let pusher = match push {
@@ -70,12 +72,23 @@ impl Plan {
             ),
             None => None,
         };
+        let otlp = match otlp {
+            Some(config) => Some(
+                crate::push::Pusher::start(config, crate::push::Policy::default()).map_err(
+                    |err| {
+                        Failure::runtime(format!("--otlp-profiles: cannot start the push: {err}"))
+                    },
+                )?,
+            ),
+            None => None,
+        };
         let output = Output::open(
             args.output.as_deref(),
             args.format,
             crate::sink::Names::full_if(args.full_names),
         )?
-        .push_to(pusher);
+        .push_to(pusher)
+        .otlp_to(otlp);
         Ok(Plan {
             selector,
             suppressions,

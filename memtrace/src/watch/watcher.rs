@@ -64,6 +64,8 @@ impl Watcher {
         // here, once, and passed on (the credentials in the environment).
         crate::push::PushConfig::from_env(&args.push)
             .map_err(|e| WatchError::Usage(e.to_string()))?;
+        crate::push::OtlpConfig::from_args(&args.push)
+            .map_err(|e| WatchError::Usage(e.to_string()))?;
         let mut tracer_args = args.push.as_tracer_args();
         tracer_args.append(&mut args.tracer_args);
         args.tracer_args = tracer_args;
