@@ -150,3 +150,64 @@ fn a_store_that_is_down_loses_nothing_of_the_trace() {
         "the failed push is counted: {push}"
     );
 }
+
+#[test]
+fn a_real_trace_exports_its_leaks_to_an_otlp_collector() {
+    use opentelemetry_proto::tonic::collector::profiles::v1development::ExportProfilesServiceRequest;
+    use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+    if !privileged() {
+        return;
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let got = receive(listener);
+    let report = trace_fixture("leak_sites", &["--otlp-profiles", &url]);
+    assert_eq!(
+        site_totals(&report, "leak_b"),
+        (10000, 10),
+        "the trace is whole"
+    );
+    let otlp = &report["otlp"];
+    assert_eq!(otlp["failed"], 0, "{otlp}");
+    assert!(otlp["sent"].as_u64().unwrap_or(0) >= 1, "{otlp}");
+    let got = got.lock().expect("lock");
+    let (path, content_type, body) = got.last().expect("an export arrived");
+    assert_eq!(path, "/v1development/profiles");
+    assert_eq!(content_type, "application/x-protobuf");
+    let request = ExportProfilesServiceRequest::decode(body.as_slice()).expect("an export");
+    let resource = request.resource_profiles[0]
+        .resource
+        .as_ref()
+        .expect("a resource");
+    let service = resource
+        .attributes
+        .iter()
+        .find(|a| a.key == "service.name")
+        .and_then(|a| a.value.as_ref()?.value.clone());
+    assert_eq!(service, Some(Any::StringValue("leak_sites".into())));
+    let dict = request.dictionary.as_ref().expect("a dictionary");
+    let name = |i: i32| dict.string_table[i as usize].as_str();
+    let profiles = &request.resource_profiles[0].scope_profiles[0].profiles;
+    let space = profiles
+        .iter()
+        .find(|p| p.sample_type.as_ref().map(|t| name(t.type_strindex)) == Some("inuse_space"))
+        .expect("an inuse_space profile");
+    // leak_b's bytes: the samples whose stack holds leak_b.
+    let at_leak_b: i64 = space
+        .samples
+        .iter()
+        .filter(|sample| {
+            dict.stack_table[sample.stack_index as usize]
+                .location_indices
+                .iter()
+                .any(|&l| {
+                    dict.location_table[l as usize].lines.iter().any(|line| {
+                        name(dict.function_table[line.function_index as usize].name_strindex)
+                            == "leak_b"
+                    })
+                })
+        })
+        .map(|sample| sample.values[0])
+        .sum();
+    assert_eq!(at_leak_b, 10000, "leak_b's 10 x 1000 B");
+}
