@@ -222,6 +222,10 @@ pub struct Summary {
     /// `push`: endpoint, sent, failed, dropped, retries, last_error).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub push: Option<Value>,
+    /// With `--otlp-profiles`: the tracer's export of the report (its
+    /// report's `otlp`, the same fields).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub otlp: Option<Value>,
 }
 
 /// Whether a report site's memory is what `family`/`metric` measures.
@@ -430,13 +434,14 @@ pub fn finish(run: &Running, input: Finish<'_>) -> Result<Summary, WatchError> {
     let (found_bytes, metric_growth, explained_ratio, explanation) =
         explain(&input.why, input.family, &input.change, &found, traced_ms);
     let push = report.as_ref().and_then(|r| r.get("push")).cloned();
-    if let Some(push) = &push {
-        let lost = push["failed"].as_u64().unwrap_or(0) + push["dropped"].as_u64().unwrap_or(0);
+    let otlp = report.as_ref().and_then(|r| r.get("otlp")).cloned();
+    for pushed in [&push, &otlp].into_iter().flatten() {
+        let lost = pushed["failed"].as_u64().unwrap_or(0) + pushed["dropped"].as_u64().unwrap_or(0);
         if lost > 0 {
             notes.push(format!(
                 "the report was not pushed to {}: {}",
-                push["endpoint"].as_str().unwrap_or("the profile store"),
-                push["last_error"].as_str().unwrap_or("unknown error")
+                pushed["endpoint"].as_str().unwrap_or("the profile store"),
+                pushed["last_error"].as_str().unwrap_or("unknown error")
             ));
         }
     }
@@ -458,6 +463,7 @@ pub fn finish(run: &Running, input: Finish<'_>) -> Result<Summary, WatchError> {
         files,
         notes,
         push,
+        otlp,
     };
     crate::watch::state::write_json(&run.dir.join(EPISODE_JSON), &summary)?;
     Ok(summary)
