@@ -135,4 +135,31 @@ mod tests {
         let parsed = Cli::try_parse_from(["memtrace", "--cgroup", "0::/a.slice"]).expect("parses");
         assert_eq!(parsed.trace.cgroup.as_deref(), Some("0::/a.slice"));
     }
+
+    #[test]
+    fn pod_selects_alone_in_trace_and_watch() {
+        for (flag, value) in [
+            ("--pid", "1"),
+            ("--name", "y"),
+            ("--container", "ab"),
+            ("--cgroup", "/x"),
+        ] {
+            for args in [
+                vec!["memtrace", "--pod", "shop/web-0", flag, value],
+                vec!["memtrace", flag, value, "--pod", "shop/web-0"],
+                vec!["memtrace", "watch", "--pod", "shop/web-0", flag, value],
+            ] {
+                assert!(Cli::try_parse_from(&args).is_err(), "{args:?}");
+            }
+        }
+        assert!(Cli::try_parse_from(["memtrace", "--pod", "web-0", "--", "ls"]).is_err());
+        let parsed = Cli::try_parse_from(["memtrace", "--pod", "shop/web-0"]).expect("parses");
+        assert_eq!(parsed.trace.pod.as_deref(), Some("shop/web-0"));
+        let parsed = Cli::try_parse_from(["memtrace", "watch", "--pod", "web-0", "--dry-run"])
+            .expect("parses");
+        let Some(Command::Watch(watch)) = parsed.command else {
+            panic!("the watch command");
+        };
+        assert_eq!(watch.pod.as_deref(), Some("web-0"));
+    }
 }

@@ -12,7 +12,8 @@
 //! and containerd name it, selected by `--cgroup` (memtrace in its own mount
 //! namespace, the host's files under `MEMTRACE_HOST_ROOT`) and by
 //! `--container`: exact bytes, pod name, namespace and container name from
-//! the kubelet's files.
+//! the kubelet's files; and by `--pod NAMESPACE/NAME` and `--pod NAME`, a
+//! process that joins the pod after the start found too.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
@@ -608,16 +609,24 @@ struct KubePod {
     id: String,
     uid: String,
     namespace: String,
+    /// The pod's name.
+    name: String,
     /// Files, links and directories made on the host, removed in reverse.
     made: Vec<PathBuf>,
 }
 
 impl KubePod {
     fn create() -> Option<KubePod> {
+        KubePod::create_named("web-0", 0)
+    }
+
+    /// A pod `name` (tests running at once each give their own `salt`: the
+    /// uid and container id differ).
+    fn create_named(name: &str, salt: u8) -> Option<KubePod> {
         let v2 = cgroup2_mount()?;
         let tag = format!("{:012x}", std::process::id());
-        let uid = format!("0a1b2c3d-4e5f-6789-abcd-{tag}");
-        let id = format!("c0ffee{tag}").repeat(4)[..64].to_string();
+        let uid = format!("0a1b2c{salt:02x}-4e5f-6789-abcd-{tag}");
+        let id = format!("c0ffe{salt:x}{tag}").repeat(4)[..64].to_string();
         let namespace = format!("memtrace-test-{}", std::process::id());
         let path = format!(
             "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{id}.scope",
@@ -630,6 +639,7 @@ impl KubePod {
             id,
             uid,
             namespace,
+            name: name.to_string(),
             made: Vec::new(),
         };
         let mut dir = v2;
@@ -648,13 +658,16 @@ impl KubePod {
                 pod.made.push(dir);
             }
         }
-        let pod_dir = PathBuf::from(format!("/var/log/pods/{}_web-0_{}", pod.namespace, pod.uid));
+        let pod_dir = PathBuf::from(format!(
+            "/var/log/pods/{}_{}_{}",
+            pod.namespace, pod.name, pod.uid
+        ));
         fs::create_dir_all(pod_dir.join("app")).expect("pod log directory");
         pod.made.push(pod_dir.clone());
         fs::write(pod_dir.join("app/0.log"), "").expect("container log");
         let link = PathBuf::from(format!(
-            "/var/log/containers/web-0_{}_app-{}.log",
-            pod.namespace, pod.id
+            "/var/log/containers/{}_{}_app-{}.log",
+            pod.name, pod.namespace, pod.id
         ));
         std::os::unix::fs::symlink(pod_dir.join("app/0.log"), &link).expect("log link");
         pod.made.push(link);
@@ -771,4 +784,77 @@ fn a_pod_in_cgroup_v2_is_named_from_the_kubelets_files_on_the_host() {
         ),
         "{target}"
     );
+}
+
+#[test]
+fn a_pod_is_selected_by_namespace_and_name_and_later_processes_join() {
+    if !privileged() {
+        return;
+    }
+    let Some(pod) = KubePod::create_named("api-1", 1) else {
+        eprintln!("SKIPPED: no writable cgroup v2 hierarchy");
+        return;
+    };
+    let given = format!("{}/{}", pod.namespace, pod.name);
+    let mut first = crate::support::Fixture::start("leak_sites", &["30", "30"]);
+    pod.enter(first.pid);
+    let mut tracer = Tracer::attach(&["--pod", &given, "--format", "json", "--top", "500"]);
+    // A process that joins the pod after the start is found by the poll.
+    let mut second = crate::support::Fixture::start("leak_sites", &["30", "30"]);
+    pod.enter(second.pid);
+    tracer.wait_for_stderr(&format!("too: it is in pod {given}"));
+    first.go();
+    second.go();
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report();
+    // Both processes' leaks, merged by call path.
+    assert_eq!(site_totals(&report, "leak_a"), (9600, 200), "{stderr}");
+    let target = &report["target"];
+    assert_eq!(target["pid"], first.pid, "{stderr}");
+    let processes: Vec<&Value> = report["processes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .collect();
+    let pids: Vec<u64> = processes.iter().filter_map(|p| p["pid"].as_u64()).collect();
+    assert!(
+        pids.contains(&u64::from(first.pid)) && pids.contains(&u64::from(second.pid)),
+        "{pids:?}"
+    );
+    for process in &processes {
+        assert_eq!(process["pod_name"], pod.name.as_str(), "{process}");
+        assert_eq!(
+            process["pod_namespace"],
+            pod.namespace.as_str(),
+            "{process}"
+        );
+        assert_eq!(process["container_name"], "app", "{process}");
+    }
+    // NAME alone, no other namespace having such a pod: the same pod.
+    drop((first, second));
+    let mut third = crate::support::Fixture::start("leak_sites", &["30", "30"]);
+    pod.enter(third.pid);
+    let tracer = Tracer::attach(&["--pod", &pod.name, "--format", "json", "--top", "500"]);
+    third.go();
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report();
+    assert_eq!(site_totals(&report, "leak_a"), (4800, 100), "{stderr}");
+    assert_eq!(report["target"]["pid"], third.pid, "{stderr}");
+    assert_eq!(
+        report["processes"][0]["pod_namespace"],
+        pod.namespace.as_str()
+    );
+    // A pod not on this node, and a namespace without it: one line, exit 2.
+    for missing in [
+        format!("{}/memtrace-no-such-pod", pod.namespace),
+        format!("memtrace-no-such-namespace/{}", pod.name),
+    ] {
+        let out = crate::support::memtrace(&["--pod", &missing]);
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(&format!("--pod {missing}: no such pod on this node")),
+            "{stderr}"
+        );
+    }
 }

@@ -248,7 +248,7 @@ fn is_uid(text: &str) -> bool {
 
 /// A DNS subdomain as Kubernetes names use it: lower-case letters, digits,
 /// `-` and `.`, 1 to 253 characters.
-fn is_dns(text: &str) -> bool {
+pub fn is_dns(text: &str) -> bool {
     !text.is_empty()
         && text.len() <= 253
         && text

@@ -1,7 +1,7 @@
 //! Which processes a selection means, at the start and while they run:
-//! `--name NAME`, `--container ID` or `--cgroup PATH` ([`Selector`]); the
-//! tracer and `memtrace watch` poll [`Finder::find`] for processes that join
-//! it later.
+//! `--name NAME`, `--container ID`, `--cgroup PATH` or `--pod
+//! NAMESPACE/NAME` ([`Selector`]); the tracer and `memtrace watch` poll
+//! [`Finder::find`] for processes that join it later.
 //!
 //! A process has the name when its `comm` is NAME (the kernel keeps 15 bytes
 //! of it: a longer NAME matches a comm that is its first 15 bytes), or the
@@ -9,11 +9,16 @@
 //! container when the container id read from its `/proc/PID/cgroup` (as the
 //! reports show it, [`container::container`]) is the one the `--container`
 //! prefix resolved to; in a cgroup when one of its `/proc/PID/cgroup` entries
-//! is that cgroup or lies below it. memtrace itself, kernel threads and
-//! zombies never match.
+//! is that cgroup or lies below it; in a pod when the pod its cgroup names
+//! is that pod, by namespace and name as the reports show them
+//! ([`pods`]). memtrace itself, kernel threads and zombies never match.
+
+mod pods;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+pub use pods::PodSpec;
 
 use crate::error::Failure;
 use crate::target;
@@ -28,6 +33,8 @@ pub enum Selector {
     Container(String),
     /// `--cgroup PATH`.
     Cgroup(CgroupSpec),
+    /// `--pod NAMESPACE/NAME`: the pod `NAME` alone resolved to.
+    Pod(PodSpec),
 }
 
 /// A cgroup as `/proc/PID/cgroup` names it.
@@ -104,13 +111,15 @@ impl std::fmt::Display for CgroupSpec {
 }
 
 impl Selector {
-    /// The selection `--name`, `--container` or `--cgroup` asks for (clap
-    /// lets at most one through); a container prefix is resolved against
-    /// the running processes' cgroups here. Bad input is a usage failure.
+    /// The selection `--name`, `--container`, `--cgroup` or `--pod` asks
+    /// for (clap lets at most one through); a container prefix is resolved
+    /// against the running processes' cgroups here, a pod against the pods
+    /// on the node. Bad input is a usage failure.
     pub fn from_args(
         name: Option<&str>,
         container: Option<&str>,
         cgroup: Option<&str>,
+        pod: Option<&str>,
     ) -> Result<Option<Selector>, Failure> {
         if let Some(name) = name {
             return Ok(Some(Selector::Name(name.to_string())));
@@ -123,6 +132,9 @@ impl Selector {
                 .map(|spec| Some(Selector::Cgroup(spec)))
                 .map_err(Failure::usage);
         }
+        if let Some(given) = pod {
+            return resolve_pod(given, Path::new("/proc"), target::pod::host_roots()).map(Some);
+        }
         Ok(None)
     }
 
@@ -132,6 +144,7 @@ impl Selector {
             Selector::Name(name) => format!("named {name}"),
             Selector::Container(id) => format!("in container {}", short_id(id)),
             Selector::Cgroup(spec) => format!("in cgroup {spec}"),
+            Selector::Pod(spec) => format!("in pod {spec}"),
         }
     }
 
@@ -156,28 +169,31 @@ impl Selector {
             Selector::Cgroup(spec) => format!(
                 "--cgroup {spec}: no running process is in this cgroup or below it (paths as /proc/PID/cgroup shows them)"
             ),
+            Selector::Pod(spec) => {
+                format!("--pod {spec}: no running process is in this pod on this node")
+            }
         }
     }
 
     /// What a process is looked at by, read once per poll: its comm for a
     /// name, its `/proc/PID/cgroup` for the others (a process that does not
     /// match is looked at again only once this changes).
-    fn key(&self, pid: u32) -> Option<String> {
+    fn key(&self, proc_root: &Path, pid: u32) -> Option<String> {
         let file = match self {
             Selector::Name(_) => "comm",
-            Selector::Container(_) | Selector::Cgroup(_) => "cgroup",
+            Selector::Container(_) | Selector::Cgroup(_) | Selector::Pod(_) => "cgroup",
         };
-        std::fs::read_to_string(format!("/proc/{pid}/{file}"))
+        std::fs::read_to_string(proc_root.join(pid.to_string()).join(file))
             .ok()
             .map(|text| text.trim_end_matches('\n').to_string())
     }
 
     /// Whether process `pid`, whose key is `key`, is selected.
-    fn matches(&self, pid: u32, key: &str) -> bool {
+    fn matches(&self, proc_root: &Path, pid: u32, key: &str) -> bool {
         match self {
             Selector::Name(name) => {
-                let (_, argv0) = process_names(Path::new("/proc"), pid);
-                let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+                let (_, argv0) = process_names(proc_root, pid);
+                let exe = std::fs::read_link(proc_root.join(pid.to_string()).join("exe")).ok();
                 let exe_name = exe
                     .as_deref()
                     .and_then(Path::file_name)
@@ -186,8 +202,23 @@ impl Selector {
             }
             Selector::Container(id) => container_of(key).as_deref() == Some(id.as_str()),
             Selector::Cgroup(spec) => spec.contains(key),
+            Selector::Pod(spec) => spec.contains(key),
         }
     }
+}
+
+/// The pod `--pod given` names among the pods on the node (the processes
+/// under `proc_root`, the node's files under `roots`); a usage failure when
+/// it names none or, `NAME` alone, pods in several namespaces.
+pub fn resolve_pod(
+    given: &str,
+    proc_root: &Path,
+    roots: Vec<PathBuf>,
+) -> Result<Selector, Failure> {
+    let pods = pods::pods_on_node(proc_root, &roots);
+    pods::resolve(given, &pods, roots)
+        .map(Selector::Pod)
+        .map_err(|err| Failure::usage(err.to_string()))
 }
 
 /// The container id a `/proc/PID/cgroup` text names, as the reports show it.
@@ -265,6 +296,8 @@ pub struct Finder {
     /// looked at again once its key changes (an `exec`, a cgroup move).
     rejected: HashMap<u32, String>,
     own: u32,
+    /// Where the processes are listed: `/proc` (another tree in tests).
+    proc_root: PathBuf,
 }
 
 impl Finder {
@@ -273,6 +306,7 @@ impl Finder {
             selector,
             rejected: HashMap::new(),
             own: std::process::id(),
+            proc_root: PathBuf::from("/proc"),
         }
     }
 
@@ -283,8 +317,15 @@ impl Finder {
     /// The running processes selected, by ascending pid, leaving out those
     /// in `known`.
     pub fn find(&mut self, known: &BTreeSet<u32>) -> Vec<u32> {
-        let proc_root = Path::new("/proc");
-        let Ok(pids) = list_pids(proc_root) else {
+        self.find_with(known, |pid| target::inspect(pid).is_ok())
+    }
+
+    /// [`Finder::find`], with `traceable` saying whether a process that
+    /// matches can be looked at (a process of `/proc`: not a kernel thread
+    /// or a zombie).
+    fn find_with(&mut self, known: &BTreeSet<u32>, traceable: impl Fn(u32) -> bool) -> Vec<u32> {
+        let proc_root = self.proc_root.clone();
+        let Ok(pids) = list_pids(&proc_root) else {
             return Vec::new();
         };
         let listed: BTreeSet<u32> = pids.iter().copied().collect();
@@ -295,13 +336,13 @@ impl Finder {
                 continue;
             }
             // One read per process and poll in the steady state: the key.
-            let Some(key) = self.selector.key(pid) else {
+            let Some(key) = self.selector.key(&proc_root, pid) else {
                 continue;
             };
             if self.rejected.get(&pid) == Some(&key) {
                 continue;
             }
-            if self.selector.matches(pid, &key) && target::inspect(pid).is_ok() {
+            if self.selector.matches(&proc_root, pid, &key) && traceable(pid) {
                 self.rejected.remove(&pid);
                 found.push(pid);
             } else {
@@ -472,8 +513,11 @@ mod tests {
         assert_eq!(cgroup.what(), "in cgroup 0::/a.slice");
         // The cgroup's key is the whole /proc/PID/cgroup text.
         let own = std::process::id();
-        let key = cgroup.key(own).expect("own cgroup");
-        assert!(Selector::Cgroup(CgroupSpec::parse("/").expect("root")).matches(own, &key));
+        let proc_root = Path::new("/proc");
+        let key = cgroup.key(proc_root, own).expect("own cgroup");
+        assert!(
+            Selector::Cgroup(CgroupSpec::parse("/").expect("root")).matches(proc_root, own, &key)
+        );
         assert_eq!(
             container_of(&format!("0::/system.slice/docker-{id}.scope\n")),
             Some(id)

@@ -1,5 +1,5 @@
 //! The options of the tracer, the default command ([`TraceArgs`]): the
-//! target (`--pid`, `--name`, `--container`, `--cgroup`, `-- CMD`), what is
+//! target (`--pid`, `--name`, `--container`, `--cgroup`, `--pod`, `-- CMD`), what is
 //! probed and how stacks are walked, the report and its outputs, and the
 //! kernel-side limits (ring, stack map, unwind tables).
 
@@ -43,6 +43,13 @@ pub struct TraceArgs {
     /// and those that join it later.
     #[arg(long, value_name = "PATH", conflicts_with_all = ["pid", "command", "name"])]
     pub cgroup: Option<String>,
+
+    /// Trace every process of this Kubernetes pod on this node (NAMESPACE/NAME,
+    /// or NAME alone where no other namespace has a pod of that name; named
+    /// from the kubelet's and the runtime's files, as the reports name it),
+    /// each with probes of its own, and those that start in it later.
+    #[arg(long, value_name = "NAMESPACE/NAME", conflicts_with_all = ["pid", "command", "name", "container", "cgroup"])]
+    pub pod: Option<String>,
 
     /// Stop after tracing this long, counted once the probes are attached (e.g. 5s, 2m); default: until Ctrl-C or the target exits.
     #[arg(short, long, value_parser = parse_duration)]
@@ -182,7 +189,7 @@ pub struct TraceArgs {
     #[arg(long)]
     pub follow_forks: bool,
 
-    /// With --follow-forks, --name, --container or --cgroup: most processes
+    /// With --follow-forks, --name, --container, --cgroup or --pod: most processes
     /// traced at once (the target included); further ones are counted and
     /// named in a note.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]

@@ -21,7 +21,7 @@ const WAKEUP_BYTES: u64 = 64 << 10;
 
 /// What the arguments ask for, checked.
 pub struct Plan {
-    /// `--name`, `--container` or `--cgroup`.
+    /// `--name`, `--container`, `--cgroup` or `--pod`.
     pub selector: Option<Selector>,
     pub suppressions: Option<Suppressions>,
     /// `--prometheus`.
@@ -41,10 +41,11 @@ impl Plan {
             args.name.as_deref(),
             args.container.as_deref(),
             args.cgroup.as_deref(),
+            args.pod.as_deref(),
         )?;
         if args.pid.is_none() && selector.is_none() && args.command.is_empty() {
             return Err(Failure::usage(
-                "nothing to trace: give --pid PID, --name NAME, --container ID, --cgroup PATH, or -- CMD [ARGS...] (see memtrace --help)",
+                "nothing to trace: give --pid PID, --name NAME, --container ID, --cgroup PATH, --pod NAMESPACE/NAME, or -- CMD [ARGS...] (see memtrace --help)",
             )
             .into());
         }

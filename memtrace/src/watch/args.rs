@@ -1,5 +1,5 @@
 //! The options of `memtrace watch` ([`WatchArgs`]): the target (`--pid`,
-//! `--name`, `--container`, `--cgroup`), sampling and judging, episodes,
+//! `--name`, `--container`, `--cgroup`, `--pod`), sampling and judging, episodes,
 //! the duty cap and back-off, and the outputs.
 
 use std::path::PathBuf;
@@ -28,7 +28,7 @@ Options after `--` are passed to the tracer (e.g. -- --preset fds --stack-depth 
 
 Exit codes: 0 done (duration reached, target gone, SIGTERM), 1 error, 2 usage.
 
-With --container or --cgroup every process of the selection (also those
+With --container, --cgroup or --pod every process of the selection (also those
 started later) is sampled and judged on its own, after its own warm-up, and
 an episode traces the process that grows; device-wide GPU figures are judged
 only while the selection holds one process.
@@ -36,13 +36,14 @@ only while the selection holds one process.
 Examples:
   sudo memtrace watch --name smengine_demo --reports /var/lib/memtrace
   sudo memtrace watch --container 3f2a9c --reports /var/lib/memtrace
+  sudo memtrace watch --pod shop/web-0 --reports /var/lib/memtrace
   sudo memtrace watch --pid 1234 --reports out --window 2m --max-duty 2% --prometheus 9465
   memtrace watch --name my_service --dry-run";
 
 /// Options of `memtrace watch`.
 #[derive(Debug, Args)]
 #[command(after_help = AFTER_HELP)]
-#[command(group(ArgGroup::new("target").args(["pid", "name", "container", "cgroup"])))]
+#[command(group(ArgGroup::new("target").args(["pid", "name", "container", "cgroup", "pod"])))]
 pub struct WatchArgs {
     /// Watch this process (the watch ends when it exits).
     #[arg(short, long)]
@@ -65,6 +66,13 @@ pub struct WatchArgs {
     /// on its own.
     #[arg(long, value_name = "PATH")]
     pub cgroup: Option<String>,
+
+    /// Watch every process of this Kubernetes pod on this node
+    /// (`NAMESPACE/NAME`, or `NAME` alone where no other namespace has a pod
+    /// of that name), including processes started in it later; each is
+    /// judged on its own.
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    pub pod: Option<String>,
 
     /// Directory for episode reports, the heartbeat and the state file
     /// (created 0700). Required unless --dry-run.

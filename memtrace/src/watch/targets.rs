@@ -1,6 +1,6 @@
 //! Which processes the watch samples: one pid (the watch ends with it), the
 //! lowest pid with a name (followed across its restarts), or every process
-//! of a container or cgroup (members join and leave; each is judged on its
+//! of a container, cgroup or pod (members join and leave; each is judged on its
 //! own). The selections are the tracer's ([`crate::target::select`]).
 
 use std::collections::BTreeSet;
@@ -11,11 +11,11 @@ use crate::target::select::{Finder, Selector};
 use crate::watch::args::WatchArgs;
 use crate::watch::WatchError;
 
-/// What `--pid`, `--name`, `--container` or `--cgroup` asked for.
+/// What `--pid`, `--name`, `--container`, `--cgroup` or `--pod` asked for.
 pub enum Target {
     Pid(u32),
     Name(String),
-    /// `--container` or `--cgroup`: every process of the selection.
+    /// `--container`, `--cgroup` or `--pod`: every process of the selection.
     Selection(Finder),
 }
 
@@ -31,21 +31,26 @@ impl Target {
         if let Some(name) = args.name.as_deref().filter(|n| !n.is_empty()) {
             return Ok(Target::Name(name.to_string()));
         }
-        if args.container.is_some() || args.cgroup.is_some() {
-            let selector =
-                Selector::from_args(None, args.container.as_deref(), args.cgroup.as_deref())
-                    .map_err(|f| WatchError::Usage(f.message))?;
+        if args.container.is_some() || args.cgroup.is_some() || args.pod.is_some() {
+            let selector = Selector::from_args(
+                None,
+                args.container.as_deref(),
+                args.cgroup.as_deref(),
+                args.pod.as_deref(),
+            )
+            .map_err(|f| WatchError::Usage(f.message))?;
             if let Some(selector) = selector {
                 return Ok(Target::Selection(Finder::new(selector)));
             }
         }
         Err(WatchError::Usage(
-            "no target: give --pid PID, --name NAME, --container ID or --cgroup PATH (see memtrace watch --help)"
+            "no target: give --pid PID, --name NAME, --container ID, --cgroup PATH or --pod NAMESPACE/NAME (see memtrace watch --help)"
                 .into(),
         ))
     }
 
-    /// `pid 1234`, `name redis-server`, `container 0123456789ab`, `cgroup PATH`.
+    /// `pid 1234`, `name redis-server`, `container 0123456789ab`, `cgroup PATH`,
+    /// `pod NAMESPACE/NAME`.
     pub fn describe(&self) -> String {
         match self {
             Target::Pid(p) => format!("pid {p}"),
