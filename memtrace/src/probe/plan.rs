@@ -333,6 +333,14 @@ fn arm64_jump_target(function: &DefinedFunction) -> Option<u64> {
 mod tests {
     use super::*;
 
+    /// What `function` forwards to in `plan`, if it is a forwarder.
+    fn forwarded_to<'a>(plan: &'a LibraryPlan, function: &str) -> Option<&'a str> {
+        plan.forwarders
+            .iter()
+            .find(|f| f.function == function)
+            .map(|f| f.to.as_str())
+    }
+
     fn full_catalog() -> Vec<&'static FuncDef> {
         crate::probe::catalog::CATALOG.iter().collect()
     }
@@ -416,12 +424,7 @@ mod tests {
             .expect("readable")
             .expect("libstdc++ defines operator new");
         assert_eq!(plan.allocator, Some("libc"));
-        let forwards = |name: &str| {
-            plan.forwarders
-                .iter()
-                .find(|f| f.function == name)
-                .map(|f| f.to.as_str())
-        };
+        let forwards = |name: &str| forwarded_to(&plan, name);
         assert_eq!(forwards("_ZdlPv"), Some("free"), "{:?}", plan.forwarders);
         assert_eq!(forwards("_ZdlPvm"), Some("_ZdlPv"));
         assert_eq!(forwards("_Znam"), Some("_Znwm"));
@@ -512,12 +515,7 @@ mod tests {
         let plan = plan_library_as(Arch::Aarch64, &lib, &lib, &full_catalog(), true)
             .expect("readable")
             .expect("libstdc++ defines operator new");
-        let forwards = |name: &str| {
-            plan.forwarders
-                .iter()
-                .find(|f| f.function == name)
-                .map(|f| f.to.as_str())
-        };
+        let forwards = |name: &str| forwarded_to(&plan, name);
         // _ZdlPv: `b free@plt`; _ZdlPvm: `b _ZdlPv@plt`; _Znam: `b _Znwm@plt`.
         assert_eq!(forwards("_ZdlPv"), Some("free"), "{:?}", plan.forwarders);
         assert_eq!(forwards("_ZdlPvm"), Some("_ZdlPv"));

@@ -17,20 +17,9 @@ use object::{Object, ObjectSegment};
 /// Where distributions install debug files, as a process sees them.
 pub const DEBUG_DIRS: &[&str] = &["/usr/lib/debug", "/lib/debug"];
 
-/// Why an object file could not be read for its debug file.
-#[derive(Debug, thiserror::Error)]
-pub enum DebugError {
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{path} is not an ELF object: {source}")]
-    NotElf {
-        path: PathBuf,
-        source: object::Error,
-    },
-}
+/// Why an object file could not be read for its debug file: the errors of
+/// reading any ELF object (`probe::elf`).
+pub use crate::probe::elf::ElfError as DebugError;
 
 /// One loadable segment: `size` bytes at file `offset` mapped at `vaddr`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
