@@ -444,13 +444,18 @@ pub enum Counter {
     /// DWARF stacks answered by replaying an earlier walk of this CPU: the
     /// same registers, mappings and stack words read, so the same stack.
     StacksReplayed = 26,
+    /// A kernel without `bpf_loop` (the tail-call and compat objects): a
+    /// stack walk or Python frame read could not run in its tail-called
+    /// program (its pending table was full, or the tail call failed): the
+    /// stack came from frame pointers, or the Python frames were left out.
+    WalkNotStarted = 27,
 }
 
 /// Number of [`Counter`] slots.
 pub const COUNTER_SLOTS: u32 = 32;
 
 impl Counter {
-    pub const ALL: [Counter; 27] = [
+    pub const ALL: [Counter; 28] = [
         Counter::RingbufFull,
         Counter::StackFault,
         Counter::StackCollision,
@@ -478,6 +483,7 @@ impl Counter {
         Counter::SettledInKernel,
         Counter::SettledSeenTwice,
         Counter::StacksReplayed,
+        Counter::WalkNotStarted,
     ];
 }
 

@@ -109,7 +109,11 @@ fn free_own_hint(hint: u32) {
 
 /// Holds `event`, a heap allocation of the current thread, instead of
 /// sending it; false when it cannot be held (the caller sends it).
-#[inline(never)]
+// A function of its own where it may be (the verifier checks it once);
+// inlined in the tail-calling object, whose programs may hold no BPF-to-BPF
+// calls on arm64 before 6.0.
+#[cfg_attr(not(feature = "tailcall"), inline(never))]
+#[cfg_attr(feature = "tailcall", inline(always))]
 pub fn hold(event: &WireEvent) -> bool {
     if !enabled() {
         return false;
@@ -191,7 +195,11 @@ pub fn hold(event: &WireEvent) -> bool {
 /// kernel when its block is held: true when nothing is to be sent. `release`:
 /// the call only releases (a reallocation also creates, so a release after
 /// it is never a repeat of this one).
-#[inline(never)]
+// A function of its own where it may be (the verifier checks it once);
+// inlined in the tail-calling object, whose programs may hold no BPF-to-BPF
+// calls on arm64 before 6.0.
+#[cfg_attr(not(feature = "tailcall"), inline(never))]
+#[cfg_attr(feature = "tailcall", inline(always))]
 pub fn settle(pid_tgid: u64, ptr: u64, spec: u16, release: bool) -> bool {
     if !enabled() {
         return false;

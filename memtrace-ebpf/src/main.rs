@@ -16,6 +16,11 @@
 //! of its parent family) are nested implementation details and are skipped, so
 //! nothing is counted twice. Every loss is counted in `COUNTERS`.
 //!
+//! On kernels without `bpf_loop` (the `tailcall` and `compat` objects) the
+//! DWARF walk and the Python frame read of an allocation run in programs
+//! of their own, `tail_walk` and `tail_python`, reached by tail calls from
+//! the probe (see `tail`).
+//!
 //! With `--follow-forks` a third program, `task_new` (a raw tracepoint on
 //! `task_newtask`, which runs in the forking task), reports each new process
 //! (not thread) of a traced process (`TRACED`) with a `Fork` event, waking the
@@ -35,6 +40,8 @@ mod compat;
 mod held;
 mod in_flight;
 mod python;
+#[cfg(feature = "tailcall")]
+mod tail;
 mod usdt;
 
 /// Without compare-and-swap (the `compat` object) no heap block is held in
@@ -698,36 +705,54 @@ fn finish_call<C: EbpfContext + UserStack>(
         event.flags |= memtrace_common::FLAG_NEW_UNSAMPLED;
     }
     let stack_mode = STACK_MODE.load();
-    #[cfg(not(feature = "compat"))]
+    #[cfg(not(feature = "tailcall"))]
     {
         event.py_stack = python::python_stack_id(pid_tgid);
-    }
-    #[cfg(not(feature = "compat"))]
-    let walk = stack_mode == STACK_MODE_DWARF;
-    // No `bpf_loop`: the DWARF walk is not in this object (the loader asks
-    // for frame pointers).
-    #[cfg(feature = "compat")]
-    let walk = false;
-    if walk {
-        #[cfg(not(feature = "compat"))]
-        {
+        if stack_mode == STACK_MODE_DWARF {
             event.stack_id = unwind::capture(ctx, C::AT_RETURN);
+        } else if stack_mode == STACK_MODE_FP {
+            event.stack_id = user_stack_id(ctx);
         }
-    } else if stack_mode == STACK_MODE_FP || stack_mode == STACK_MODE_DWARF {
-        event.stack_id = match ctx.get_stackid_user() {
-            Ok(id) => id,
-            Err(err) => {
-                bump(match -err {
-                    EFAULT => Counter::StackFault,
-                    EEXIST => Counter::StackCollision,
-                    _ => Counter::StackOther,
-                });
-                err
-            }
-        };
     }
-    if spec.heap != 0 {
-        if kind == EventKind::Alloc && held::hold(&event) {
+    #[cfg(feature = "tailcall")]
+    {
+        if stack_mode == STACK_MODE_FP {
+            event.stack_id = user_stack_id(ctx);
+        }
+        // The DWARF walk and the Python frames run in tail-called programs,
+        // which send the event; back here only when neither is needed or
+        // they could not start (counted): frame pointers then.
+        tail::start(ctx, &event, spec.heap != 0, C::AT_RETURN);
+        if stack_mode == STACK_MODE_DWARF {
+            event.stack_id = user_stack_id(ctx);
+        }
+    }
+    send(event, spec.heap != 0);
+}
+
+/// The user stack by frame pointers (the kernel's walk), as a stack id, or
+/// the negative errno of its failure (counted by cause).
+#[inline(always)]
+fn user_stack_id<C: UserStack>(ctx: &C) -> i32 {
+    match ctx.get_stackid_user() {
+        Ok(id) => id,
+        Err(err) => {
+            bump(match -err {
+                EFAULT => Counter::StackFault,
+                EEXIST => Counter::StackCollision,
+                _ => Counter::StackOther,
+            });
+            err
+        }
+    }
+}
+
+/// Sends a finished allocation event (`heap`: of a heap allocator, so it
+/// may be held in the kernel until its block is released, see `held`).
+#[inline(always)]
+fn send(mut event: WireEvent, heap: bool) {
+    if heap {
+        if event.kind == EventKind::Alloc as u8 && held::hold(&event) {
             return;
         }
         held::forget_settled(event.tid);

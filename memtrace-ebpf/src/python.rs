@@ -85,6 +85,7 @@ pub struct ThreadWalk {
 }
 
 /// One step of the thread-list walk: 1 stops the loop.
+#[inline(always)]
 extern "C" fn thread_step(_index: u64, _ctx: *mut c_void) -> i64 {
     let Some(walk) = PY_THREAD_WALK.get_ptr_mut(0) else {
         return 1;
@@ -175,27 +176,50 @@ fn thread_state(pid_tgid: u64, proc: &PyProc) -> Result<u64, Counter> {
     Ok(found)
 }
 
-#[cfg(not(feature = "compat"))]
+/// Whether Python stacks are read at all (some traced process has a
+/// reader, and stacks are asked for).
+#[inline(always)]
+fn readers() -> bool {
+    crate::STACK_MODE.load() != memtrace_common::unwind::STACK_MODE_NONE
+        && crate::CONTROL.get(1).is_some_and(|&readers| readers != 0)
+}
+
+#[cfg(not(feature = "tailcall"))]
 /// The Python stack of the current thread, stored in `PY_STACKS`: its key,
 /// or 0 (not a traced Python process, or the stack could not be read; the
 /// cause is counted).
 #[inline(always)]
 pub fn python_stack_id(pid_tgid: u64) -> u32 {
-    if crate::STACK_MODE.load() == memtrace_common::unwind::STACK_MODE_NONE
-        || crate::CONTROL.get(1).is_none_or(|&readers| readers == 0)
-    {
+    if !readers() {
         return 0;
     }
     memtrace_python_stack(pid_tgid)
 }
 
-#[cfg(not(feature = "compat"))]
-/// [`python_stack_id`]'s reading, as a global BPF function: the verifier
-/// checks it once, apart from every path of the return probe that reaches
-/// it, and its frame holds nothing but spills (its state is per CPU).
+/// Whether the current thread's Python stack is to be read: its process
+/// has a reader (the tail-calling objects read it in a program of its own).
+#[cfg(feature = "tailcall")]
+#[inline(always)]
+pub fn wanted(pid_tgid: u64) -> bool {
+    let tgid = (pid_tgid >> 32) as u32;
+    readers() && PY_PROCS.get_ptr(&tgid).is_some()
+}
+
+#[cfg(not(feature = "tailcall"))]
+/// [`read_stack_id`], as a global BPF function: the verifier checks it
+/// once, apart from every path of the return probe that reaches it, and its
+/// frame holds nothing but spills (its state is per CPU).
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn memtrace_python_stack(pid_tgid: u64) -> u32 {
+    read_stack_id(pid_tgid)
+}
+
+/// The current thread's Python stack, stored in `PY_STACKS`: its key, or
+/// 0 (not a traced Python process, or the stack could not be read; the cause
+/// is counted).
+#[inline(always)]
+pub fn read_stack_id(pid_tgid: u64) -> u32 {
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: the value is only read, while the map holds it.
     let Some(proc) = (unsafe { PY_PROCS.get(&tgid) }) else {
@@ -240,6 +264,7 @@ pub struct FrameWalk {
 
 /// One step of the frame walk: reads one frame into the scratch stack; 1
 /// stops the loop (end of the chain, full, or a fault).
+#[inline(always)]
 extern "C" fn frame_step(_index: u64, _ctx: *mut c_void) -> i64 {
     let Some(walk) = PY_FRAME_WALK.get_ptr_mut(0) else {
         return 1;

@@ -22,8 +22,10 @@
 //! The whole walk is a global BPF function ([`memtrace_walk_stack`]): the
 //! verifier checks it once, not once per path of `call_exit` that reaches it.
 //!
-//! The `compat` object (kernels without `bpf_loop`) keeps only the maps
-//! and settings, which the loader fills whichever object it loads.
+//! Kernels without `bpf_loop` (the `tailcall` and `compat` objects) run
+//! the same frame step, searches and replay as bounded loops, a few frames
+//! per program, the walk carried on across tail calls (see `tail`): its
+//! state was per CPU already.
 //!
 //! Over 800 lines: the walk, its rule cache and its replay share private
 //! per-CPU state and inline helpers, and are verified together.
@@ -369,15 +371,34 @@ type LoopStep = extern "C" fn(u64, *mut core::ffi::c_void) -> i64;
 /// per-CPU map, never on the BPF stack).
 #[inline(always)]
 pub(crate) fn run_loop(rounds: u32, step: LoopStep) {
-    // SAFETY: `step` is a static function of this program; bpf_loop accepts a
-    // null callback context.
+    loop_with(rounds, step, core::ptr::null_mut());
+}
+
+/// Runs `step(i, ctx)` for `i` in `0..rounds` until it returns non-zero:
+/// with `bpf_loop`, so the verifier checks one round.
+#[cfg(not(feature = "tailcall"))]
+#[inline(always)]
+fn loop_with(rounds: u32, step: LoopStep, ctx: *mut core::ffi::c_void) {
+    // SAFETY: `step` is a static function of this program; `ctx` is null or
+    // outlives the synchronous call.
     unsafe {
-        aya_ebpf::helpers::generated::bpf_loop(
-            rounds,
-            step as *mut core::ffi::c_void,
-            core::ptr::null_mut(),
-            0,
-        );
+        aya_ebpf::helpers::generated::bpf_loop(rounds, step as *mut core::ffi::c_void, ctx, 0);
+    }
+}
+
+/// [`loop_with`] without `bpf_loop`: a bounded loop the verifier follows
+/// round by round (every caller's `rounds` has a small constant bound), the
+/// step inlined: a program that tail-calls may hold no BPF-to-BPF calls on
+/// arm64 before 6.0.
+#[cfg(feature = "tailcall")]
+#[inline(always)]
+fn loop_with(rounds: u32, step: LoopStep, ctx: *mut core::ffi::c_void) {
+    let mut i = 0;
+    while i < rounds {
+        if step(u64::from(i), ctx) != 0 {
+            break;
+        }
+        i += 1;
     }
 }
 
@@ -409,6 +430,7 @@ pub struct Search {
 
 /// One step of the mapping search: `lo` ends as one past the last mapping
 /// with `start <= key`.
+#[inline(always)]
 extern "C" fn mapping_step(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
     let Some(search) = SEARCH_STATE.get_ptr_mut(0) else {
         return 1;
@@ -506,6 +528,7 @@ fn find_mapping(slot: u32, pc: u64) -> Option<MapEntry> {
 }
 
 /// One step of the row search: `lo` ends as the last row with `pc <= key`.
+#[inline(always)]
 extern "C" fn row_step(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
     let Some(search) = SEARCH_STATE.get_ptr_mut(0) else {
         return 1;
@@ -724,6 +747,7 @@ pub struct ReplayState {
 /// state is on [`memtrace_walk_replay`]'s stack (the hottest loop of a
 /// replayed walk: one map look-up per word fewer), which the stack budget
 /// allows there.
+#[inline(always)]
 extern "C" fn replay_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
     // SAFETY: `ctx` is the `ReplayState` on `replayed`'s stack, alive during
     // the synchronous bpf_loop call.
@@ -801,16 +825,11 @@ fn replayed(
         if failed != 0 {
             return None;
         }
-        // SAFETY: the callback is a static function of this program and
-        // `check` outlives the call.
-        unsafe {
-            aya_ebpf::helpers::generated::bpf_loop(
-                count.min(REPLAY_WORDS as u32),
-                replay_word as *mut core::ffi::c_void,
-                &mut check as *mut ReplayState as *mut core::ffi::c_void,
-                0,
-            );
-        }
+        loop_with(
+            count.min(REPLAY_WORDS as u32),
+            replay_word,
+            &mut check as *mut ReplayState as *mut core::ffi::c_void,
+        );
     }
     let (mismatch, checked) = (check.mismatch, check.seal);
     if mismatch != 0 || span.seq != seq || seal_header(checked, entry, key, stop) != sealed {
@@ -1032,12 +1051,12 @@ fn return_address(
 }
 
 /// `bpf_loop` callback: one frame.
+#[inline(always)]
 extern "C" fn frame_callback(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
     let Some(walk) = WALK_STATE.get_ptr_mut(0) else {
         return 1;
     };
-    // SAFETY: this CPU's own element, set by `memtrace_walk_stack` before
-    // the loop.
+    // SAFETY: this CPU's own element, set by `begin_walk` before the loop.
     let walk = unsafe { &mut *walk };
     if walk.tid != bpf_get_current_pid_tgid() as u32 {
         // Another thread's walk took this CPU's state while this one was
@@ -1058,7 +1077,7 @@ extern "C" fn frame_callback(_index: u64, _ctx: *mut core::ffi::c_void) -> i64 {
     }
 }
 
-#[cfg(not(feature = "compat"))]
+#[cfg(not(feature = "tailcall"))]
 /// Walks the user stack at a return probe and returns its id in
 /// `DWARF_STACKS`, or a negative errno (as `bpf_get_stackid` does).
 #[inline(always)]
@@ -1092,7 +1111,7 @@ pub fn capture<C: EbpfContext>(ctx: &C, at_return: bool) -> i32 {
     }
 }
 
-#[cfg(not(feature = "compat"))]
+#[cfg(not(feature = "tailcall"))]
 /// Walks the user stack from the registers of a return probe. A global BPF
 /// function: the verifier checks it once, on its own, instead of once per
 /// path of `call_exit` that reaches it.
@@ -1108,7 +1127,7 @@ pub extern "C" fn memtrace_walk_stack(pc: u64, sp: u64, bp: u64) -> i32 {
     walk_stack(pc, sp, bp, 0, 0)
 }
 
-#[cfg(all(not(feature = "compat"), bpf_target_arch = "aarch64"))]
+#[cfg(all(not(feature = "tailcall"), bpf_target_arch = "aarch64"))]
 /// [`memtrace_walk_stack`] at an arm64 probe inside a function (a USDT
 /// site), whose innermost frame may still have its return address in the
 /// link register. At a return probe the caller has saved it (it made a
@@ -1121,13 +1140,27 @@ pub extern "C" fn memtrace_walk_stack_lr(pc: u64, sp: u64, bp: u64, lr: u64) -> 
     walk_stack(pc, sp, bp, lr, 1)
 }
 
-#[cfg(not(feature = "compat"))]
+#[cfg(not(feature = "tailcall"))]
 /// The body of [`memtrace_walk_stack`].
 #[inline(always)]
 fn walk_stack(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> i32 {
+    let started = match begin_walk(pc, sp, bp, lr, lr_live) {
+        Ok(started) => started,
+        Err(key) => return key,
+    };
+    let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
+    run_loop(depth, frame_callback);
+    memtrace_walk_finish(started)
+}
+
+/// Sets up a walk from these registers in `WALK_STATE`: `Ok` with this
+/// CPU's walk count at its start when its frames are to be walked, `Err`
+/// with the answer (a replayed walk's stack key, or a negative errno).
+#[inline(always)]
+fn begin_walk(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> Result<u64, i32> {
     let started = walk_started();
     let Some(state) = WALK_STATE.get_ptr_mut(0) else {
-        return -EAGAIN;
+        return Err(-EAGAIN);
     };
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     let slot = match process_slot(tgid) {
@@ -1162,30 +1195,66 @@ fn walk_stack(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> i32 {
         };
         (*state).tid = bpf_get_current_pid_tgid() as u32;
     }
+    #[cfg(not(feature = "tailcall"))]
     let replayed = memtrace_walk_replay(started);
+    #[cfg(feature = "tailcall")]
+    let replayed = walk_replay(started);
     if replayed != NOT_REPLAYED {
-        return replayed;
+        return Err(replayed);
     }
     if let Some(scratch) = WALK_SCRATCH.get_ptr_mut(0) {
         // SAFETY: this CPU's own element (see `step`).
         unsafe { (*scratch).len = 0 };
     }
-    let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
-    run_loop(depth, frame_callback);
-    memtrace_walk_finish(started)
+    Ok(started)
+}
+
+/// Starts the walk of a tail-calling object from the probe's registers
+/// (`at_return`: a return probe; see [`capture`]): `Ok` when it has frames
+/// to walk ([`walk_frames`]), `Err` with its answer.
+#[cfg(feature = "tailcall")]
+#[inline(always)]
+pub fn begin_tail_walk<C: EbpfContext>(ctx: &C, at_return: bool) -> Result<u64, i32> {
+    let (pc, sp, bp, lr) = crate::arch::frame(crate::arch::regs(ctx));
+    // x86-64 and return probes never read the link register.
+    let lr_live = u64::from(cfg!(bpf_target_arch = "aarch64") && !at_return);
+    begin_walk(pc, sp, bp, lr & 0u64.wrapping_sub(lr_live), lr_live)
+}
+
+/// Walks up to `frames` more frames of the walk in `WALK_STATE`; whether
+/// it has ended (stopped, or `--stack-depth` frames deep).
+#[cfg(feature = "tailcall")]
+#[inline(always)]
+pub fn walk_frames(frames: u32) -> bool {
+    let max = MAX_DEPTH.load().min(MAX_FRAMES as u32);
+    let mut i = 0;
+    while i < frames {
+        let depth = WALK_SCRATCH.get(0).map_or(max, |scratch| scratch.len);
+        if depth >= max || frame_callback(0, core::ptr::null_mut()) != 0 {
+            return true;
+        }
+        i += 1;
+    }
+    false
 }
 
 /// [`memtrace_walk_replay`]: no remembered walk answers these registers.
 const NOT_REPLAYED: i32 = i32::MIN;
 
-#[cfg(not(feature = "compat"))]
+#[cfg(not(feature = "tailcall"))]
+/// [`walk_replay`], as a global BPF function.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn memtrace_walk_replay(started: u64) -> i32 {
+    walk_replay(started)
+}
+
 /// Answers the walk set up in `WALK_STATE` from a remembered one when every
 /// stack word it read still holds its value (the stack key, or a negative
 /// errno); otherwise picks the `WALK_REPLAYS` element the walk logs into and
 /// returns [`NOT_REPLAYED`]. `started`: this CPU's walk count at the start.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn memtrace_walk_replay(started: u64) -> i32 {
+#[inline(always)]
+fn walk_replay(started: u64) -> i32 {
     let Some(state) = WALK_STATE.get_ptr_mut(0) else {
         return -EAGAIN;
     };
@@ -1236,12 +1305,18 @@ pub extern "C" fn memtrace_walk_replay(started: u64) -> i32 {
     NOT_REPLAYED
 }
 
-#[cfg(not(feature = "compat"))]
-/// Ends the walk in `WALK_STATE`: counts why it stopped, stores its stack
-/// and remembers it for replay. Returns the stack key or a negative errno.
+#[cfg(not(feature = "tailcall"))]
+/// [`finish_walk`], as a global BPF function.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn memtrace_walk_finish(started: u64) -> i32 {
+    finish_walk(started)
+}
+
+/// Ends the walk in `WALK_STATE`: counts why it stopped, stores its stack
+/// and remembers it for replay. Returns the stack key or a negative errno.
+#[inline(always)]
+pub fn finish_walk(started: u64) -> i32 {
     if walks_started() != started {
         // Another walk ran on this CPU meanwhile and took the scratch.
         return -EAGAIN;
@@ -1278,7 +1353,7 @@ pub extern "C" fn memtrace_walk_finish(started: u64) -> i32 {
     key
 }
 
-const EAGAIN: i32 = 11;
+pub(crate) const EAGAIN: i32 = 11;
 
 /// Counts a walk started on this CPU; returns the new count.
 #[inline(always)]
@@ -1295,6 +1370,7 @@ fn walks_started() -> u64 {
 /// Adds one to this CPU's sequence word in `map` (element 0) and returns
 /// it: a program that reads it unchanged at its end was not preempted by
 /// another that shares its per-CPU state.
+#[cfg(not(feature = "compat"))]
 #[inline(always)]
 pub(crate) fn bump_cpu_sequence(map: &PerCpuArray<u64>) -> u64 {
     let Some(count) = map.get_ptr_mut(0) else {
@@ -1312,6 +1388,27 @@ pub(crate) fn bump_cpu_sequence(map: &PerCpuArray<u64>) -> u64 {
             count, 1,
         )
         .wrapping_add(1)
+    }
+}
+
+/// [`bump_cpu_sequence`] without BPF atomics with fetch (the `compat`
+/// object, 5.10-5.11): the word becomes a token of this run, the thread id
+/// over a count. A run that read the same count before it was preempted
+/// writes another token (one thread runs one program at a time), so a run
+/// preempted by another on its CPU still finds the word changed at its end.
+#[cfg(feature = "compat")]
+#[inline(always)]
+pub(crate) fn bump_cpu_sequence(map: &PerCpuArray<u64>) -> u64 {
+    let Some(word) = map.get_ptr_mut(0) else {
+        return 0;
+    };
+    let tid = bpf_get_current_pid_tgid() as u32;
+    // SAFETY: this CPU's own element; aligned one-word loads and stores.
+    unsafe {
+        let count = (core::ptr::read_volatile(word) as u32).wrapping_add(1);
+        let token = (u64::from(tid) << 32) | u64::from(count);
+        core::ptr::write_volatile(word, token);
+        token
     }
 }
 
@@ -1338,6 +1435,7 @@ fn count_stop(stop: u32) {
 
 /// `bpf_loop` callback: widens the span (`lo`, `hi` of [`ReplayState`]) by
 /// logged word `i`.
+#[inline(always)]
 extern "C" fn span_word(i: u64, _ctx: *mut core::ffi::c_void) -> i64 {
     let Some(span) = REPLAY_STATE.get_ptr_mut(0) else {
         return 1;

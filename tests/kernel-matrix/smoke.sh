@@ -22,13 +22,6 @@ mkdir -p "$WORK"
 # Set when the default mode failed before writing a report (a load failure).
 LOAD_FAIL=""
 
-# compat CHECK: true when that check's memtrace run said it loaded the compat
-# eBPF programs (a kernel without attach cookies, atomics with fetch or
-# bpf_loop: frame-pointer stacks, no Python frames).
-compat() {
-    grep -q "compat eBPF programs are loaded" "$WORK/$1.err" 2>/dev/null
-}
-
 wanted() {
     for c in $CHECKS; do
         [ "$c" = "$1" ] && return 0
@@ -102,10 +95,12 @@ check_doctor() {
     mt doctor doctor
     verdict=$(grep -E '^verdict' "$WORK/doctor.out" 2>/dev/null | sed 's/^verdict[[:space:]]*//' | tail -n 1)
     [ -n "$verdict" ] || verdict=$(reason "$WORK/doctor.err")
+    # Which build of the programs this kernel gets (full, tailcall, compat).
+    object=$(grep -E '^ebpf object' "$WORK/doctor.out" 2>/dev/null | sed 's/^ebpf object[[:space:]]*//' | cut -d: -f1 | tail -n 1)
     if grep -q -i -E "unrecognized subcommand|unexpected argument|found argument" "$WORK/doctor.err"; then
         result doctor SKIP "not run: memtrace has no doctor subcommand"
     elif [ "$RC" = 0 ]; then
-        result doctor PASS "$verdict"
+        result doctor PASS "$verdict (eBPF object: ${object:-?})"
     else
         result doctor FAIL "exit $RC: $verdict"
     fi
@@ -164,13 +159,6 @@ check_pid() {
 check_dwarf() {
     gated dwarf && return
     mt dwarf --format json --top 500 --output "$WORK/dwarf.json" -- "$FIXTURES/unwind_chain" chain @0
-    if compat dwarf; then
-        # No bpf_loop, no DWARF walk: the bytes stay exact, the stack is the
-        # frame-pointer walk's.
-        judge dwarf "$WORK/dwarf.json" site:lib_level3=15540/20 >"$WORK/dwarf.verdict"
-        sed 's/ PASS / PASS compat (no DWARF walk without bpf_loop; frame-pointer stacks): /' "$WORK/dwarf.verdict"
-        return
-    fi
     judge dwarf "$WORK/dwarf.json" site:lib_level3=15540/20 \
         chain:lib_level3=lib_level3,lib_level2,lib_level1,lib_entry,outer3,outer2,outer1,main
 }
@@ -182,10 +170,6 @@ check_python() {
     fi
     gated python && return
     mt python --format json --top 200 --output "$WORK/python.json" -- "$PYTHON" -S "$PYSCRIPT"
-    if compat python && [ "$RC" = 0 ]; then
-        result python SKIP "compat programs: no Python frames without bpf_loop ($(grep 'compat eBPF' "$WORK/python.err" | head -n 1 | sed 's/^memtrace: //'))"
-        return
-    fi
     judge python "$WORK/python.json" "py:render,handle,<module>>=1000000/10"
 }
 

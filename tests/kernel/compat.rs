@@ -1,16 +1,23 @@
-//! The compat eBPF object (kernels without attach cookies, BPF atomics with
-//! fetch or `bpf_loop`: 5.10 - 5.16), forced on this kernel with
-//! `MEMTRACE_EBPF_VARIANT=compat`: probes found by their address, calls by
-//! the stack pointer of their return, nothing settled, frame-pointer stacks.
-//! It must find every leak of `leak_sites` exactly, in launch mode and by
-//! pid, and say in one line what it does instead. The kernel matrix
-//! (`cargo xtask test-kernels`) runs it on a real 5.10.
+//! The eBPF objects of kernels without `bpf_loop`, forced on this kernel
+//! with `MEMTRACE_EBPF_VARIANT`: `compat` (no attach cookies or atomics with
+//! fetch either, 5.10 - 5.14: probes found by their address, calls by the
+//! stack pointer of their return, nothing settled) and `tailcall` (5.15,
+//! 5.16: cookies, heap pairs settled in the kernel). Both walk DWARF stacks
+//! and read Python frames in tail-called programs. Each must find every leak
+//! of `leak_sites` exactly, in launch mode and by pid, give whole chains to
+//! `main` in code without frame pointers (127 frames deep across tail
+//! calls too) and Python frames at their lines, and say in one line which
+//! programs it loaded. The kernel matrix (`cargo xtask test-kernels`) runs
+//! the compat object on a real 5.10.
 
 use std::process::Command;
 
 use serde_json::Value;
 
-use crate::support::{fixture, privileged, site_totals, Fixture, MEMTRACE};
+use crate::support::{fixture, privileged, site_totals, sites_of, Fixture, MEMTRACE};
+
+/// The builds for kernels without `bpf_loop`.
+const VARIANTS: [&str; 2] = ["compat", "tailcall"];
 
 /// What `leak_sites` leaks: (site, bytes, blocks).
 const LEAKS: [(&str, u64, u64); 7] = [
@@ -23,9 +30,14 @@ const LEAKS: [(&str, u64, u64); 7] = [
     ("leak_mmap", 131072, 2),
 ];
 
-fn assert_exact(report: &Value, stderr: &str) {
+fn assert_exact(report: &Value, stderr: &str, variant: &str) {
     assert_eq!(report["events"]["lost"], 0, "{stderr}");
-    assert_eq!(report["events"]["settled_in_kernel"], 0, "nothing settled");
+    let settled = report["events"]["settled_in_kernel"].as_u64().unwrap_or(0);
+    if variant == "compat" {
+        assert_eq!(settled, 0, "nothing settled without compare-and-swap");
+    } else {
+        assert!(settled > 0, "{variant}: heap pairs settled in the kernel");
+    }
     for (site, bytes, blocks) in LEAKS {
         assert_eq!(
             site_totals(report, site),
@@ -37,24 +49,38 @@ fn assert_exact(report: &Value, stderr: &str) {
     for freed in ["balanced", "realloc_to_zero", "mmap_balanced"] {
         assert_eq!(site_totals(report, freed), (0, 0), "{freed} is freed");
     }
+    assert_says_which(report, variant);
+}
+
+/// The report says which programs ran.
+fn assert_says_which(report: &Value, variant: &str) {
+    let line = format!("the {variant} eBPF programs are loaded");
     assert!(
-        report["notes"].as_array().into_iter().flatten().any(|n| n
-            .as_str()
-            .is_some_and(|n| n.contains("compat eBPF programs"))),
+        report["notes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|n| n.as_str().is_some_and(|n| n.contains(&line))),
         "the report says which programs ran: {}",
         report["notes"]
     );
 }
 
 #[test]
-fn compat_programs_find_every_leak_exactly_in_launch_mode() {
+fn programs_without_bpf_loop_find_every_leak_exactly_in_launch_mode() {
     if !privileged() {
         return;
     }
+    for variant in VARIANTS {
+        leaks_in_launch_mode(variant);
+    }
+}
+
+fn leaks_in_launch_mode(variant: &str) {
     // The command writes on stdout too: the report goes to a file.
-    let path = std::env::temp_dir().join(format!("memtrace-compat-{}.json", std::process::id()));
+    let path = std::env::temp_dir().join(format!("memtrace-{variant}-{}.json", std::process::id()));
     let out = Command::new(MEMTRACE)
-        .env("MEMTRACE_EBPF_VARIANT", "compat")
+        .env("MEMTRACE_EBPF_VARIANT", variant)
         .args(["--format", "json", "--top", "500", "--output"])
         .arg(&path)
         .arg("--")
@@ -65,24 +91,30 @@ fn compat_programs_find_every_leak_exactly_in_launch_mode() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("compat eBPF programs are loaded"),
+        stderr.contains(&format!("the {variant} eBPF programs are loaded")),
         "one line says so: {stderr}"
     );
     let text = std::fs::read(&path).expect("the report file");
     let _ = std::fs::remove_file(&path);
     let report: Value = serde_json::from_slice(&text).expect("JSON report");
-    assert_exact(&report, &stderr);
+    assert_exact(&report, &stderr, variant);
 }
 
 #[test]
-fn compat_programs_find_every_leak_exactly_by_pid() {
+fn programs_without_bpf_loop_find_every_leak_exactly_by_pid() {
     if !privileged() {
         return;
     }
+    for variant in VARIANTS {
+        leaks_by_pid(variant);
+    }
+}
+
+fn leaks_by_pid(variant: &str) {
     let mut target = Fixture::start("leak_sites", &["30", "30"]);
     let pid = target.pid.to_string();
     let mut tracer = Command::new(MEMTRACE)
-        .env("MEMTRACE_EBPF_VARIANT", "compat")
+        .env("MEMTRACE_EBPF_VARIANT", variant)
         .args(["--pid", &pid, "--format", "json", "--top", "500"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -114,5 +146,70 @@ fn compat_programs_find_every_leak_exactly_by_pid() {
     seen.push_str(&rest);
     assert!(out.status.success(), "{seen}");
     let report: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
-    assert_exact(&report, &seen);
+    assert_exact(&report, &seen, variant);
+}
+
+#[test]
+fn programs_without_bpf_loop_walk_whole_dwarf_chains_across_tail_calls() {
+    if !privileged() {
+        return;
+    }
+    for variant in VARIANTS {
+        let env = [("MEMTRACE_EBPF_VARIANT", variant)];
+        let report = crate::unwind::trace_chain_env("chain", &[], &env);
+        crate::unwind::assert_whole_chain(&report, variant);
+        assert_says_which(&report, variant);
+
+        // 127 frames: the walk runs 22 tail-called programs, within the
+        // kernel's 33 tail calls per probe.
+        let report = crate::unwind::trace_chain_env("deep", &["--stack-depth", "127"], &env);
+        assert_eq!(site_totals(&report, "recurse"), (999, 3), "{variant}");
+        for site in sites_of(&report, "recurse") {
+            let frames: Vec<&str> = site["frames"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|f| f["symbol"].as_str())
+                .collect();
+            assert_eq!(frames.len(), 127, "{variant}: 127 frames: {frames:?}");
+            assert!(frames.iter().all(|f| *f == "recurse"), "{variant}");
+        }
+        let cut = report["stack_truncations_by_cause"]["depth"].as_u64();
+        assert!(cut >= Some(3), "{variant}: the deep stacks counted as cut");
+        assert_eq!(
+            report["kernel_counters"]["walk_not_started"].as_u64(),
+            Some(0),
+            "{variant}: every walk ran in its tail-called programs"
+        );
+    }
+}
+
+#[test]
+fn programs_without_bpf_loop_read_python_frames() {
+    if !privileged() {
+        return;
+    }
+    let python = std::path::PathBuf::from("/usr/bin/python3.11");
+    assert!(
+        python.exists(),
+        "Debian's python3.11 is required (.ci/run installs it)"
+    );
+    for variant in VARIANTS {
+        let env = [("MEMTRACE_EBPF_VARIANT", variant)];
+        let report = crate::python::trace_script_by_pid_env(&python, "leaky.py", &[], &env);
+        let handler = crate::python::sites_in(&report, "render");
+        assert_eq!(handler.len(), 1, "{variant}: one handler site: {report}");
+        assert_eq!(
+            crate::python::py_frames(handler[0]),
+            vec![
+                crate::python::expect("render", "render"),
+                crate::python::expect("handle", "handle"),
+                crate::python::expect("<module>", "module_handle"),
+            ],
+            "{variant}"
+        );
+        assert_eq!(handler[0]["live_count"], 10, "{variant}");
+        assert_eq!(handler[0]["live_bytes"], 10 * 100_001, "{variant}");
+        assert_says_which(&report, variant);
+    }
 }

@@ -98,6 +98,16 @@ pub fn trace_by_pid(python: &PathBuf) -> Value {
 /// Starts `file` and traces it by pid (with `extra` arguments to memtrace)
 /// from its `ready` line to its `done` line.
 fn trace_script_by_pid(python: &PathBuf, file: &str, extra: &[&str]) -> Value {
+    trace_script_by_pid_env(python, file, extra, &[])
+}
+
+/// [`trace_script_by_pid`] with environment variables for memtrace.
+pub fn trace_script_by_pid_env(
+    python: &PathBuf,
+    file: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Value {
     let mut child = Command::new(python)
         .arg(script_named(file))
         .stdin(Stdio::piped())
@@ -110,7 +120,7 @@ fn trace_script_by_pid(python: &PathBuf, file: &str, extra: &[&str]) -> Value {
     let pid = child.id().to_string();
     let mut args = vec!["--pid", &pid, "--format", "json", "--top", "200"];
     args.extend_from_slice(extra);
-    let tracer = Tracer::attach(&args);
+    let tracer = Tracer::attach_env(&args, env);
     std::io::Write::write_all(child.stdin.as_mut().expect("stdin"), b"\n").expect("go");
     loop {
         line.clear();

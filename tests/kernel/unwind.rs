@@ -22,11 +22,16 @@ fn symbols(site: &Value) -> Vec<String> {
 
 /// Traces `unwind_chain MODE` by pid with `extra` flags.
 fn trace_chain(mode: &str, extra: &[&str]) -> Value {
+    trace_chain_env(mode, extra, &[])
+}
+
+/// [`trace_chain`] with environment variables for memtrace.
+pub fn trace_chain_env(mode: &str, extra: &[&str], env: &[(&str, &str)]) -> Value {
     let mut target = Fixture::start("unwind_chain", &[mode, "30", "30"]);
     let pid = target.pid.to_string();
     let mut args = vec!["--pid", pid.as_str(), "--format", "json", "--top", "500"];
     args.extend_from_slice(extra);
-    let tracer = Tracer::attach(&args);
+    let tracer = Tracer::attach_env(&args, env);
     target.go();
     tracer.signal(libc::SIGINT);
     tracer.report().0
@@ -43,7 +48,7 @@ const CHAIN: [&str; 8] = [
     "main",
 ];
 
-fn assert_whole_chain(report: &Value, how: &str) {
+pub fn assert_whole_chain(report: &Value, how: &str) {
     assert_eq!(
         site_totals(report, "lib_level3"),
         (15540, 20),

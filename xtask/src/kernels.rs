@@ -1229,10 +1229,6 @@ impl Row {
         }
         match self.results.iter().find(|r| r.check == check) {
             Some(r) => match r.status {
-                // Passed as far as the kernel allows (the compat programs).
-                Status::Pass if r.detail.starts_with("compat") => {
-                    ("PASS (compat)".to_string(), Some(r.detail.clone()))
-                }
                 Status::Pass => ("PASS".to_string(), None),
                 Status::Fail => ("FAIL".to_string(), Some(r.detail.clone())),
                 Status::Skip => ("not run".to_string(), Some(r.detail.clone())),

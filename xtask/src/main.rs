@@ -266,12 +266,24 @@ impl Arch {
         }
     }
 
-    /// The target directories (under memtrace-ebpf/) of its full and compat
-    /// objects, where memtrace/build.rs looks for them.
-    fn ebpf_target_dirs(self) -> (&'static str, &'static str) {
+    /// Its eBPF objects: each one's cargo features and target directory
+    /// (under memtrace-ebpf/, where memtrace/build.rs looks for them). The
+    /// full object; `tailcall` for kernels with attach cookies and atomics
+    /// with fetch but no `bpf_loop` (5.15, 5.16); `compat` for those
+    /// without cookies or atomics with fetch either (5.10-5.14): memtrace
+    /// loads what the kernel's probed features allow.
+    fn ebpf_objects(self) -> [(&'static str, &'static str); 3] {
         match self {
-            Arch::X86_64 => ("target", "target/compat"),
-            Arch::Aarch64 => ("target/aarch64", "target/compat-aarch64"),
+            Arch::X86_64 => [
+                ("", "target"),
+                ("tailcall", "target/tailcall"),
+                ("compat", "target/compat"),
+            ],
+            Arch::Aarch64 => [
+                ("", "target/aarch64"),
+                ("tailcall", "target/tailcall-aarch64"),
+                ("compat", "target/compat-aarch64"),
+            ],
         }
     }
 }
@@ -280,28 +292,22 @@ fn build_ebpf() -> Result<()> {
     build_ebpf_for(Arch::of_target(None)?)
 }
 
-/// Builds the full and compat eBPF objects for `arch`.
+/// Builds the eBPF objects for `arch` (see [`Arch::ebpf_objects`]).
 fn build_ebpf_for(arch: Arch) -> Result<()> {
     ensure_rust_src()?;
     ensure_bpf_linker()?;
-    let (full, compat) = arch.ebpf_target_dirs();
-    run(clean_cargo("nightly")
-        .current_dir(root().join("memtrace-ebpf"))
-        .env("AYA_BPF_TARGET_ARCH", arch.name())
-        .args(["build", "--release", "--target-dir", full]))?;
-    // The object for kernels without attach cookies, atomics with fetch or
-    // bpf_loop (5.10 - 5.16): memtrace loads it where those are missing.
-    run(clean_cargo("nightly")
-        .current_dir(root().join("memtrace-ebpf"))
-        .env("AYA_BPF_TARGET_ARCH", arch.name())
-        .args([
-            "build",
-            "--release",
-            "--features",
-            "compat",
-            "--target-dir",
-            compat,
-        ]))
+    for (features, dir) in arch.ebpf_objects() {
+        let mut cargo = clean_cargo("nightly");
+        cargo
+            .current_dir(root().join("memtrace-ebpf"))
+            .env("AYA_BPF_TARGET_ARCH", arch.name())
+            .args(["build", "--release", "--target-dir", dir]);
+        if !features.is_empty() {
+            cargo.args(["--features", features]);
+        }
+        run(&mut cargo)?;
+    }
+    Ok(())
 }
 
 fn build_release() -> Result<()> {

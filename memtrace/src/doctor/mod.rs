@@ -38,10 +38,12 @@
 //!   `python_frames`, `follow_forks`), `flags`, `works` (true | false | null:
 //!   not known without the load test), `why[]` (what keeps it from working)
 //! - `default_loads`: whether the default mode's programs loaded (the exit code)
-//! - `ebpf_object`: `variant` (`full`, or `compat` on kernels without attach
-//!   cookies, atomics with fetch or `bpf_loop`: the load tests then load it,
-//!   and `default` runs with frame-pointer stacks), `missing` (feature keys),
-//!   `notice` (what it does instead, or null)
+//! - `ebpf_object`: `variant` (`full`; `tailcall` on kernels with attach
+//!   cookies and atomics with fetch but no `bpf_loop`; `compat` on kernels
+//!   without cookies or atomics with fetch: the load tests then load it,
+//!   its tail-called walk programs included), `missing` (feature keys),
+//!   `why` (the probed features that chose it), `notice` (what it does
+//!   differently, or null)
 
 mod text;
 
@@ -159,11 +161,13 @@ struct Report {
 /// Which build of the eBPF programs this kernel gets (`kernel::variant`).
 #[derive(Clone, Debug, Serialize)]
 struct EbpfObject {
-    /// `full` or `compat`.
+    /// `full`, `tailcall` or `compat`.
     variant: &'static str,
-    /// The features whose absence chose `compat` (feature keys).
+    /// The features of the full object's this kernel lacks (feature keys).
     missing: Vec<&'static str>,
-    /// What the compat object does instead (`null` for `full`).
+    /// Why this variant, from the probed features.
+    why: String,
+    /// What the object does differently from the full one (`null` for `full`).
     notice: Option<String>,
 }
 
@@ -338,7 +342,9 @@ pub fn verdicts(presence: impl Fn(Feature) -> Presence, loads: &[ModeLoad]) -> V
 pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
     let privileges = Privileges::read().with_uprobe_rule(crate::kernel::privilege::uprobe_rule());
     let features = features::probe(privileges.can_trace);
-    let object = loader::object();
+    let choice = crate::kernel::variant::forced()
+        .unwrap_or_else(|| crate::kernel::variant::Choice::from_presence(|f| features.presence(f)));
+    let object = loader::object(choice.variant);
     let skip = if object.is_empty() {
         Some("this memtrace was built without its eBPF object (`cargo xtask build-ebpf`)")
     } else if !privileges.can_trace {
@@ -355,11 +361,11 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         Err(err) => (None, Some(err.to_string())),
     };
     let modes = verdicts(|f| features.presence(f), &load_tests);
-    let choice = crate::kernel::variant::Choice::from_presence(|f| features.presence(f));
     let ebpf_object = EbpfObject {
         variant: choice.variant.key(),
         missing: choice.missing.iter().map(|f| f.key()).collect(),
-        notice: choice.notice(true, true),
+        why: choice.reason(),
+        notice: choice.notice(true),
     };
     let default_loads = load_tests
         .iter()

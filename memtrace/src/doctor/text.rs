@@ -150,13 +150,13 @@ pub(super) fn render_text(report: &Report) -> String {
     }
     let _ = writeln!(
         out,
-        "ebpf object {}{}",
+        "ebpf object {}: {}",
         report.ebpf_object.variant,
         report
             .ebpf_object
             .notice
             .as_deref()
-            .map_or_else(String::new, |notice| format!(": {notice}"))
+            .unwrap_or(&report.ebpf_object.why)
     );
     let _ = writeln!(
         out,

@@ -1,12 +1,16 @@
 //! Which build of the eBPF programs the running kernel gets.
 //!
 //! The full object needs attach cookies (5.15), BPF atomics with fetch (5.12)
-//! and `bpf_loop` (5.17). The `compat` object (memtrace-ebpf's `compat`
-//! feature) needs none of them: it finds each probe's spec by the probed
-//! address, each return's call by its stack pointer, sends every heap event
-//! (no settling in the kernel), and takes frame-pointer stacks without
-//! Python frames. The choice follows what the kernel was probed for, never
-//! its version; `MEMTRACE_EBPF_VARIANT=full|compat` overrides it (tests).
+//! and `bpf_loop` (5.17). The `tailcall` object (memtrace-ebpf's `tailcall`
+//! feature) needs cookies and atomics, not `bpf_loop`: its DWARF walks and
+//! Python frame reads run as bounded loops split across tail calls, a few
+//! frames per program; everything else is the full object's, heap pairs
+//! settled in the kernel included. The `compat` object (the `compat`
+//! feature) needs none of the three: it walks as `tailcall` does, finds each
+//! probe's spec by the probed address, each return's call by its stack
+//! pointer, and sends every heap event (no settling in the kernel). The
+//! choice follows what the kernel was probed for, never its version;
+//! `MEMTRACE_EBPF_VARIANT=full|tailcall|compat` overrides it (tests).
 
 use crate::kernel::features::{probe_feature, Feature, Presence};
 
@@ -14,6 +18,7 @@ use crate::kernel::features::{probe_feature, Feature, Presence};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Variant {
     Full,
+    TailCall,
     Compat,
 }
 
@@ -22,8 +27,26 @@ impl Variant {
     pub fn key(self) -> &'static str {
         match self {
             Variant::Full => "full",
+            Variant::TailCall => "tailcall",
             Variant::Compat => "compat",
         }
+    }
+
+    /// The variant named `key` ([`Variant::key`]).
+    pub fn from_key(key: &str) -> Option<Variant> {
+        [Variant::Full, Variant::TailCall, Variant::Compat]
+            .into_iter()
+            .find(|variant| variant.key() == key)
+    }
+
+    /// Finds each entry probe's spec by its attach cookie (not by address).
+    pub fn has_cookies(self) -> bool {
+        self != Variant::Compat
+    }
+
+    /// Runs its stack walks and Python reads in tail-called programs.
+    pub fn tail_calls(self) -> bool {
+        self != Variant::Full
     }
 }
 
@@ -34,10 +57,14 @@ pub const FULL_NEEDS: [Feature; 3] = [
     Feature::BpfLoop,
 ];
 
+/// The features the `tailcall` object needs.
+pub const TAILCALL_NEEDS: [Feature; 2] = [Feature::AttachCookie, Feature::AtomicsFetch];
+
 /// The variant chosen, and the features whose absence chose it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Choice {
     pub variant: Variant,
+    /// Features of the full object's the kernel lacks.
     pub missing: Vec<Feature>,
     /// Chosen by `MEMTRACE_EBPF_VARIANT`, not by the kernel.
     pub forced: bool,
@@ -52,43 +79,57 @@ impl Choice {
             .copied()
             .filter(|&feature| presence(feature) == Presence::Missing)
             .collect();
+        let variant = if missing.is_empty() {
+            Variant::Full
+        } else if TAILCALL_NEEDS.iter().all(|need| !missing.contains(need)) {
+            Variant::TailCall
+        } else {
+            Variant::Compat
+        };
         Choice {
-            variant: if missing.is_empty() {
-                Variant::Full
-            } else {
-                Variant::Compat
-            },
+            variant,
             missing,
             forced: false,
         }
     }
 
-    /// What the compat object does instead, in one line (`None` for the
-    /// full object). `dwarf`: DWARF stacks were asked for; `settle`:
-    /// settling in the kernel was.
-    pub fn notice(&self, dwarf: bool, settle: bool) -> Option<String> {
-        if self.variant == Variant::Full {
-            return None;
+    /// Why this variant, in a few words: the features the kernel lacks, or
+    /// the override.
+    pub fn reason(&self) -> String {
+        if self.forced {
+            return format!("MEMTRACE_EBPF_VARIANT={}", self.variant.key());
         }
-        let why = if self.forced {
-            "MEMTRACE_EBPF_VARIANT=compat".to_string()
-        } else {
-            let lacks: Vec<String> = self
-                .missing
-                .iter()
-                .map(|feature| format!("{} ({}+)", feature.key(), feature.since()))
-                .collect();
-            format!("this kernel lacks {}", lacks.join(", "))
-        };
-        let mut instead = vec!["probes found by address"];
-        if dwarf {
-            instead.push("frame-pointer stacks instead of DWARF ones, no Python frames");
+        if self.missing.is_empty() {
+            return "this kernel has attach cookies, atomics with fetch and bpf_loop".to_string();
         }
-        if settle {
-            instead.push("every heap event sent (none settled in the kernel)");
+        let lacks: Vec<String> = self
+            .missing
+            .iter()
+            .map(|feature| format!("{} ({}+)", feature.key(), feature.since()))
+            .collect();
+        format!("this kernel lacks {}", lacks.join(", "))
+    }
+
+    /// What the object does differently from the full one, in one line
+    /// (`None` for the full object). `settle`: settling in the kernel was
+    /// asked for.
+    pub fn notice(&self, settle: bool) -> Option<String> {
+        let mut instead = Vec::new();
+        match self.variant {
+            Variant::Full => return None,
+            Variant::TailCall => {}
+            Variant::Compat => {
+                instead.push("probes found by address");
+                if settle {
+                    instead.push("every heap event sent (none settled in the kernel)");
+                }
+            }
         }
+        instead.push("stack walks and Python frames split across tail calls instead of bpf_loop");
         Some(format!(
-            "{why}: the compat eBPF programs are loaded: {}",
+            "{}: the {} eBPF programs are loaded: {}",
+            self.reason(),
+            self.variant.key(),
             instead.join("; ")
         ))
     }
@@ -97,36 +138,42 @@ impl Choice {
 /// Chooses the variant for the running kernel (`privileged`: this process
 /// may load BPF programs, which the probes need).
 pub fn choose(privileged: bool) -> Choice {
-    match std::env::var("MEMTRACE_EBPF_VARIANT").as_deref() {
-        Ok("compat") => {
-            return Choice {
-                variant: Variant::Compat,
-                missing: Vec::new(),
-                forced: true,
-            }
-        }
-        Ok("full") => {
-            return Choice {
-                variant: Variant::Full,
-                missing: Vec::new(),
-                forced: true,
-            }
-        }
-        _ => {}
-    }
-    Choice::from_presence(|feature| probe_feature(feature, privileged))
+    forced().unwrap_or_else(|| Choice::from_presence(|feature| probe_feature(feature, privileged)))
+}
+
+/// The variant `MEMTRACE_EBPF_VARIANT` names, if any.
+pub fn forced() -> Option<Choice> {
+    let variant = std::env::var("MEMTRACE_EBPF_VARIANT")
+        .ok()
+        .as_deref()
+        .and_then(Variant::from_key)?;
+    Some(Choice {
+        variant,
+        missing: Vec::new(),
+        forced: true,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn lacking(features: &[Feature]) -> Choice {
+        Choice::from_presence(|feature| {
+            if features.contains(&feature) {
+                Presence::Missing
+            } else {
+                Presence::Found
+            }
+        })
+    }
+
     #[test]
     fn a_kernel_with_everything_gets_the_full_object() {
         let choice = Choice::from_presence(|_| Presence::Found);
         assert_eq!(choice.variant, Variant::Full);
         assert!(choice.missing.is_empty());
-        assert_eq!(choice.notice(true, true), None);
+        assert_eq!(choice.notice(true), None);
     }
 
     #[test]
@@ -136,35 +183,43 @@ mod tests {
     }
 
     #[test]
-    fn a_5_15_kernel_without_bpf_loop_gets_compat_and_says_why() {
-        let choice = Choice::from_presence(|feature| {
-            if feature == Feature::BpfLoop {
-                Presence::Missing
-            } else {
-                Presence::Found
-            }
-        });
-        assert_eq!(choice.variant, Variant::Compat);
+    fn a_5_15_kernel_without_bpf_loop_gets_tail_calls_and_settles_in_the_kernel() {
+        let choice = lacking(&[Feature::BpfLoop]);
+        assert_eq!(choice.variant, Variant::TailCall);
         assert_eq!(choice.missing, vec![Feature::BpfLoop]);
-        let notice = choice.notice(true, false).expect("a notice");
-        assert!(notice.contains("bpf_loop"), "{notice}");
-        assert!(notice.contains("frame-pointer stacks"), "{notice}");
+        assert!(choice.variant.has_cookies() && choice.variant.tail_calls());
+        let notice = choice.notice(true).expect("a notice");
+        assert!(notice.contains("bpf_loop (5.17+)"), "{notice}");
+        assert!(notice.contains("tailcall eBPF programs"), "{notice}");
         assert!(!notice.contains("settled"), "{notice}");
+        assert!(!notice.contains("by address"), "{notice}");
+    }
+
+    #[test]
+    fn a_kernel_with_atomics_but_no_cookies_gets_compat() {
+        let choice = lacking(&[Feature::AttachCookie, Feature::BpfLoop]);
+        assert_eq!(choice.variant, Variant::Compat);
+        let notice = choice.notice(true).expect("a notice");
+        assert!(notice.contains("attach_cookie (5.15+)"), "{notice}");
+        assert!(notice.contains("none settled"), "{notice}");
     }
 
     #[test]
     fn a_5_10_kernel_lacks_all_three() {
-        let choice = Choice::from_presence(|feature| {
-            if FULL_NEEDS.contains(&feature) {
-                Presence::Missing
-            } else {
-                Presence::Found
-            }
-        });
+        let choice = lacking(&FULL_NEEDS);
         assert_eq!(choice.variant, Variant::Compat);
         assert_eq!(choice.missing.len(), 3);
-        let notice = choice.notice(false, true).expect("a notice");
-        assert!(notice.contains("none settled"), "{notice}");
-        assert!(!notice.contains("DWARF"), "{notice}");
+        assert!(!choice.variant.has_cookies() && choice.variant.tail_calls());
+        let notice = choice.notice(false).expect("a notice");
+        assert!(!notice.contains("settled"), "{notice}");
+        assert!(notice.contains("tail calls"), "{notice}");
+    }
+
+    #[test]
+    fn variants_round_trip_by_key() {
+        for variant in [Variant::Full, Variant::TailCall, Variant::Compat] {
+            assert_eq!(Variant::from_key(variant.key()), Some(variant));
+        }
+        assert_eq!(Variant::from_key("fast"), None);
     }
 }

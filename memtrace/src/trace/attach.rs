@@ -30,7 +30,6 @@ use crate::error::Failure;
 use crate::report::{ProcessInfo, TargetInfo};
 use crate::symbolize::BlazeSymbolizer;
 use crate::target::{self, HeldChild};
-use memtrace_common::unwind::STACK_MODE_DWARF;
 
 /// The process a trace starts from.
 struct Chosen {
@@ -281,12 +280,9 @@ impl<'a> Trace<'a> {
             names,
             output,
         };
-        // On a kernel that got the compat programs: one line now, a note in
-        // every report.
-        if let Some(notice) = trace.probes.variant().notice(
-            options.stack_mode == STACK_MODE_DWARF,
-            options.settle_in_kernel,
-        ) {
+        // On a kernel that got the tailcall or compat programs: one line
+        // now, a note in every report.
+        if let Some(notice) = trace.probes.variant().notice(options.settle_in_kernel) {
             eprintln!("memtrace: {notice}");
             trace.session.notes.push(notice);
         }

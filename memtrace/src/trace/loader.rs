@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use super::held::HeldTable;
 use crate::unwind::kernel::UnwindTables;
 use anyhow::Context;
-use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, StackTraceMap};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray, ProgramArray, RingBuf, StackTraceMap};
 use aya::programs::uprobe::{
     UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeLinkId, UProbeScope,
 };
@@ -47,8 +47,12 @@ pub use multi::AttachMode;
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memtrace.bpf.o"));
-/// The object for kernels without attach cookies, BPF atomics with fetch or
-/// `bpf_loop` (see `kernel::variant`).
+/// The object for kernels with attach cookies and BPF atomics with fetch
+/// but no `bpf_loop` (see `kernel::variant`).
+static EBPF_OBJECT_TAILCALL: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memtrace-tailcall.bpf.o"));
+/// The object for kernels without attach cookies or BPF atomics with fetch
+/// (see `kernel::variant`).
 static EBPF_OBJECT_COMPAT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memtrace-compat.bpf.o"));
 
@@ -57,6 +61,9 @@ const EXIT: &str = "call_exit";
 const FORKS: &str = "task_new";
 /// The program of every USDT probe (`memtrace-ebpf/src/usdt.rs`).
 const USDT: &str = "usdt_fire";
+/// The tail-called programs of the `tailcall` and `compat` objects, at
+/// their index in `TAIL_PROGS` (`memtrace-ebpf/src/tail.rs`).
+const TAIL_PROGRAMS: [&str; 2] = ["tail_walk", "tail_python"];
 
 /// Load-time settings of the eBPF programs.
 #[derive(Clone, Copy, Debug)]
@@ -175,6 +182,9 @@ pub struct Probes {
     spec_by_addr: Option<HashMap<MapData, AddrKey, u32>>,
     /// USDT sites and their per-process events.
     usdt: usdt::UsdtSites,
+    /// The `tailcall` and `compat` objects' program array, filled: the
+    /// kernel empties it when its last user-space reference closes.
+    _tail_programs: Option<ProgramArray<MapData>>,
     /// Probes are attached through `uprobe_multi` links (the programs were
     /// loaded for them), not perf events.
     multi: bool,
@@ -259,6 +269,7 @@ pub fn counter_name(counter: Counter) -> &'static str {
         Counter::SettledInKernel => "settled_in_kernel",
         Counter::SettledSeenTwice => "settled_seen_twice",
         Counter::StacksReplayed => "stacks_replayed",
+        Counter::WalkNotStarted => "walk_not_started",
     }
 }
 
@@ -280,6 +291,11 @@ impl Probes {
         let unwind_capacity = unwind_capacity(options);
         let multi = multi::resolve(options.attach, &variant)?;
         let mut ebpf = open(options, variant.variant).map_err(|err| load_failure(&err))?;
+        let tail_programs = if variant.variant.tail_calls() {
+            Some(load_tail_programs(&mut ebpf, options)?)
+        } else {
+            None
+        };
         for name in [ENTER, EXIT] {
             let program: &mut UProbe = ebpf
                 .program_mut(name)
@@ -328,16 +344,18 @@ impl Probes {
         } else {
             None
         };
-        let spec_by_addr = match variant.variant {
-            Variant::Full => None,
-            Variant::Compat => Some(HashMap::try_from(
+        let spec_by_addr = if variant.variant.has_cookies() {
+            None
+        } else {
+            Some(HashMap::try_from(
                 ebpf.take_map("SPEC_BY_ADDR")
                     .context("map SPEC_BY_ADDR missing")?,
-            )?),
+            )?)
         };
         Ok(Probes {
             options: *options,
             variant,
+            _tail_programs: tail_programs,
             spec_by_addr,
             held,
             control,
@@ -524,14 +542,13 @@ impl Probes {
         let scope = UProbeScope::OneProcess(pid_nz);
         // The compat object finds the spec by the probed address instead
         // (kernels before 5.15 have no attach cookies).
-        let cookie = match self.variant.variant {
-            Variant::Full => Some(u64::from(function.index)),
-            Variant::Compat => {
-                if let Ok(mappings) = crate::probe::maps::read(pid) {
-                    self.publish_spec_addr(pid, function, &mappings);
-                }
-                None
+        let cookie = if self.variant.variant.has_cookies() {
+            Some(u64::from(function.index))
+        } else {
+            if let Ok(mappings) = crate::probe::maps::read(pid) {
+                self.publish_spec_addr(pid, function, &mappings);
             }
+            None
         };
         // The return probe goes first: an entry whose return probe is not yet
         // attached would leave a stale in-flight record behind.
@@ -1007,9 +1024,9 @@ fn load_failure(err: &(dyn std::error::Error + 'static)) -> anyhow::Error {
     kernel_support::load_failure(err).into()
 }
 
-/// The embedded eBPF object (empty when built without it).
-pub fn object() -> &'static [u8] {
-    EBPF_OBJECT
+/// The embedded eBPF object of `variant` (empty when built without it).
+pub fn object(variant: Variant) -> &'static [u8] {
+    object_of(variant)
 }
 
 /// The unwinder's map sizes: outside DWARF mode its big maps shrink to one element.
@@ -1058,23 +1075,48 @@ fn open(options: &LoadOptions, variant: Variant) -> Result<Ebpf, aya::EbpfError>
         .map_max_entries("UNWIND_RULES", unwind_capacity.rule_chunks)
         .map_max_entries("PROC_MAPS", unwind_capacity.processes)
         .map_max_entries("PROC_SLOTS", unwind_capacity.processes)
-        .load(match variant {
-            Variant::Full => EBPF_OBJECT,
-            Variant::Compat => EBPF_OBJECT_COMPAT,
-        })
+        .load(object_of(variant))
 }
 
-/// `options` as the chosen object can serve them: the compat object walks
-/// frame pointers (no `bpf_loop`) and settles nothing (no compare-and-swap).
+/// The embedded object of `variant`.
+fn object_of(variant: Variant) -> &'static [u8] {
+    match variant {
+        Variant::Full => EBPF_OBJECT,
+        Variant::TailCall => EBPF_OBJECT_TAILCALL,
+        Variant::Compat => EBPF_OBJECT_COMPAT,
+    }
+}
+
+/// Loads the tail-called programs of the `tailcall` and `compat` objects
+/// and puts them in `TAIL_PROGS`, which is returned: it must stay open.
+fn load_tail_programs(
+    ebpf: &mut Ebpf,
+    options: &LoadOptions,
+) -> anyhow::Result<ProgramArray<MapData>> {
+    let mut array = ProgramArray::try_from(
+        ebpf.take_map("TAIL_PROGS")
+            .context("map TAIL_PROGS missing from the eBPF object")?,
+    )?;
+    for (index, name) in (0u32..).zip(TAIL_PROGRAMS) {
+        let program: &mut UProbe = ebpf
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing from the eBPF object"))?
+            .try_into()?;
+        program
+            .load()
+            .map_err(|err| program_load_failure(name, options, &err))?;
+        let fd = program.fd()?;
+        array.set(index, fd, 0)?;
+    }
+    Ok(array)
+}
+
+/// `options` as the chosen object can serve them: the compat object
+/// settles nothing in the kernel (no compare-and-swap).
 pub fn variant_options(choice: &Choice, options: &LoadOptions) -> LoadOptions {
     match choice.variant {
-        Variant::Full => *options,
+        Variant::Full | Variant::TailCall => *options,
         Variant::Compat => LoadOptions {
-            stack_mode: if options.stack_mode == STACK_MODE_DWARF {
-                memtrace_common::unwind::STACK_MODE_FP
-            } else {
-                options.stack_mode
-            },
             settle_in_kernel: false,
             ..*options
         },
@@ -1155,7 +1197,13 @@ pub fn load_test(options: &LoadOptions) -> Result<Vec<ProgramLoad>, aya::EbpfErr
     let multi = multi::resolve(options.attach, &choice).unwrap_or(false);
     let mut ebpf = open(&variant_options(&choice, options), choice.variant)?;
     let mut results = Vec::new();
-    for name in [ENTER, EXIT, USDT, FORKS] {
+    let tail = if choice.variant.tail_calls() {
+        &TAIL_PROGRAMS[..]
+    } else {
+        &[]
+    };
+    for name in [ENTER, EXIT, USDT, FORKS].iter().chain(tail) {
+        let name = *name;
         let outcome = match ebpf.program_mut(name) {
             None => Err(aya::programs::ProgramError::NotLoaded),
             Some(aya::programs::Program::UProbe(program)) => if multi {

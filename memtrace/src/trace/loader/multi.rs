@@ -48,6 +48,10 @@ pub fn resolve(mode: AttachMode, variant: &Choice) -> anyhow::Result<bool> {
         Variant::Compat => {
             Err("the compat eBPF object (no attach cookies) needs perf events".to_string())
         }
+        Variant::TailCall => Err(
+            "the tailcall eBPF object's tail-called programs need perf events (this kernel has no bpf_loop)"
+                .to_string(),
+        ),
         Variant::Full => match uprobe_multi::probe() {
             Ok(uprobe_multi::Support::Found) => Ok(()),
             Ok(uprobe_multi::Support::Missing) => {

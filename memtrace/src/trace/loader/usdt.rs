@@ -341,7 +341,7 @@ impl Probes {
     /// there) and attaches `usdt_fire` to it.
     fn attach_site_for(&mut self, site: &Site, pid: u32) -> anyhow::Result<()> {
         let cookie = match self.variant.variant {
-            Variant::Full => Some(u64::from(site.index)),
+            Variant::Full | Variant::TailCall => Some(u64::from(site.index)),
             Variant::Compat => {
                 if let Ok(mappings) = crate::probe::maps::read(pid) {
                     self.publish_spec_addr(pid, &site.as_function(), &mappings);
