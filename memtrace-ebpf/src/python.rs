@@ -163,7 +163,7 @@ fn thread_state(pid_tgid: u64, proc: &PyProc) -> Result<u64, Counter> {
             _pad: 0,
         };
     }
-    crate::unwind::run_loop(PY_MAX_THREADS, thread_step);
+    crate::unwind::run_loop::<PY_MAX_THREADS>(PY_MAX_THREADS, thread_step);
     // SAFETY: as above.
     let (error, found) = unsafe { ((*walk).error, (*walk).found) };
     if error != 0 {
@@ -343,7 +343,7 @@ fn read_stack(pid_tgid: u64, proc: &PyProc, started: u64) -> Result<u32, Counter
         _pad: 0,
     };
     // Shim frames take loop rounds too, hence the margin over PY_MAX_DEPTH.
-    crate::unwind::run_loop((PY_MAX_DEPTH * 2) as u32, frame_step);
+    crate::unwind::run_loop::<{ (PY_MAX_DEPTH * 2) as u32 }>((PY_MAX_DEPTH * 2) as u32, frame_step);
     if walk.error != 0 {
         return Err(if walk.error == Counter::PyStackMapFull as u32 + 1 {
             Counter::PyStackMapFull

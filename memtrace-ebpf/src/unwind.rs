@@ -367,18 +367,19 @@ fn opaque(value: u32) -> u32 {
 /// context.
 type LoopStep = extern "C" fn(u64, *mut core::ffi::c_void) -> i64;
 
-/// Runs `step` up to `rounds` times with a null context (the state is in a
-/// per-CPU map, never on the BPF stack).
+/// Runs `step` up to `rounds` times (never more than `MAX`) with a null
+/// context (the state is in a per-CPU map, never on the BPF stack).
 #[inline(always)]
-pub(crate) fn run_loop(rounds: u32, step: LoopStep) {
-    loop_with(rounds, step, core::ptr::null_mut());
+pub(crate) fn run_loop<const MAX: u32>(rounds: u32, step: LoopStep) {
+    loop_with::<MAX>(rounds, step, core::ptr::null_mut());
 }
 
 /// Runs `step(i, ctx)` for `i` in `0..rounds` until it returns non-zero:
-/// with `bpf_loop`, so the verifier checks one round.
+/// with `bpf_loop`, so the verifier checks one round. `rounds` is at most
+/// `MAX` (the bound the loop without `bpf_loop` needs).
 #[cfg(not(feature = "tailcall"))]
 #[inline(always)]
-fn loop_with(rounds: u32, step: LoopStep, ctx: *mut core::ffi::c_void) {
+fn loop_with<const MAX: u32>(rounds: u32, step: LoopStep, ctx: *mut core::ffi::c_void) {
     // SAFETY: `step` is a static function of this program; `ctx` is null or
     // outlives the synchronous call.
     unsafe {
@@ -386,16 +387,18 @@ fn loop_with(rounds: u32, step: LoopStep, ctx: *mut core::ffi::c_void) {
     }
 }
 
-/// [`loop_with`] without `bpf_loop`: a bounded loop the verifier follows
-/// round by round (every caller's `rounds` has a small constant bound), the
-/// step inlined: a program that tail-calls may hold no BPF-to-BPF calls on
-/// arm64 before 6.0.
+/// [`loop_with`] without `bpf_loop`: a loop the verifier follows round by
+/// round, bounded by the constant `MAX` (a bound on `rounds` alone is lost
+/// by older verifiers when it is spilled: 5.10 walked a 64-word loop to its
+/// 129th round), the step inlined: a program that tail-calls may hold no
+/// BPF-to-BPF calls on arm64 before 6.0.
 #[cfg(feature = "tailcall")]
 #[inline(always)]
-fn loop_with(rounds: u32, step: LoopStep, ctx: *mut core::ffi::c_void) {
+fn loop_with<const MAX: u32>(rounds: u32, step: LoopStep, ctx: *mut core::ffi::c_void) {
+    let rounds = opaque(rounds);
     let mut i = 0;
-    while i < rounds {
-        if step(u64::from(i), ctx) != 0 {
+    while i < MAX {
+        if i >= rounds || step(u64::from(i), ctx) != 0 {
             break;
         }
         i += 1;
@@ -518,7 +521,7 @@ fn find_mapping(slot: u32, pc: u64) -> Option<MapEntry> {
             _pad: 0,
         };
     }
-    run_loop(MAPPING_SEARCH_STEPS + 1, mapping_step);
+    run_loop::<{ MAPPING_SEARCH_STEPS + 1 }>(MAPPING_SEARCH_STEPS + 1, mapping_step);
     let maps = PROC_MAPS.get(slot)?;
     // SAFETY: as above.
     let lo = unsafe { (*search).lo };
@@ -600,7 +603,7 @@ fn find_rule(table: u32, offset: u64) -> Option<UnwindRule> {
             _pad: 0,
         };
     }
-    run_loop(ROW_SEARCH_STEPS + 1, row_step);
+    run_loop::<{ ROW_SEARCH_STEPS + 1 }>(ROW_SEARCH_STEPS + 1, row_step);
     // SAFETY: as above.
     let row = row_at(unsafe { (*search).lo })?;
     rule_at(info.rule_start + u32::from(row.rule))
@@ -825,7 +828,7 @@ fn replayed(
         if failed != 0 {
             return None;
         }
-        loop_with(
+        loop_with::<{ REPLAY_WORDS as u32 }>(
             count.min(REPLAY_WORDS as u32),
             replay_word,
             &mut check as *mut ReplayState as *mut core::ffi::c_void,
@@ -1149,7 +1152,7 @@ fn walk_stack(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> i32 {
         Err(key) => return key,
     };
     let depth = MAX_DEPTH.load().min(MAX_FRAMES as u32);
-    run_loop(depth, frame_callback);
+    run_loop::<{ MAX_FRAMES as u32 }>(depth, frame_callback);
     memtrace_walk_finish(started)
 }
 
@@ -1489,7 +1492,7 @@ fn remember(walk: &Walk, key: i32, started: u64) {
                 seal: 0,
             };
         }
-        run_loop(logged, span_word);
+        run_loop::<{ REPLAY_WORDS as u32 }>(logged, span_word);
         // SAFETY: as above.
         let (span_lo, span_hi) = unsafe { ((*span).lo, (*span).hi) };
         let bytes = span_hi.wrapping_sub(span_lo).wrapping_add(8);

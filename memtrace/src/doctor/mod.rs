@@ -469,19 +469,30 @@ mod tests {
             programs: Vec::new(),
         };
         let presence = |f: Feature| {
-            if f == Feature::BpfLoop {
+            if f == Feature::AtomicsFetch {
                 Presence::Missing
             } else {
                 Presence::Unknown
             }
         };
         let verdicts = verdicts(presence, &[skipped]);
-        assert_eq!(verdicts[0].works, Some(false));
-        assert!(verdicts[0].why[0].contains("bpf_loop helper (5.17+)"));
-        // fp needs no bpf_loop: unknown, and says why.
-        assert_eq!(verdicts[1].works, None);
-        let fp = &verdicts[1];
-        assert!(fp.why.is_empty(), "{:?}", fp.why);
+        let by_key = |key: &str| verdicts.iter().find(|v| v.mode == key).cloned();
+        let settling = by_key("settling").expect("settling");
+        assert_eq!(settling.works, Some(false));
+        assert!(
+            settling.why[0].contains("atomics with fetch"),
+            "{:?}",
+            settling.why
+        );
+        // DWARF stacks need no atomics (any object walks them): unknown,
+        // with nothing against them.
+        let dwarf = by_key("default").expect("default");
+        assert_eq!(dwarf.works, None);
+        assert!(
+            dwarf.why.iter().all(|w| w.starts_with("load test skipped")),
+            "{:?}",
+            dwarf.why
+        );
     }
 
     #[test]

@@ -700,28 +700,24 @@ impl Mode {
         }
     }
 
-    /// The features it cannot do without. Without attach cookies, atomics
-    /// with fetch or `bpf_loop` memtrace loads its compat object
-    /// (`kernel::variant`), which still serves frame-pointer stacks, no
-    /// stacks and forks; DWARF stacks, settling and Python frames need the
-    /// full object.
+    /// The features it cannot do without. Every build of the programs
+    /// (`kernel::variant`) walks DWARF stacks and reads Python frames (with
+    /// `bpf_loop`, or across tail calls without it); settling heap pairs in
+    /// the kernel needs compare-and-swap and the attach cookies of the
+    /// objects that have it (full, tailcall).
     pub fn needs(self) -> &'static [Feature] {
         const BASE: &[Feature] = &[Feature::UprobePmu, Feature::RingBuffer, Feature::GlobalData];
-        const FULL: &[Feature] = &[
+        const SETTLE: &[Feature] = &[
             Feature::UprobePmu,
             Feature::RingBuffer,
             Feature::GlobalData,
             Feature::AtomicsFetch,
             Feature::AttachCookie,
-            Feature::BpfLoop,
         ];
         const PYTHON: &[Feature] = &[
             Feature::UprobePmu,
             Feature::RingBuffer,
             Feature::GlobalData,
-            Feature::AtomicsFetch,
-            Feature::AttachCookie,
-            Feature::BpfLoop,
             Feature::Btf,
         ];
         const FORKS: &[Feature] = &[
@@ -731,8 +727,8 @@ impl Mode {
             Feature::RawTracepoint,
         ];
         match self {
-            Mode::Dwarf | Mode::Settling => FULL,
-            Mode::FramePointers | Mode::NoStacks => BASE,
+            Mode::Settling => SETTLE,
+            Mode::Dwarf | Mode::FramePointers | Mode::NoStacks => BASE,
             Mode::PythonFrames => PYTHON,
             Mode::FollowForks => FORKS,
         }
@@ -875,7 +871,7 @@ mod tests {
     #[test]
     fn mode_table_follows_the_features() {
         // A 5.10 kernel: no atomics with fetch, no bpf_loop, no cookies. The
-        // compat object still serves frame pointers, no stacks and forks.
+        // compat object serves every mode but settling.
         let old = |feature: Feature| match feature {
             Feature::AtomicsFetch
             | Feature::BpfLoop
@@ -883,13 +879,20 @@ mod tests {
             | Feature::UprobeMulti => Presence::Missing,
             _ => Presence::Found,
         };
-        for mode in [Mode::Dwarf, Mode::Settling, Mode::PythonFrames] {
-            let missing = mode.missing(old);
-            assert!(missing.contains(&Feature::AtomicsFetch), "{mode:?}");
-            assert!(missing.contains(&Feature::BpfLoop), "{mode:?}");
-        }
-        for mode in [Mode::FramePointers, Mode::NoStacks, Mode::FollowForks] {
+        assert_eq!(
+            Mode::Settling.missing(old),
+            [Feature::AtomicsFetch, Feature::AttachCookie]
+        );
+        for mode in Mode::ALL.into_iter().filter(|&m| m != Mode::Settling) {
             assert!(mode.missing(old).is_empty(), "{mode:?}");
+        }
+        // 5.15: only bpf_loop missing: the tailcall object settles too.
+        let ubuntu_22_04 = |feature: Feature| match feature {
+            Feature::BpfLoop | Feature::UprobeMulti => Presence::Missing,
+            _ => Presence::Found,
+        };
+        for mode in Mode::ALL {
+            assert_eq!(mode.missing(ubuntu_22_04), Vec::new(), "{mode:?}");
         }
         // 6.1: everything memtrace needs.
         let modern = |feature: Feature| match feature {

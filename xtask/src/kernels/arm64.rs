@@ -72,9 +72,15 @@ const fn kernel(name: &'static str, suite: &'static str, abi_prefix: &'static st
 
 const NEWEST: KernelSpec = kernel("7.x", "trixie-backports", "7.");
 
-/// The matrix's rows: bookworm 6.1, trixie 6.12, trixie-backports 6.18 and the
-/// newest 7.x, then 7.x again with pointer authentication.
+/// The matrix's rows: bullseye 5.10 (openEuler 22.03's and Kunpeng's
+/// series: the compat programs), bookworm 6.1, trixie 6.12, trixie-backports
+/// 6.18 and the newest 7.x, then 7.x again with pointer authentication.
 pub const KERNELS: &[Arm64Kernel] = &[
+    Arm64Kernel {
+        name: "5.10",
+        spec: kernel("5.10", "bullseye", "5.10."),
+        cpu: CPU,
+    },
     Arm64Kernel {
         name: "6.1",
         spec: kernel("6.1", "bookworm", "6.1."),
@@ -320,7 +326,7 @@ mod tests {
     #[test]
     fn rows_are_the_issue_kernels_and_one_pac_run() {
         let names: Vec<&str> = KERNELS.iter().map(|k| k.name).collect();
-        assert_eq!(names, ["6.1", "6.12", "6.18", "7.x", "7.x-pac"]);
+        assert_eq!(names, ["5.10", "6.1", "6.12", "6.18", "7.x", "7.x-pac"]);
         let pac: Vec<&Arm64Kernel> = KERNELS.iter().filter(|k| k.cpu != CPU).collect();
         assert_eq!(pac.len(), 1);
         assert_eq!(
@@ -328,8 +334,8 @@ mod tests {
             "the PAC run shares the newest kernel"
         );
         assert_eq!(pac[0].title(), "7.x, -cpu max,pauth-impdef=on");
-        assert_eq!(KERNELS[0].title(), "6.1");
-        assert!(find_kernel("5.10").is_err());
+        assert_eq!(KERNELS[0].title(), "5.10");
+        assert!(find_kernel("5.4").is_err());
     }
 
     #[test]
