@@ -1,16 +1,18 @@
 //! Record and replay: `--record FILE` writes the event stream and what is
 //! needed to analyse it later (probe specs, stacks already normalized to
 //! (module, file offset), Python stacks as resolved while the target ran,
-//! the interpreters found, interval marks, final counters) as JSON Lines;
-//! `memtrace report FILE` replays it through the same live table, history and
-//! report builder, offline, without root, after the target is gone.
+//! the interpreters found, interval marks, final counters, and the symbols
+//! of every recorded native frame as the trace resolved them, with each
+//! object's build-id) as JSON Lines; `memtrace report FILE` replays it
+//! through the same live table, history and report builder, offline,
+//! without root, after the target and its files are gone (see [`carried`]).
 //!
 //! A truncated or corrupted file is read up to the first bad line; the report
 //! then says so.
 //!
 //! Over 800 lines with its tests (~420: replay equals the live report, per format, and cut files); the code is ~450.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -29,8 +31,10 @@ use crate::probe::SpecEntry;
 use crate::report::device_cache::{self, UsdtTags};
 use crate::report::{self, ProcessInfo, Reconciliation, Report, Settings, TargetInfo};
 use crate::stacks::{RawFrame, StackStore};
+use crate::symbolize::Symbolize;
 use crate::table::LiveTable;
 
+mod carried;
 mod format;
 
 use format::{Item, Reader, Stop, FORMAT};
@@ -78,6 +82,9 @@ struct Footer {
 pub struct Recorder {
     out: BufWriter<File>,
     specs_written: usize,
+    /// The native frame addresses the stacks written name: symbolized
+    /// into `object` and `sym` lines at the end.
+    frames: BTreeSet<FileAddr>,
     failed: Option<std::io::Error>,
 }
 
@@ -94,6 +101,7 @@ impl Recorder {
         let mut recorder = Recorder {
             out: BufWriter::new(file),
             specs_written: 0,
+            frames: BTreeSet::new(),
             failed: None,
         };
         recorder.line(&Line::Header {
@@ -140,6 +148,8 @@ impl Recorder {
     }
 
     pub fn stack(&mut self, id: u32, frames: &[RawFrame]) {
+        self.frames
+            .extend(frames.iter().filter_map(|f| f.file.clone()));
         let frames = frames
             .iter()
             .map(|f| {
@@ -184,13 +194,47 @@ impl Recorder {
         self.line(&Line::End { ended_ns });
     }
 
-    /// Writes the footer from the final report and flushes.
+    /// Writes what `symbolizer` (the one the report was made with) says of
+    /// every frame address the stacks named: an `object` line per object
+    /// (its build-id), then a `sym` line per address.
+    fn symbols(&mut self, symbolizer: &mut dyn Symbolize) {
+        let frames: Vec<FileAddr> = std::mem::take(&mut self.frames).into_iter().collect();
+        let answers = symbolizer.answer(&frames);
+        let mut objects: HashMap<&Path, u32> = HashMap::new();
+        for (addr, answer) in frames.iter().zip(answers) {
+            let next = u32::try_from(objects.len()).unwrap_or(u32::MAX);
+            let object = *objects.entry(&addr.module).or_insert_with(|| {
+                let line = Line::Object {
+                    id: next,
+                    path: addr.module.display().to_string(),
+                    build_id: symbolizer.build_id(&addr.module),
+                };
+                self.line(&line);
+                next
+            });
+            let unreadable = answer.is_none();
+            let info = answer.unwrap_or_default();
+            self.line(&Line::Sym {
+                object,
+                offset: addr.file_offset,
+                symbol: info.symbol,
+                file: info.file,
+                line: info.line,
+                unreadable,
+            });
+        }
+    }
+
+    /// Writes the frames' symbols (see [`Recorder::symbols`]) and the
+    /// footer from the final report, and flushes.
     pub fn finish(
         mut self,
         report: &Report,
         ended_ns: u64,
         thread_names: &HashMap<u32, String>,
+        symbolizer: &mut dyn Symbolize,
     ) -> Result<(), Failure> {
+        self.symbols(symbolizer);
         self.line(&Line::Footer(Footer {
             duration_ms: report.duration_ms,
             ended_ns,
@@ -257,6 +301,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     let mut problem: Option<String> = None;
     let mut reader = Reader::default();
     let mut usdt_tags = UsdtTags::default();
+    let mut symbols = carried::Carried::default();
     for (number, line) in BufReader::new(file).lines().enumerate() {
         let number = number + 1;
         let text = match line {
@@ -341,6 +386,8 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 usdt_tags.observe(&wire, &specs);
                 table.apply(&event, domain);
             }
+            Item::Object { path } => symbols.object(path),
+            Item::Sym { addr, info } => symbols.sym(addr, info),
             Item::Snapshot { t_s } => history.record(&table, &specs, &stacks, t_s),
             Item::End { ended_ns } => table.close(ended_ns),
             Item::Footer(read) => footer = Some(read),
@@ -468,9 +515,8 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         processes,
         attach_failures,
     };
-    let mut symbolizer =
-        crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
-    let mut report = report::build(input, &mut symbolizer);
+    let mut report = report::build(input, &mut symbols);
+    report.notes.extend(symbols.notes());
     report.unwind = unwind;
     report.bpf_programs = bpf_programs;
     report.device_cache = device_cache::build(&device_allocators, &table, &specs, &usdt_tags);
@@ -844,7 +890,7 @@ mod tests {
             crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
         let live = report::build(input, &mut symbolizer);
         recorder
-            .finish(&live, ended_ns, &thread_names)
+            .finish(&live, ended_ns, &thread_names, &mut symbolizer)
             .expect("finishes");
         live
     }
@@ -1004,7 +1050,7 @@ mod tests {
             "sites": [{"probe": "pytorch:malloc", "file_offset": 4096, "semaphore_offset": 0x867ca}],
         })];
         recorder
-            .finish(&live, ended_ns, &thread_names)
+            .finish(&live, ended_ns, &thread_names, &mut symbolizer)
             .expect("finishes");
         live
     }

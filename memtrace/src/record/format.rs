@@ -6,20 +6,27 @@
 //! The header's target and the footer are the report's types, passed in as
 //! the type parameters `T` and `F`.
 
+use std::collections::HashMap;
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use crate::event::{self, Event};
 use crate::probe::catalog::{Domain, Memory};
+use crate::probe::maps::FileAddr;
+use crate::symbolize::SymInfo;
 use memtrace_common::WireEvent;
 
-/// The format written: version 2 adds Python stacks (`py_stack` lines and
+/// The format written: version 2 added Python stacks (`py_stack` lines and
 /// an event's `py`, the Python stack it was made under) and an event's
 /// `tag` (a USDT allocation's device index; absent in older version 2
-/// records, which replay without a device cache's devices).
-pub const FORMAT: &str = "memtrace-record/2";
+/// records, which replay without a device cache's devices); version 3 adds
+/// the symbols of every recorded native frame as the trace resolved them
+/// (`object` and `sym` lines, before the footer).
+pub const FORMAT: &str = "memtrace-record/3";
 /// Formats read: version 1 (no Python stacks) reads as version 2 without
-/// them.
-pub const FORMATS_READ: &[&str] = &["memtrace-record/1", FORMAT];
+/// them; versions 1 and 2 (no symbols) are symbolized from this host's files.
+pub const FORMATS_READ: &[&str] = &["memtrace-record/1", "memtrace-record/2", FORMAT];
 
 /// One line of a record file (a JSON object tagged by `type`).
 // One line exists at a time while reading or writing: the footer's size does not matter.
@@ -72,6 +79,31 @@ pub enum Line<T, F> {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         truncated: bool,
     },
+    /// An object the recorded frames point into, named as the stacks name
+    /// it, with its build-id (hex; absent: it has none, or it could not be
+    /// read). Before the `sym` lines naming it.
+    Object {
+        id: u32,
+        path: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        build_id: Option<String>,
+    },
+    /// One recorded frame address (object `object`, return address at file
+    /// `offset`, as the stacks carry it) as the trace symbolized it: the
+    /// function, source file and line (each absent when unknown);
+    /// `unreadable` when the object could not be read then.
+    Sym {
+        object: u32,
+        offset: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        symbol: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        file: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        line: Option<u32>,
+        #[serde(default, skip_serializing_if = "is_false")]
+        unreadable: bool,
+    },
     /// An interval snapshot was taken at `t_s` seconds.
     Snapshot { t_s: f64 },
     /// The trace ended at `ended_ns` (monotonic); the events after it only
@@ -114,6 +146,15 @@ pub enum Item<T, F> {
         domain: Domain,
         wire: WireEvent,
     },
+    /// An object the `sym` lines after it name (its build-id is for the
+    /// reader of the file: the symbols come with it).
+    Object { path: PathBuf },
+    /// A frame address as the trace symbolized it (`None`: its object
+    /// could not be read then).
+    Sym {
+        addr: FileAddr,
+        info: Option<SymInfo>,
+    },
     Snapshot {
         t_s: f64,
     },
@@ -132,12 +173,13 @@ pub enum Stop {
     Truncated(String),
 }
 
-/// The state of one read through a file: whether a header was seen, and the
-/// domain of each spec so far.
+/// The state of one read through a file: whether a header was seen, the
+/// domain of each spec so far, and the objects `sym` lines may name.
 #[derive(Debug, Default)]
 pub struct Reader {
     header: bool,
     domains: Vec<Domain>,
+    objects: HashMap<u32, PathBuf>,
 }
 
 impl Reader {
@@ -222,6 +264,36 @@ impl Reader {
                     event,
                     domain,
                     wire,
+                }
+            }
+            Line::Object { id, path, .. } => {
+                let path = PathBuf::from(path);
+                if self.objects.insert(id, path.clone()).is_some() {
+                    return Err(Stop::Truncated(format!(
+                        "line {number}: object {id} defined twice"
+                    )));
+                }
+                Item::Object { path }
+            }
+            Line::Sym {
+                object,
+                offset,
+                symbol,
+                file,
+                line,
+                unreadable,
+            } => {
+                let Some(module) = self.objects.get(&object).cloned() else {
+                    return Err(Stop::Truncated(format!(
+                        "line {number}: symbol of unknown object {object}"
+                    )));
+                };
+                Item::Sym {
+                    addr: FileAddr {
+                        module,
+                        file_offset: offset,
+                    },
+                    info: (!unreadable).then_some(SymInfo { symbol, file, line }),
                 }
             }
             Line::Snapshot { t_s } => Item::Snapshot { t_s },
