@@ -598,6 +598,19 @@ mod tests {
                 py: 0,
                 tag: 0,
             },
+            Line::Object {
+                id: 0,
+                path: "/nonexistent/leaky".into(),
+                build_id: Some("93ac61".into()),
+            },
+            Line::Sym {
+                object: 0,
+                offset: 0x234,
+                symbol: Some("leak".into()),
+                file: Some("leaky.c".into()),
+                line: Some(7),
+                unreadable: false,
+            },
             Line::Footer(Footer {
                 duration_ms: 900,
                 ended_ns: 901_000_000,
@@ -608,6 +621,7 @@ mod tests {
                 missing_functions: Vec::new(),
                 settings: Settings {
                     top: 5,
+                    stack_depth: 127,
                     ..Settings::default()
                 },
                 reconciliation: None,
@@ -664,6 +678,12 @@ mod tests {
         assert_eq!(report.settings.top, 5);
         assert_eq!((report.events.allocs, report.events.frees), (2, 1));
         assert_eq!(report.notes[0], "recorded note");
+        // Its frame named from the record, not looked up on this host.
+        let frame = &report.sites[0].frames[0];
+        assert_eq!(
+            (frame.symbol.as_deref(), frame.file.as_deref(), frame.line),
+            (Some("leak"), Some("leaky.c"), Some(7))
+        );
         // Its one live block was made in the trace's last second.
         assert_eq!(report.notes.len(), 2, "{:?}", report.notes);
         assert!(report.notes[1].starts_with("1 live block(s) (64 bytes) were made"));
@@ -915,7 +935,7 @@ mod tests {
         );
         assert!(json.contains("Python stack cut at"), "{json}");
         let text = std::fs::read_to_string(&file.0).expect("record");
-        assert!(text.starts_with(r#"{"type":"header","format":"memtrace-record/2","#));
+        assert!(text.starts_with(r#"{"type":"header","format":"memtrace-record/3","#));
         assert_eq!(text.matches(r#""type":"py_stack""#).count(), 3, "{text}");
         let replayed = replay(&file.0, options()).expect("replays");
         for format in [
@@ -1012,47 +1032,257 @@ mod tests {
             let event = crate::event::from_wire(&wire).expect("decodes");
             table.apply(&event, specs[usize::from(spec)].domain);
         }
-        let ended_ns = started_ns + 100_000_000;
-        table.close(ended_ns);
-        recorder.end(ended_ns);
-        let thread_names: HashMap<u32, String> = HashMap::new();
-        let input = report::ReportInput {
+        let traced = Traced {
             target,
-            duration_ms: 100,
-            now_ns: ended_ns,
             started_ns,
-            table: &table,
+            table,
             specs: &specs,
-            stacks: &stacks,
-            history: None,
-            suppressions: None,
-            thread_names: &thread_names,
-            kernel_counters: BTreeMap::new(),
-            libraries: Vec::new(),
-            missing_functions: Vec::new(),
-            settings: Settings {
-                top: 20,
-                stack_depth: 32,
-                sample_rate: 1,
-                ..Settings::default()
-            },
-            notes: Vec::new(),
-            reconciliation: None,
-            processes: Vec::new(),
-            attach_failures: Vec::new(),
+            stacks,
         };
-        let mut symbolizer =
-            crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
-        let mut live = report::build(input, &mut symbolizer);
-        live.device_cache = device_cache::build(&["pytorch".to_string()], &table, &specs, &tags);
-        live.usdt = vec![serde_json::json!({
-            "path": "/nonexistent/libc10_cuda.so",
-            "sites": [{"probe": "pytorch:malloc", "file_offset": 4096, "semaphore_offset": 0x867ca}],
-        })];
-        recorder
-            .finish(&live, ended_ns, &thread_names, &mut symbolizer)
-            .expect("finishes");
-        live
+        traced.end(recorder, |live, table| {
+            live.device_cache =
+                device_cache::build(&["pytorch".to_string()], table, &specs, &tags);
+            live.usdt = vec![serde_json::json!({
+                "path": "/nonexistent/libc10_cuda.so",
+                "sites": [{"probe": "pytorch:malloc", "file_offset": 4096, "semaphore_offset": 0x867ca}],
+            })];
+        })
+    }
+
+    /// What a short trace (100 ms) made, to end and record.
+    struct Traced<'a> {
+        target: TargetInfo,
+        started_ns: u64,
+        table: LiveTable,
+        specs: &'a [SpecEntry],
+        stacks: StackStore,
+    }
+
+    impl Traced<'_> {
+        /// Ends the trace as the live pipeline does: the window closed, the
+        /// report built (then `amend`ed) and the record finished with the
+        /// report's own symbolizer (files read where they are). Returns
+        /// the live report.
+        fn end(
+            mut self,
+            mut recorder: Recorder,
+            amend: impl FnOnce(&mut Report, &LiveTable),
+        ) -> Report {
+            let ended_ns = self.started_ns + 100_000_000;
+            self.table.close(ended_ns);
+            recorder.end(ended_ns);
+            let thread_names: HashMap<u32, String> = HashMap::new();
+            let input = report::ReportInput {
+                target: self.target,
+                duration_ms: 100,
+                now_ns: ended_ns,
+                started_ns: self.started_ns,
+                table: &self.table,
+                specs: self.specs,
+                stacks: &self.stacks,
+                history: None,
+                suppressions: None,
+                thread_names: &thread_names,
+                kernel_counters: BTreeMap::new(),
+                libraries: Vec::new(),
+                missing_functions: Vec::new(),
+                settings: Settings {
+                    top: 20,
+                    stack_depth: 32,
+                    sample_rate: 1,
+                    ..Settings::default()
+                },
+                notes: Vec::new(),
+                reconciliation: None,
+                processes: Vec::new(),
+                attach_failures: Vec::new(),
+            };
+            let mut symbolizer =
+                crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
+            let mut live = report::build(input, &mut symbolizer);
+            amend(&mut live, &self.table);
+            recorder
+                .finish(&live, ended_ns, &thread_names, &mut symbolizer)
+                .expect("finishes");
+            live
+        }
+    }
+
+    /// A leak of two sites whose frames point into `module` (a copy of the
+    /// test object `libleak-1.so`: `leak_alloc` and `leak_inner`) and into
+    /// `/nonexistent/gone.so` (unreadable), recorded to `path`; returns the
+    /// live report.
+    fn trace_into(path: &Path, module: &Path) -> Report {
+        use crate::probe::catalog::{Domain, Memory};
+        let (alloc, inner) = crate::symbolize::tests::return_addrs(1);
+        let started_ns = 1_000_000_000;
+        let target = TargetInfo {
+            pid: 5,
+            comm: "leak".into(),
+            exe: "/nonexistent/leak".into(),
+            ..TargetInfo::default()
+        };
+        let mut recorder = Recorder::create(path, &target, started_ns).expect("creates");
+        let specs = [SpecEntry {
+            module: Some("/nonexistent/libc.so.6"),
+            function: "malloc",
+            allocator: Allocator::parse_builtin("libc").expect("libc"),
+            memory: Memory::Host,
+            domain: Domain::Heap,
+            estimate: false,
+        }];
+        recorder.specs(&specs);
+        let mut table = LiveTable::new(usize::MAX);
+        let mut stacks = StackStore::default();
+        let at = |module: &Path, file_offset| {
+            Some(FileAddr {
+                module: module.to_path_buf(),
+                file_offset,
+            })
+        };
+        let gone = Path::new("/nonexistent/gone.so");
+        let frames = [
+            vec![at(module, alloc), at(gone, 0x40), None],
+            vec![at(module, inner), at(module, alloc), at(gone, 0x40)],
+        ];
+        for (n, files) in frames.into_iter().enumerate() {
+            let id = n as u32 + 1;
+            let ips: Vec<u64> = (0..files.len() as u64).map(|i| 0x1000 * (i + 1)).collect();
+            stacks.insert(id, &ips, &AddressSpace::default());
+            stacks.set_files(id, files);
+            recorder.stack(id, stacks.get(id).expect("inserted"));
+            for k in 0..3u64 {
+                let wire = WireEvent {
+                    ts_ns: started_ns + (k + 1) * 1_000_000,
+                    addr: 0x10_0000 * u64::from(id) + k * 0x100,
+                    size: 100 * u64::from(id),
+                    aux: 0,
+                    pid: 5,
+                    tid: 5,
+                    stack_id: id as i32,
+                    spec: 0,
+                    kind: 0,
+                    flags: 0,
+                    py_stack: 0,
+                    tag: 0,
+                };
+                recorder.event(&wire);
+                let event = crate::event::from_wire(&wire).expect("decodes");
+                table.apply(&event, Domain::Heap);
+            }
+        }
+        let traced = Traced {
+            target,
+            started_ns,
+            table,
+            specs: &specs,
+            stacks,
+        };
+        traced.end(recorder, |_, _| {})
+    }
+
+    /// The symbol of each native frame of each site, in order.
+    fn frame_symbols(report: &Report) -> Vec<Vec<Option<String>>> {
+        report
+            .sites
+            .iter()
+            .map(|site| site.frames.iter().map(|f| f.symbol.clone()).collect())
+            .collect()
+    }
+
+    #[test]
+    fn replay_names_frames_from_the_record_after_their_object_is_gone() {
+        let dir = std::env::temp_dir().join(format!("memtrace-record-syms-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let module = dir.join("libleak.so");
+        std::fs::copy(
+            Path::new(crate::symbolize::tests::TESTDATA).join("libleak-1.so"),
+            &module,
+        )
+        .expect("copy the test object");
+        let file = TempFile::new("symbols");
+        let live = trace_into(&file.0, &module);
+        let build_id = crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())))
+            .build_id(&module)
+            .expect("the test object has a build-id");
+        // The object is gone (or replaced) by the time the record is read.
+        std::fs::remove_dir_all(&dir).expect("remove the object");
+        let named = |s: &str| Some(s.to_string());
+        assert_eq!(
+            frame_symbols(&live),
+            [
+                // `leak_inner` is named by the debug file only.
+                vec![None, named("leak_alloc"), None],
+                vec![named("leak_alloc"), None, None],
+            ],
+            "the live report names the object's frames"
+        );
+        let text = std::fs::read_to_string(&file.0).expect("record");
+        // One line per object and per distinct address, whatever the
+        // number of events and stacks naming them.
+        let kinds = |kind: &str| text.matches(&format!(r#"{{"type":"{kind}""#)).count();
+        assert_eq!(
+            (kinds("object"), kinds("sym"), kinds("event")),
+            (2, 3, 6),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(r#""build_id":"{build_id}""#)),
+            "the object's build-id: {text}"
+        );
+        assert!(text.contains(r#""offset":64,"unreadable":true}"#), "{text}");
+        let replayed = replay(&file.0, options()).expect("replays");
+        assert_eq!(
+            replayed.sites, live.sites,
+            "sites, frames and bytes as live"
+        );
+        let extra: Vec<&String> = replayed.notes.iter().skip(live.notes.len()).collect();
+        assert_eq!(extra.len(), 1, "{extra:?}");
+        assert!(
+            extra[0].starts_with("1 frame address(es) in 1 object(s) (/nonexistent/gone.so) could not be symbolized while recording"),
+            "{extra:?}"
+        );
+        // The same record as an older memtrace wrote it (no symbols): its
+        // frames are looked up in this host's files, which no longer have
+        // the object, and the report says so.
+        let older: String = text
+            .lines()
+            .filter(|line| {
+                !line.contains(r#""type":"object""#) && !line.contains(r#""type":"sym""#)
+            })
+            .map(|line| line.replace("memtrace-record/3", "memtrace-record/2") + "\n")
+            .collect();
+        std::fs::write(&file.0, older).expect("write");
+        let old = replay(&file.0, options()).expect("replays");
+        assert_eq!(frame_symbols(&old), [vec![None; 3], vec![None; 3]]);
+        assert!(
+            old.notes
+                .iter()
+                .any(|n| n.starts_with("3 frame address(es) in 2 object(s)")
+                    && n.contains("symbolized from this host's files")),
+            "{:?}",
+            old.notes
+        );
+    }
+
+    /// A record written by memtrace 0.x before records carried symbols
+    /// (format 2, kept as it was written) still replays: its frames from
+    /// this host's files, said in a note.
+    #[test]
+    fn an_older_record_without_symbols_replays_with_a_note() {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/src/record/testdata/v2.jsonl");
+        let report = replay(Path::new(fixture), options()).expect("replays");
+        assert_eq!((report.events.allocs, report.events.frees), (2, 1));
+        assert_eq!(report.sites.len(), 1);
+        assert_eq!(report.sites[0].live_bytes, 64);
+        assert_eq!(report.sites[0].frames[0].symbol, None);
+        assert!(
+            report.notes.iter().any(|n| n.contains(
+                "1 object(s) (/nonexistent/leaky) were symbolized from this host's files"
+            )),
+            "{:?}",
+            report.notes
+        );
     }
 
     #[test]
@@ -1116,12 +1346,12 @@ mod tests {
     #[test]
     fn a_version_1_record_still_replays_and_an_unknown_version_is_one_line() {
         let file = TempFile::new("v1");
-        let v1 = record_text().replace("memtrace-record/2", "memtrace-record/1");
+        let v1 = record_text().replace("memtrace-record/3", "memtrace-record/1");
         std::fs::write(&file.0, v1).expect("write");
         let report = replay(&file.0, options()).expect("replays");
         assert_eq!((report.events.allocs, report.events.frees), (2, 1));
         assert!(report.python.is_empty());
-        let v9 = record_text().replace("memtrace-record/2", "memtrace-record/9");
+        let v9 = record_text().replace("memtrace-record/3", "memtrace-record/9");
         std::fs::write(&file.0, v9).expect("write");
         let Err(err) = replay(&file.0, options()) else {
             panic!("version 9 replayed");

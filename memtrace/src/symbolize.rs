@@ -234,16 +234,18 @@ impl Symbolize for BlazeSymbolizer {
     fn build_id(&mut self, module: &Path) -> Option<String> {
         let id = match self.debug_files.get(module) {
             Some(Some((_, info))) => info.build_id.clone(),
-            _ => debug::ObjectInfo::read(&(self.resolve)(module)?)
-                .ok()?
-                .build_id,
+            _ => {
+                debug::ObjectInfo::read(&(self.resolve)(module)?)
+                    .ok()?
+                    .build_id
+            }
         };
         id.as_deref().map(debug::hex)
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Symbolizes this test binary's own function from its file offset.
@@ -268,7 +270,8 @@ mod tests {
         );
     }
 
-    const TESTDATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/symbolize/testdata");
+    pub(crate) const TESTDATA: &str =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/src/symbolize/testdata");
 
     /// A fresh directory for one test.
     fn scratch(name: &str) -> PathBuf {
@@ -287,7 +290,7 @@ mod tests {
     /// The return addresses (file offset of the call + 1) of a few bytes
     /// into `leak_alloc` and `leak_inner` of `libleak-N.so`, from its debug
     /// file's symbol table.
-    fn return_addrs(n: u32) -> (u64, u64) {
+    pub(crate) fn return_addrs(n: u32) -> (u64, u64) {
         use object::{Object, ObjectSymbol};
         let debug_file = std::fs::read(Path::new(TESTDATA).join(format!("libleak-{n}.debug")))
             .expect("debug file");

@@ -156,12 +156,7 @@ mod tests {
         ]);
         assert_eq!(
             answers,
-            [
-                named.clone(),
-                SymInfo::default(),
-                SymInfo::default(),
-                named
-            ]
+            [named.clone(), SymInfo::default(), SymInfo::default(), named]
         );
         let notes = carried.notes();
         assert_eq!(notes.len(), 1, "{notes:?}");

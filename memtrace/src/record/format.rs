@@ -148,7 +148,9 @@ pub enum Item<T, F> {
     },
     /// An object the `sym` lines after it name (its build-id is for the
     /// reader of the file: the symbols come with it).
-    Object { path: PathBuf },
+    Object {
+        path: PathBuf,
+    },
     /// A frame address as the trace symbolized it (`None`: its object
     /// could not be read then).
     Sym {
@@ -351,6 +353,7 @@ pub fn event_fields(wire: &WireEvent) -> [i64; 10] {
 mod tests {
     use super::*;
     use serde::de::IgnoredAny;
+    use std::path::Path;
 
     type Read = Result<Option<Item<IgnoredAny, IgnoredAny>>, Stop>;
 
@@ -519,5 +522,84 @@ mod tests {
             panic!("event: {read:?}");
         };
         assert_eq!(event.py_stack, 0);
+    }
+
+    #[test]
+    fn symbol_lines_round_trip_and_name_a_known_object() {
+        let mut reader = Reader::default();
+        let v3 = HEADER.replace("record/1", "record/3");
+        let _: Read = reader.line(1, &v3);
+        let lines: [Line<(), ()>; 3] = [
+            Line::Object {
+                id: 4,
+                path: "/usr/lib/libc.so.6".into(),
+                build_id: Some("93ac61ec".into()),
+            },
+            Line::Sym {
+                object: 4,
+                offset: 0x2a,
+                symbol: Some("malloc".into()),
+                file: Some("malloc.c".into()),
+                line: Some(3021),
+                unreadable: false,
+            },
+            Line::Sym {
+                object: 4,
+                offset: 0x2b,
+                symbol: None,
+                file: None,
+                line: None,
+                unreadable: true,
+            },
+        ];
+        let texts: Vec<String> = lines
+            .iter()
+            .map(|line| serde_json::to_string(line).expect("serializes"))
+            .collect();
+        assert_eq!(
+            texts,
+            [
+                r#"{"type":"object","id":4,"path":"/usr/lib/libc.so.6","build_id":"93ac61ec"}"#,
+                r#"{"type":"sym","object":4,"offset":42,"symbol":"malloc","file":"malloc.c","line":3021}"#,
+                r#"{"type":"sym","object":4,"offset":43,"unreadable":true}"#,
+            ]
+        );
+        let unknown: Read = reader.line(2, &texts[1]);
+        assert_eq!(
+            unknown.expect_err("object 4 not defined yet"),
+            Stop::Truncated("line 2: symbol of unknown object 4".into())
+        );
+        let read: Read = reader.line(2, &texts[0]);
+        assert!(
+            matches!(read, Ok(Some(Item::Object { ref path })) if path == Path::new("/usr/lib/libc.so.6")),
+            "{read:?}"
+        );
+        let libc = |file_offset| FileAddr {
+            module: "/usr/lib/libc.so.6".into(),
+            file_offset,
+        };
+        let read: Read = reader.line(3, &texts[1]);
+        let Ok(Some(Item::Sym { addr, info })) = read else {
+            panic!("sym: {read:?}");
+        };
+        assert_eq!(addr, libc(42));
+        assert_eq!(
+            info,
+            Some(SymInfo {
+                symbol: Some("malloc".into()),
+                file: Some("malloc.c".into()),
+                line: Some(3021),
+            })
+        );
+        let read: Read = reader.line(4, &texts[2]);
+        assert!(
+            matches!(read, Ok(Some(Item::Sym { ref addr, info: None })) if *addr == libc(43)),
+            "{read:?}"
+        );
+        let again: Read = reader.line(5, &texts[0]);
+        assert_eq!(
+            again.expect_err("object 4 twice"),
+            Stop::Truncated("line 5: object 4 defined twice".into())
+        );
     }
 }
