@@ -31,7 +31,7 @@ use crate::probe::SpecEntry;
 use crate::report::device_cache::{self, UsdtTags};
 use crate::report::{self, ProcessInfo, Reconciliation, Report, Settings, TargetInfo};
 use crate::stacks::{RawFrame, StackStore};
-use crate::symbolize::Symbolize;
+use crate::symbolize::{SymInfo, Symbolize};
 use crate::table::LiveTable;
 
 mod carried;
@@ -387,7 +387,20 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 table.apply(&event, domain);
             }
             Item::Object { path } => symbols.object(path),
-            Item::Sym { addr, info } => symbols.sym(addr, info),
+            Item::Sym {
+                module,
+                offset,
+                symbol,
+                file,
+                line,
+                unreadable,
+            } => symbols.sym(
+                FileAddr {
+                    module,
+                    file_offset: offset,
+                },
+                (!unreadable).then_some(SymInfo { symbol, file, line }),
+            ),
             Item::Snapshot { t_s } => history.record(&table, &specs, &stacks, t_s),
             Item::End { ended_ns } => table.close(ended_ns),
             Item::Footer(read) => footer = Some(read),

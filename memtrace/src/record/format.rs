@@ -13,8 +13,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::event::{self, Event};
 use crate::probe::catalog::{Domain, Memory};
-use crate::probe::maps::FileAddr;
-use crate::symbolize::SymInfo;
 use memtrace_common::WireEvent;
 
 /// The format written: version 2 added Python stacks (`py_stack` lines and
@@ -151,11 +149,15 @@ pub enum Item<T, F> {
     Object {
         path: PathBuf,
     },
-    /// A frame address as the trace symbolized it (`None`: its object
-    /// could not be read then).
+    /// A frame address (`offset` in the object at `module`) as the trace
+    /// symbolized it; `unreadable`: its object could not be read then.
     Sym {
-        addr: FileAddr,
-        info: Option<SymInfo>,
+        module: PathBuf,
+        offset: u64,
+        symbol: Option<String>,
+        file: Option<String>,
+        line: Option<u32>,
+        unreadable: bool,
     },
     Snapshot {
         t_s: f64,
@@ -291,11 +293,12 @@ impl Reader {
                     )));
                 };
                 Item::Sym {
-                    addr: FileAddr {
-                        module,
-                        file_offset: offset,
-                    },
-                    info: (!unreadable).then_some(SymInfo { symbol, file, line }),
+                    module,
+                    offset,
+                    symbol,
+                    file,
+                    line,
+                    unreadable,
                 }
             }
             Line::Snapshot { t_s } => Item::Snapshot { t_s },
@@ -574,26 +577,37 @@ mod tests {
             matches!(read, Ok(Some(Item::Object { ref path })) if path == Path::new("/usr/lib/libc.so.6")),
             "{read:?}"
         );
-        let libc = |file_offset| FileAddr {
-            module: "/usr/lib/libc.so.6".into(),
-            file_offset,
-        };
         let read: Read = reader.line(3, &texts[1]);
-        let Ok(Some(Item::Sym { addr, info })) = read else {
+        let Ok(Some(Item::Sym {
+            module,
+            offset,
+            symbol,
+            file,
+            line,
+            unreadable,
+        })) = read
+        else {
             panic!("sym: {read:?}");
         };
-        assert_eq!(addr, libc(42));
         assert_eq!(
-            info,
-            Some(SymInfo {
-                symbol: Some("malloc".into()),
-                file: Some("malloc.c".into()),
-                line: Some(3021),
-            })
+            (module.to_str(), offset, unreadable),
+            (Some("/usr/lib/libc.so.6"), 42, false)
+        );
+        assert_eq!(
+            (symbol.as_deref(), file.as_deref(), line),
+            (Some("malloc"), Some("malloc.c"), Some(3021))
         );
         let read: Read = reader.line(4, &texts[2]);
         assert!(
-            matches!(read, Ok(Some(Item::Sym { ref addr, info: None })) if *addr == libc(43)),
+            matches!(
+                read,
+                Ok(Some(Item::Sym {
+                    offset: 43,
+                    unreadable: true,
+                    symbol: None,
+                    ..
+                }))
+            ),
             "{read:?}"
         );
         let again: Read = reader.line(5, &texts[0]);
