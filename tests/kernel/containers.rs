@@ -294,12 +294,15 @@ fn symbols(site: &Value) -> Vec<String> {
         .collect()
 }
 
-/// Traces the contained program by its host pid; returns the JSON report.
-/// `exit`: the program is killed after its work, so memtrace reads its
-/// files only after it is gone (the report comes when it exits).
-fn trace(contained: &mut Contained, exit: bool) -> Value {
+/// Traces the contained program by its host pid, with `extra` arguments;
+/// returns the JSON report. `exit`: the program is killed after its work,
+/// so memtrace reads its files only after it is gone (the report comes
+/// when it exits).
+fn trace(contained: &mut Contained, exit: bool, extra: &[&str]) -> Value {
     let pid = contained.host_pid.to_string();
-    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--top", "500"]);
+    let mut args = vec!["--pid", &pid, "--format", "json", "--top", "500"];
+    args.extend_from_slice(extra);
+    let tracer = Tracer::attach(&args);
     contained.go();
     if exit {
         // SAFETY: kill with the pid of a process this test started.
@@ -355,7 +358,7 @@ fn contained_program_is_read_as_it_sees_its_files() {
     ));
     assert!(!inside.exists());
     let mut contained = Contained::start("leak_sites_nofp", &inside);
-    let report = trace(&mut contained, false);
+    let report = trace(&mut contained, false, &[]);
     assert_contained(&report, &contained, &inside);
     assert_eq!(contained.ns_pid, 1);
 }
@@ -376,11 +379,84 @@ fn another_file_at_the_same_path_on_the_host_is_not_read() {
     let mut contained = Contained::start("leak_sites_nofp", &inside);
     // Symbols are read when the program is gone: still its own file, not
     // the host's at that path.
-    let report = trace(&mut contained, true);
+    let report = trace(&mut contained, true, &[]);
     assert_contained(&report, &contained, &inside);
     // Nothing of the planted program was read.
     let libraries = report["libraries"].to_string();
     assert!(!libraries.contains("balanced"), "{libraries}");
+}
+
+/// A record of a contained program replayed after the program and its
+/// root file system are gone: the report is the live one, every site frame
+/// by frame, its own frames named from the record. The same record without
+/// its symbols (as memtrace wrote it before format 3) is symbolized from
+/// this host's files, which lack the program: its frames go unnamed, and
+/// the report says where they were looked up.
+#[test]
+fn a_record_of_a_contained_program_replays_as_the_live_trace_once_its_files_are_gone() {
+    if !privileged() {
+        return;
+    }
+    let inside = PathBuf::from(format!(
+        "/memtrace-ct-record-{}/app/leak",
+        std::process::id()
+    ));
+    assert!(!inside.exists());
+    let dir = Contained::new_dir();
+    fs::create_dir_all(&dir.0).expect("mkdir");
+    let record = dir.0.join("trace.jsonl");
+    let record_arg = record.to_str().expect("utf-8 path");
+    let mut contained = Contained::start("leak_sites_nofp", &inside);
+    let live = trace(&mut contained, false, &["--record", record_arg]);
+    assert_contained(&live, &contained, &inside);
+    // The program, its libraries and its root go.
+    drop(contained);
+    let report = |file: &str| {
+        crate::support::run_json(&["report", file, "--format", "json", "--top", "500"])
+    };
+    let replayed = report(record_arg);
+    assert_eq!(
+        replayed["sites"], live["sites"],
+        "every site, frame by frame"
+    );
+    assert_eq!(replayed["totals"], live["totals"]);
+    assert_eq!(replayed["notes"], live["notes"]);
+    assert_eq!(
+        symbols(sites_of(&replayed, "leak_a")[0]).get(..2),
+        Some(&["leak_a".to_string(), "main".to_string()][..])
+    );
+    // As an older record: no symbols carried.
+    let text = fs::read_to_string(&record).expect("the record");
+    assert!(text.starts_with(r#"{"type":"header","format":"memtrace-record/3""#));
+    let older: String = text
+        .lines()
+        .filter(|line| {
+            !line.starts_with(r#"{"type":"object""#) && !line.starts_with(r#"{"type":"sym""#)
+        })
+        .map(|line| line.replace("memtrace-record/3", "memtrace-record/2") + "\n")
+        .collect();
+    let older_path = dir.0.join("older.jsonl");
+    fs::write(&older_path, older).expect("write");
+    let old = report(older_path.to_str().expect("utf-8 path"));
+    assert_eq!(old["totals"], live["totals"]);
+    let own_frames: Vec<&Value> = old["sites"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|site| site["frames"].as_array().into_iter().flatten())
+        .filter(|frame| frame["module"].as_str() == inside.to_str())
+        .collect();
+    assert!(!own_frames.is_empty(), "{}", old["sites"]);
+    assert!(
+        own_frames.iter().all(|frame| frame["symbol"].is_null()),
+        "the host has no file at the program's path: {own_frames:?}"
+    );
+    let notes = old["notes"].to_string();
+    assert!(
+        notes.contains("were symbolized from this host's files")
+            && notes.contains(inside.to_str().expect("utf-8")),
+        "{notes}"
+    );
 }
 
 /// The native frames of a site as (symbol, module), innermost first.
@@ -443,7 +519,7 @@ fn python_in_a_container_gets_its_lines_and_its_own_native_frames() {
         ("/usr/lib/python3.11", stdlib.to_str().expect("path")),
     ];
     let mut contained = Contained::spawn(dir, &inside, &["/app/leaky.py", "30"], &binds);
-    let report = trace(&mut contained, false);
+    let report = trace(&mut contained, false, &[]);
     assert_eq!(report["target"]["ns_pid"], 1);
     assert_eq!(report["target"]["pid"], u64::from(contained.host_pid));
     let found = &report["python"][0];
