@@ -3,9 +3,12 @@
 //! libraries it links, traced from the host by its host pid. Its files are
 //! read as it sees them (symbols, unwind tables, probes), never the host's
 //! file at the same path; the report shows its pid inside the namespace.
+//! Its `--record` replayed once the program and its root are gone is the
+//! live report frame by frame (the symbols travel in the record).
 //! Debian's python3.11 at a prefix the host lacks, its standard library and
 //! /usr bind-mounted into the container's root: its leak at its Python
-//! lines, its own native frames named from its file as on the host.
+//! lines, its own native frames named from its file as on the host, and so
+//! in its record replayed once the root is gone (as the leaking program's).
 //! `--follow-forks` in a container: children and grandchildren started in
 //! its pid namespace traced exactly, each with its host and namespace pid.
 //! A pod's container in a cgroup v2 hierarchy named as the systemd driver
@@ -518,8 +521,12 @@ fn python_in_a_container_gets_its_lines_and_its_own_native_frames() {
         ("/usr", "/usr"),
         ("/usr/lib/python3.11", stdlib.to_str().expect("path")),
     ];
+    let recorded = Contained::new_dir();
+    fs::create_dir_all(&recorded.0).expect("mkdir");
+    let record = recorded.0.join("trace.jsonl");
+    let record_arg = record.to_str().expect("utf-8 path");
     let mut contained = Contained::spawn(dir, &inside, &["/app/leaky.py", "30"], &binds);
-    let report = trace(&mut contained, false, &[]);
+    let report = trace(&mut contained, false, &["--record", record_arg]);
     assert_eq!(report["target"]["ns_pid"], 1);
     assert_eq!(report["target"]["pid"], u64::from(contained.host_pid));
     let found = &report["python"][0];
@@ -558,6 +565,15 @@ fn python_in_a_container_gets_its_lines_and_its_own_native_frames() {
         "named, not ??: {contained_native:?}"
     );
     drop(contained);
+    // Replayed once the container's root is gone: its interpreter's
+    // frames named from the record, the Python frames where they were.
+    let replayed =
+        crate::support::run_json(&["report", record_arg, "--format", "json", "--top", "500"]);
+    assert_eq!(
+        render_site(&replayed),
+        site,
+        "the replayed site is the live one"
+    );
     let host = crate::python::trace_by_pid(&python.to_path_buf());
     let symbols = |frames: Vec<(String, String)>| -> Vec<String> {
         frames.into_iter().map(|(symbol, _)| symbol).collect()
