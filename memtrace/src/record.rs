@@ -762,6 +762,31 @@ mod tests {
         assert!(report.notes.iter().any(|n| n.contains("line 2")));
     }
 
+    /// A record of process `pid` (`comm`, run from `/nonexistent/COMM`)
+    /// started at `started_ns`, created at `path`.
+    fn recording(path: &Path, pid: u32, comm: &str, started_ns: u64) -> (TargetInfo, Recorder) {
+        let target = TargetInfo {
+            pid,
+            comm: comm.into(),
+            exe: format!("/nonexistent/{comm}"),
+            ..TargetInfo::default()
+        };
+        let recorder = Recorder::create(path, &target, started_ns).expect("creates");
+        (target, recorder)
+    }
+
+    /// The spec of libc's `malloc`.
+    fn libc_malloc() -> SpecEntry {
+        SpecEntry {
+            module: Some("/nonexistent/libc.so.6"),
+            function: "malloc",
+            allocator: Allocator::parse_builtin("libc").expect("libc"),
+            memory: crate::probe::catalog::Memory::Host,
+            domain: crate::probe::catalog::Domain::Heap,
+            estimate: false,
+        }
+    }
+
     /// A trace as the live pipeline runs it (each event recorded before it
     /// is applied, a stack's lines after the event that brought it), with
     /// Python stacks (two ids resolving to the same frames, one cut by the
@@ -769,21 +794,8 @@ mod tests {
     fn trace_with_python(path: &Path) -> Report {
         use crate::interp::python::Interpreter;
         let started_ns = 1_000_000_000;
-        let target = TargetInfo {
-            pid: 7,
-            comm: "app.py".into(),
-            exe: "/nonexistent/python3".into(),
-            ..TargetInfo::default()
-        };
-        let mut recorder = Recorder::create(path, &target, started_ns).expect("creates");
-        let specs = [SpecEntry {
-            module: Some("/nonexistent/libc.so.6"),
-            function: "malloc",
-            allocator: Allocator::parse_builtin("libc").expect("libc"),
-            memory: crate::probe::catalog::Memory::Host,
-            domain: crate::probe::catalog::Domain::Heap,
-            estimate: false,
-        }];
+        let (target, mut recorder) = recording(path, 7, "app.py", started_ns);
+        let specs = [libc_malloc()];
         let mut table = LiveTable::new(usize::MAX);
         let mut stacks = StackStore::default();
         let mut history = History::default();
@@ -972,13 +984,7 @@ mod tests {
     fn trace_with_device_tags(path: &Path) -> Report {
         use crate::probe::catalog::{Domain, Memory};
         let started_ns = 1_000_000_000;
-        let target = TargetInfo {
-            pid: 9,
-            comm: "python3".into(),
-            exe: "/nonexistent/python3".into(),
-            ..TargetInfo::default()
-        };
-        let mut recorder = Recorder::create(path, &target, started_ns).expect("creates");
+        let (target, mut recorder) = recording(path, 9, "python3", started_ns);
         let specs = [
             SpecEntry {
                 module: Some("/nonexistent/libc10_cuda.so"),
@@ -1126,24 +1132,11 @@ mod tests {
     /// `/nonexistent/gone.so` (unreadable), recorded to `path`; returns the
     /// live report.
     fn trace_into(path: &Path, module: &Path) -> Report {
-        use crate::probe::catalog::{Domain, Memory};
+        use crate::probe::catalog::Domain;
         let (alloc, inner) = crate::symbolize::tests::return_addrs(1);
         let started_ns = 1_000_000_000;
-        let target = TargetInfo {
-            pid: 5,
-            comm: "leak".into(),
-            exe: "/nonexistent/leak".into(),
-            ..TargetInfo::default()
-        };
-        let mut recorder = Recorder::create(path, &target, started_ns).expect("creates");
-        let specs = [SpecEntry {
-            module: Some("/nonexistent/libc.so.6"),
-            function: "malloc",
-            allocator: Allocator::parse_builtin("libc").expect("libc"),
-            memory: Memory::Host,
-            domain: Domain::Heap,
-            estimate: false,
-        }];
+        let (target, mut recorder) = recording(path, 5, "leak", started_ns);
+        let specs = [libc_malloc()];
         recorder.specs(&specs);
         let mut table = LiveTable::new(usize::MAX);
         let mut stacks = StackStore::default();
