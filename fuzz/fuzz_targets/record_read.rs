@@ -2,7 +2,8 @@
 //! checks `memtrace report FILE` makes): arbitrary text, read line by line
 //! as `replay` does, never panics; reading stops at the first bad line; an
 //! accepted event always belongs to a spec read before it, with that spec's
-//! domain, and nothing is accepted before a header.
+//! domain, a symbol always names an object read before it, and nothing is
+//! accepted before a header.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -35,6 +36,7 @@ fuzz_target!(|data: &[u8]| {
     let mut reader = Reader::default();
     let mut header = false;
     let mut domains = Vec::new();
+    let mut objects = std::collections::HashSet::new();
     for (number, line) in text.lines().enumerate() {
         let read: Result<Option<Item<IgnoredAny, IgnoredAny>>, Stop> =
             reader.line(number + 1, line);
@@ -57,6 +59,10 @@ fuzz_target!(|data: &[u8]| {
             Item::Event { event, domain, .. } => {
                 assert_eq!(domains.get(usize::from(event.spec)), Some(&domain));
             }
+            Item::Object { path } => {
+                objects.insert(path);
+            }
+            Item::Sym { module, .. } => assert!(objects.contains(&module)),
             Item::Stack { .. }
             | Item::PyStack { .. }
             | Item::Snapshot { .. }

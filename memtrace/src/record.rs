@@ -1,16 +1,16 @@
 //! Record and replay: `--record FILE` writes the event stream and what is
 //! needed to analyse it later (probe specs, stacks already normalized to
 //! (module, file offset), Python stacks as resolved while the target ran,
-//! the interpreters found, interval marks, final counters) as JSON Lines;
-//! `memtrace report FILE` replays it through the same live table, history and
-//! report builder, offline, without root, after the target is gone.
+//! the interpreters found, interval marks, final counters, and the symbols
+//! of every recorded native frame as the trace resolved them, with each
+//! object's build-id) as JSON Lines; `memtrace report FILE` replays it
+//! through the same live table, history and report builder, offline,
+//! without root, after the target and its files are gone (see [`carried`]).
 //!
 //! A truncated or corrupted file is read up to the first bad line; the report
 //! then says so.
-//!
-//! Over 800 lines with its tests (~420: replay equals the live report, per format, and cut files); the code is ~450.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -29,8 +29,10 @@ use crate::probe::SpecEntry;
 use crate::report::device_cache::{self, UsdtTags};
 use crate::report::{self, ProcessInfo, Reconciliation, Report, Settings, TargetInfo};
 use crate::stacks::{RawFrame, StackStore};
+use crate::symbolize::{SymInfo, Symbolize};
 use crate::table::LiveTable;
 
+mod carried;
 mod format;
 
 use format::{Item, Reader, Stop, FORMAT};
@@ -78,6 +80,9 @@ struct Footer {
 pub struct Recorder {
     out: BufWriter<File>,
     specs_written: usize,
+    /// The native frame addresses the stacks written name: symbolized
+    /// into `object` and `sym` lines at the end.
+    frames: BTreeSet<FileAddr>,
     failed: Option<std::io::Error>,
 }
 
@@ -94,6 +99,7 @@ impl Recorder {
         let mut recorder = Recorder {
             out: BufWriter::new(file),
             specs_written: 0,
+            frames: BTreeSet::new(),
             failed: None,
         };
         recorder.line(&Line::Header {
@@ -140,6 +146,8 @@ impl Recorder {
     }
 
     pub fn stack(&mut self, id: u32, frames: &[RawFrame]) {
+        self.frames
+            .extend(frames.iter().filter_map(|f| f.file.clone()));
         let frames = frames
             .iter()
             .map(|f| {
@@ -184,13 +192,47 @@ impl Recorder {
         self.line(&Line::End { ended_ns });
     }
 
-    /// Writes the footer from the final report and flushes.
+    /// Writes what `symbolizer` (the one the report was made with) says of
+    /// every frame address the stacks named: an `object` line per object
+    /// (its build-id), then a `sym` line per address.
+    fn symbols(&mut self, symbolizer: &mut dyn Symbolize) {
+        let frames: Vec<FileAddr> = std::mem::take(&mut self.frames).into_iter().collect();
+        let answers = symbolizer.answer(&frames);
+        let mut objects: HashMap<&Path, u32> = HashMap::new();
+        for (addr, answer) in frames.iter().zip(answers) {
+            let next = u32::try_from(objects.len()).unwrap_or(u32::MAX);
+            let object = *objects.entry(&addr.module).or_insert_with(|| {
+                let line = Line::Object {
+                    id: next,
+                    path: addr.module.display().to_string(),
+                    build_id: symbolizer.build_id(&addr.module),
+                };
+                self.line(&line);
+                next
+            });
+            let unreadable = answer.is_none();
+            let info = answer.unwrap_or_default();
+            self.line(&Line::Sym {
+                object,
+                offset: addr.file_offset,
+                symbol: info.symbol,
+                file: info.file,
+                line: info.line,
+                unreadable,
+            });
+        }
+    }
+
+    /// Writes the frames' symbols (see [`Recorder::symbols`]) and the
+    /// footer from the final report, and flushes.
     pub fn finish(
         mut self,
         report: &Report,
         ended_ns: u64,
         thread_names: &HashMap<u32, String>,
+        symbolizer: &mut dyn Symbolize,
     ) -> Result<(), Failure> {
+        self.symbols(symbolizer);
         self.line(&Line::Footer(Footer {
             duration_ms: report.duration_ms,
             ended_ns,
@@ -257,6 +299,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     let mut problem: Option<String> = None;
     let mut reader = Reader::default();
     let mut usdt_tags = UsdtTags::default();
+    let mut symbols = carried::Carried::default();
     for (number, line) in BufReader::new(file).lines().enumerate() {
         let number = number + 1;
         let text = match line {
@@ -341,6 +384,21 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 usdt_tags.observe(&wire, &specs);
                 table.apply(&event, domain);
             }
+            Item::Object { path } => symbols.object(path),
+            Item::Sym {
+                module,
+                offset,
+                symbol,
+                file,
+                line,
+                unreadable,
+            } => symbols.sym(
+                FileAddr {
+                    module,
+                    file_offset: offset,
+                },
+                (!unreadable).then_some(SymInfo { symbol, file, line }),
+            ),
             Item::Snapshot { t_s } => history.record(&table, &specs, &stacks, t_s),
             Item::End { ended_ns } => table.close(ended_ns),
             Item::Footer(read) => footer = Some(read),
@@ -468,9 +526,8 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         processes,
         attach_failures,
     };
-    let mut symbolizer =
-        crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
-    let mut report = report::build(input, &mut symbolizer);
+    let mut report = report::build(input, &mut symbols);
+    report.notes.extend(symbols.notes());
     report.unwind = unwind;
     report.bpf_programs = bpf_programs;
     report.device_cache = device_cache::build(&device_allocators, &table, &specs, &usdt_tags);
@@ -479,611 +536,4 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn options() -> ReplayOptions {
-        ReplayOptions {
-            top: None,
-            min_age_ms: None,
-            warmup_ms: None,
-            suppressions: None,
-        }
-    }
-
-    /// A small record: one spec, one stack, a leak and a freed block, a
-    /// snapshot and the footer.
-    fn record_text() -> String {
-        let wire = |ts_ns, addr, kind| WireEvent {
-            ts_ns,
-            addr,
-            size: 64,
-            aux: 0,
-            pid: 7,
-            tid: 7,
-            stack_id: 1,
-            spec: 0,
-            kind,
-            flags: 0,
-            py_stack: 0,
-            tag: 0,
-        };
-        let lines = [
-            Line::Header {
-                format: FORMAT.to_string(),
-                target: TargetInfo {
-                    pid: 7,
-                    comm: "leaky".into(),
-                    exe: "/nonexistent/leaky".into(),
-                    ..TargetInfo::default()
-                },
-                started_ns: 1_000_000,
-            },
-            Line::Spec {
-                index: 0,
-                function: "malloc".into(),
-                allocator: "libc".into(),
-                family: 0,
-                memory: crate::probe::catalog::Memory::Host,
-                domain: crate::probe::catalog::Domain::Heap,
-                module: Some("/lib/libc.so.6".into()),
-                estimate: false,
-            },
-            Line::Stack {
-                id: 1,
-                frames: vec![
-                    (0x1234, Some("/nonexistent/leaky".into()), Some(0x234)),
-                    (0x99, None, None),
-                ],
-            },
-            Line::Event {
-                e: format::event_fields(&wire(2_000_000, 0x1000, 0)),
-                py: 0,
-                tag: 0,
-            },
-            Line::Event {
-                e: format::event_fields(&wire(3_000_000, 0x2000, 0)),
-                py: 0,
-                tag: 0,
-            },
-            Line::Snapshot { t_s: 0.5 },
-            Line::Event {
-                e: format::event_fields(&wire(4_000_000, 0x2000, 1)),
-                py: 0,
-                tag: 0,
-            },
-            Line::Footer(Footer {
-                duration_ms: 900,
-                ended_ns: 901_000_000,
-                kernel_counters: BTreeMap::new(),
-                notes: vec!["recorded note".into()],
-                thread_names: vec![(7, "leaky".into())],
-                libraries: Vec::new(),
-                missing_functions: Vec::new(),
-                settings: Settings {
-                    top: 5,
-                    ..Settings::default()
-                },
-                reconciliation: None,
-                processes: Vec::new(),
-                attach_failures: Vec::new(),
-                unwind: None,
-                bpf_programs: Vec::new(),
-                python: Vec::new(),
-                device_allocators: Vec::new(),
-                usdt: Vec::new(),
-            }),
-        ];
-        let mut text = String::new();
-        for line in &lines {
-            text.push_str(&serde_json::to_string(line).expect("serializes"));
-            text.push('\n');
-        }
-        text
-    }
-
-    struct TempFile(std::path::PathBuf);
-
-    impl TempFile {
-        fn new(name: &str) -> TempFile {
-            TempFile(std::env::temp_dir().join(format!(
-                "memtrace-record-unit-{}-{name}.jsonl",
-                std::process::id()
-            )))
-        }
-    }
-
-    impl Drop for TempFile {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-
-    #[test]
-    fn footer_fields_sit_next_to_the_type() {
-        let text = record_text();
-        let footer = text.lines().last().expect("footer line");
-        assert!(
-            footer.starts_with(r#"{"type":"footer","duration_ms":900,"#),
-            "{footer}"
-        );
-    }
-
-    #[test]
-    fn a_whole_record_replays_with_its_footer() {
-        let file = TempFile::new("whole");
-        std::fs::write(&file.0, record_text()).expect("write");
-        let report = replay(&file.0, options()).expect("replays");
-        assert_eq!(report.duration_ms, 900);
-        assert_eq!(report.settings.top, 5);
-        assert_eq!((report.events.allocs, report.events.frees), (2, 1));
-        assert_eq!(report.notes[0], "recorded note");
-        // Its one live block was made in the trace's last second.
-        assert_eq!(report.notes.len(), 2, "{:?}", report.notes);
-        assert!(report.notes[1].starts_with("1 live block(s) (64 bytes) were made"));
-    }
-
-    #[test]
-    fn a_record_cut_anywhere_gives_a_report_or_an_error() {
-        let text = record_text();
-        let file = TempFile::new("cut");
-        let header_len = text.find('\n').unwrap_or(text.len());
-        for cut in 0..text.len() {
-            std::fs::write(&file.0, &text.as_bytes()[..cut]).expect("write");
-            match replay(&file.0, options()) {
-                Ok(report) => {
-                    assert!(cut >= header_len, "cut {cut}: a report without a header");
-                    // Only the final newline may go without a note.
-                    let truncated = report.notes.iter().any(|n| n.contains("truncated"));
-                    assert_eq!(
-                        truncated,
-                        cut + 1 < text.len(),
-                        "cut {cut}: {:?}",
-                        report.notes
-                    );
-                }
-                Err(err) => assert!(cut < header_len, "cut {cut}: {err}"),
-            }
-        }
-    }
-
-    #[test]
-    fn corrupt_lines_stop_the_read_without_a_panic() {
-        let text = record_text();
-        let file = TempFile::new("corrupt");
-        let mut lines: Vec<&str> = text.lines().collect();
-        // An event of a spec never declared, then one of an unknown kind.
-        let unknown_spec = r#"{"type":"event","e":[5,1,1,0,7,7,1,9,0,0]}"#;
-        let unknown_kind = r#"{"type":"event","e":[5,1,1,0,7,7,1,0,77,0]}"#;
-        for (bad, why) in [
-            (unknown_spec, "unknown spec 9"),
-            (unknown_kind, "undecodable"),
-            ("\u{0}\u{1}", "line 4"),
-            (r#"{"type":"spec","index":3}"#, "line 4"),
-        ] {
-            lines.insert(3, bad);
-            std::fs::write(&file.0, lines.join("\n")).expect("write");
-            lines.remove(3);
-            let report = replay(&file.0, options()).expect("a partial report");
-            assert!(
-                report
-                    .notes
-                    .iter()
-                    .any(|n| n.contains("truncated") && n.contains(why)),
-                "{why}: {:?}",
-                report.notes
-            );
-        }
-        // Invalid UTF-8 is a stop too.
-        let mut bytes = text.as_bytes().to_vec();
-        let second = text.find('\n').map_or(0, |i| i + 1);
-        bytes.splice(second..second, *b"\xff\xfe\n");
-        std::fs::write(&file.0, bytes).expect("write");
-        let report = replay(&file.0, options()).expect("a partial report");
-        assert!(report.notes.iter().any(|n| n.contains("line 2")));
-    }
-
-    /// A trace as the live pipeline runs it (each event recorded before it
-    /// is applied, a stack's lines after the event that brought it), with
-    /// Python stacks (two ids resolving to the same frames, one cut by the
-    /// kernel), recorded to `path`; returns the live report.
-    fn trace_with_python(path: &Path) -> Report {
-        use crate::interp::python::Interpreter;
-        let started_ns = 1_000_000_000;
-        let target = TargetInfo {
-            pid: 7,
-            comm: "app.py".into(),
-            exe: "/nonexistent/python3".into(),
-            ..TargetInfo::default()
-        };
-        let mut recorder = Recorder::create(path, &target, started_ns).expect("creates");
-        let specs = [SpecEntry {
-            module: Some("/nonexistent/libc.so.6"),
-            function: "malloc",
-            allocator: Allocator::parse_builtin("libc").expect("libc"),
-            memory: crate::probe::catalog::Memory::Host,
-            domain: crate::probe::catalog::Domain::Heap,
-            estimate: false,
-        }];
-        let mut table = LiveTable::new(usize::MAX);
-        let mut stacks = StackStore::default();
-        let mut history = History::default();
-        let interpreter = Interpreter {
-            pid: 7,
-            version: "3.12.1".into(),
-            object: "/nonexistent/libpython3.12.so".into(),
-            frames_read: true,
-            reason: None,
-            stacks: 3,
-            unresolved_frames: 0,
-            stacks_rejected: 0,
-        };
-        stacks.python.set_interpreter(interpreter, None);
-        let frame = |name: &str, file: &str, line| PyFrame {
-            name: name.into(),
-            file: Some(file.into()),
-            line: Some(line),
-        };
-        let py_frames = |id: u32| -> (Vec<PyFrame>, bool) {
-            match id {
-                0x11 | 0x12 => (
-                    vec![
-                        frame("Cache.put", "cache.py", 41),
-                        frame("<module>", "app.py", 9),
-                    ],
-                    false,
-                ),
-                _ => (
-                    vec![
-                        frame("handle", "server.py", 88),
-                        frame("? (code 0x1)", "?", 0),
-                    ],
-                    true,
-                ),
-            }
-        };
-        recorder.specs(&specs);
-        // (ms after start, address, size, kind (0 alloc, 1 free), stack, py)
-        let events: [(u64, u64, u64, u8, i32, u32); 9] = [
-            (100, 0x1000, 4096, 0, 1, 0x11),
-            (200, 0x2000, 4096, 0, 1, 0x11),
-            (300, 0x3000, 256, 0, 2, 0x13),
-            (450, 0x4000, 4096, 0, 1, 0x12),
-            (600, 0x5000, 64, 0, 2, 0),
-            (700, 0x3000, 0, 1, -1, 0),
-            (900, 0x6000, 256, 0, 2, 0x13),
-            (1100, 0x7000, 4096, 0, 1, 0x12),
-            (1400, 0x8000, 256, 0, 2, 0x13),
-        ];
-        let mut snapshots = [500u64, 1000, 1500].into_iter().peekable();
-        let snapshot = |t_ms: u64,
-                        recorder: &mut Recorder,
-                        history: &mut History,
-                        table: &LiveTable,
-                        stacks: &StackStore| {
-            let t_s = t_ms as f64 / 1000.0;
-            history.record(table, &specs, stacks, t_s);
-            recorder.snapshot(t_s);
-        };
-        for (ms, addr, size, kind, stack_id, py) in events {
-            while let Some(t) = snapshots.next_if(|&t| t <= ms) {
-                snapshot(t, &mut recorder, &mut history, &table, &stacks);
-            }
-            let wire = WireEvent {
-                ts_ns: started_ns + ms * 1_000_000,
-                addr,
-                size,
-                aux: 0,
-                pid: 7,
-                tid: 7,
-                stack_id,
-                spec: 0,
-                kind,
-                flags: 0,
-                py_stack: py,
-                tag: 0,
-            };
-            recorder.event(&wire);
-            let event = crate::event::from_wire(&wire).expect("decodes");
-            if let Ok(id) = u32::try_from(stack_id) {
-                if !stacks.contains(id) {
-                    stacks.insert(
-                        id,
-                        &[0x40_1000 + u64::from(id), 0x40_2000],
-                        &AddressSpace::default(),
-                    );
-                    if let Some(frames) = stacks.get(id) {
-                        recorder.stack(id, frames);
-                    }
-                }
-            }
-            if py != 0 && !stacks.python.contains(py) {
-                let (frames, truncated) = py_frames(py);
-                stacks.python.insert(py, frames);
-                if truncated {
-                    stacks.python.mark_truncated(py);
-                }
-                let frames = stacks.python.frames(py).expect("inserted");
-                recorder.py_stack(py, frames, truncated);
-            }
-            table.apply(&event, specs[0].domain);
-        }
-        for t in snapshots {
-            snapshot(t, &mut recorder, &mut history, &table, &stacks);
-        }
-        let ended_ns = started_ns + 1_600_000_000;
-        table.close(ended_ns);
-        recorder.end(ended_ns);
-        let thread_names: HashMap<u32, String> = [(7, "python3".to_string())].into();
-        let input = report::ReportInput {
-            target,
-            duration_ms: 1600,
-            now_ns: ended_ns,
-            started_ns,
-            table: &table,
-            specs: &specs,
-            stacks: &stacks,
-            history: Some(&history),
-            suppressions: None,
-            thread_names: &thread_names,
-            kernel_counters: BTreeMap::from([("ringbuf_full".to_string(), 0)]),
-            libraries: Vec::new(),
-            missing_functions: Vec::new(),
-            settings: Settings {
-                top: 20,
-                stack_depth: 32,
-                sample_rate: 1,
-                ..Settings::default()
-            },
-            notes: vec!["recorded note".into()],
-            reconciliation: None,
-            processes: Vec::new(),
-            attach_failures: Vec::new(),
-        };
-        let mut symbolizer =
-            crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
-        let live = report::build(input, &mut symbolizer);
-        recorder
-            .finish(&live, ended_ns, &thread_names)
-            .expect("finishes");
-        live
-    }
-
-    fn rendered(report: &Report, format: crate::sink::Format) -> Vec<u8> {
-        let mut out = Vec::new();
-        crate::sink::for_format(format, crate::sink::Names::Short)
-            .write(report, false, &mut out)
-            .expect("renders");
-        out
-    }
-
-    #[test]
-    fn replay_reproduces_the_live_report_with_python_frames_byte_for_byte() {
-        let file = TempFile::new("python");
-        let live = trace_with_python(&file.0);
-        // The live report has Python frames to lose: merged sites, one cut.
-        let json = String::from_utf8(rendered(&live, crate::sink::Format::Json)).expect("utf-8");
-        assert!(
-            json.contains("Cache.put") && json.contains("server.py"),
-            "{json}"
-        );
-        assert!(json.contains("Python stack cut at"), "{json}");
-        let text = std::fs::read_to_string(&file.0).expect("record");
-        assert!(text.starts_with(r#"{"type":"header","format":"memtrace-record/2","#));
-        assert_eq!(text.matches(r#""type":"py_stack""#).count(), 3, "{text}");
-        let replayed = replay(&file.0, options()).expect("replays");
-        for format in [
-            crate::sink::Format::Text,
-            crate::sink::Format::Json,
-            crate::sink::Format::Folded,
-        ] {
-            let (a, b) = (rendered(&live, format), rendered(&replayed, format));
-            assert!(
-                a == b,
-                "{format:?} differs:\n--- live\n{}\n--- replay\n{}",
-                String::from_utf8_lossy(&a),
-                String::from_utf8_lossy(&b)
-            );
-        }
-    }
-
-    /// A trace of a caching device allocator probed through USDT (its
-    /// allocations tagged with a device index and stream) beside the CUDA
-    /// runtime's segments, recorded to `path`; returns the live report.
-    fn trace_with_device_tags(path: &Path) -> Report {
-        use crate::probe::catalog::{Domain, Memory};
-        let started_ns = 1_000_000_000;
-        let target = TargetInfo {
-            pid: 9,
-            comm: "python3".into(),
-            exe: "/nonexistent/python3".into(),
-            ..TargetInfo::default()
-        };
-        let mut recorder = Recorder::create(path, &target, started_ns).expect("creates");
-        let specs = [
-            SpecEntry {
-                module: Some("/nonexistent/libc10_cuda.so"),
-                function: "pytorch:malloc",
-                allocator: Allocator::Custom {
-                    name: "pytorch",
-                    family: 9,
-                },
-                memory: Memory::Device,
-                domain: Domain::Custom(9),
-                estimate: false,
-            },
-            SpecEntry {
-                module: Some("/nonexistent/libcudart.so.12"),
-                function: "cudaMalloc",
-                allocator: Allocator::parse_builtin("cuda").expect("cuda"),
-                memory: Memory::Device,
-                domain: Domain::CudaMemory,
-                estimate: false,
-            },
-        ];
-        recorder.specs(&specs);
-        let mut table = LiveTable::new(usize::MAX);
-        let mut stacks = StackStore::default();
-        let mut tags = UsdtTags::default();
-        // (address, size, kind, spec, device index as the wire carries it, stream)
-        let events: [(u64, u64, u8, u16, u32, u64); 7] = [
-            (0x7000_0000, 8 << 20, 0, 1, 0, 0),
-            (0x7000_0000, 1 << 20, 0, 0, 0, 7),
-            (0x7010_0000, 2 << 20, 0, 0, 1, 7),
-            (0x7030_0000, 512, 0, 0, 1, u64::MAX),
-            // Device -1 (a signed byte, sign extended), stream 0.
-            (0x7040_0000, 4096, 0, 0, u32::MAX, 0),
-            (0x7010_0000, 0, 1, 0, 0, 0),
-            (0x7050_0000, 3 << 20, 0, 0, 2, 12),
-        ];
-        for (n, (addr, size, kind, spec, tag, aux)) in events.into_iter().enumerate() {
-            let wire = WireEvent {
-                ts_ns: started_ns + (n as u64 + 1) * 1_000_000,
-                addr,
-                size,
-                aux,
-                pid: 9,
-                tid: 9,
-                stack_id: if kind == 0 { 1 } else { -1 },
-                spec,
-                kind,
-                flags: if spec == 0 && kind == 0 {
-                    memtrace_common::FLAG_TAGGED
-                } else {
-                    0
-                },
-                py_stack: 0,
-                tag,
-            };
-            recorder.event(&wire);
-            tags.observe(&wire, &specs);
-            if !stacks.contains(1) {
-                stacks.insert(1, &[0x40_1000, 0x40_2000], &AddressSpace::default());
-                if let Some(frames) = stacks.get(1) {
-                    recorder.stack(1, frames);
-                }
-            }
-            let event = crate::event::from_wire(&wire).expect("decodes");
-            table.apply(&event, specs[usize::from(spec)].domain);
-        }
-        let ended_ns = started_ns + 100_000_000;
-        table.close(ended_ns);
-        recorder.end(ended_ns);
-        let thread_names: HashMap<u32, String> = HashMap::new();
-        let input = report::ReportInput {
-            target,
-            duration_ms: 100,
-            now_ns: ended_ns,
-            started_ns,
-            table: &table,
-            specs: &specs,
-            stacks: &stacks,
-            history: None,
-            suppressions: None,
-            thread_names: &thread_names,
-            kernel_counters: BTreeMap::new(),
-            libraries: Vec::new(),
-            missing_functions: Vec::new(),
-            settings: Settings {
-                top: 20,
-                stack_depth: 32,
-                sample_rate: 1,
-                ..Settings::default()
-            },
-            notes: Vec::new(),
-            reconciliation: None,
-            processes: Vec::new(),
-            attach_failures: Vec::new(),
-        };
-        let mut symbolizer =
-            crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
-        let mut live = report::build(input, &mut symbolizer);
-        live.device_cache = device_cache::build(&["pytorch".to_string()], &table, &specs, &tags);
-        live.usdt = vec![serde_json::json!({
-            "path": "/nonexistent/libc10_cuda.so",
-            "sites": [{"probe": "pytorch:malloc", "file_offset": 4096, "semaphore_offset": 0x867ca}],
-        })];
-        recorder
-            .finish(&live, ended_ns, &thread_names)
-            .expect("finishes");
-        live
-    }
-
-    #[test]
-    fn replay_keeps_usdt_device_indexes_and_streams() {
-        let file = TempFile::new("device");
-        let live = trace_with_device_tags(&file.0);
-        let cache = live.device_cache.clone().expect("a device cache");
-        let by_device: Vec<(i64, i64, u64, u64)> = cache
-            .tensors_by_device
-            .iter()
-            .map(|d| (d.device, d.stream, d.live_bytes, d.live_count))
-            .collect();
-        // The freed tensor is gone; device -1 and stream -1 keep their signs.
-        assert_eq!(
-            by_device,
-            [
-                (-1, 0, 4096, 1),
-                (0, 7, 1 << 20, 1),
-                (1, -1, 512, 1),
-                (2, 12, 3 << 20, 1)
-            ]
-        );
-        assert_eq!(cache.segment_live_bytes, 8 << 20);
-        let text = std::fs::read_to_string(&file.0).expect("record");
-        assert!(text.contains(r#","tag":4294967295}"#), "{text}");
-        assert!(
-            text.contains(r#""device_allocators":["pytorch"]"#),
-            "{text}"
-        );
-        let replayed = replay(&file.0, options()).expect("replays");
-        assert_eq!(replayed.device_cache, live.device_cache);
-        assert_eq!(replayed.usdt, live.usdt);
-        for format in [crate::sink::Format::Json, crate::sink::Format::Text] {
-            let (a, b) = (rendered(&live, format), rendered(&replayed, format));
-            assert!(
-                a == b,
-                "{format:?} differs:\n--- live\n{}\n--- replay\n{}",
-                String::from_utf8_lossy(&a),
-                String::from_utf8_lossy(&b)
-            );
-        }
-        // A record of an older memtrace (no tags, no device allocators)
-        // replays without a device view rather than with made-up devices.
-        let older: String = text
-            .lines()
-            .map(|line| {
-                let mut value: serde_json::Value = serde_json::from_str(line).expect("json");
-                if let Some(object) = value.as_object_mut() {
-                    object.remove("tag");
-                    object.remove("device_allocators");
-                }
-                value.to_string() + "\n"
-            })
-            .collect();
-        std::fs::write(&file.0, older).expect("write");
-        let old = replay(&file.0, options()).expect("replays");
-        assert_eq!(old.device_cache, None);
-        assert_eq!(old.usdt, live.usdt);
-    }
-
-    #[test]
-    fn a_version_1_record_still_replays_and_an_unknown_version_is_one_line() {
-        let file = TempFile::new("v1");
-        let v1 = record_text().replace("memtrace-record/2", "memtrace-record/1");
-        std::fs::write(&file.0, v1).expect("write");
-        let report = replay(&file.0, options()).expect("replays");
-        assert_eq!((report.events.allocs, report.events.frees), (2, 1));
-        assert!(report.python.is_empty());
-        let v9 = record_text().replace("memtrace-record/2", "memtrace-record/9");
-        std::fs::write(&file.0, v9).expect("write");
-        let Err(err) = replay(&file.0, options()) else {
-            panic!("version 9 replayed");
-        };
-        let err = err.to_string();
-        assert!(
-            err.contains("memtrace-record/9") && !err.contains('\n'),
-            "{err}"
-        );
-    }
-}
+mod tests;

@@ -35,12 +35,26 @@ pub trait Symbolize {
     /// One answer per input address, in order. Each address is a *return*
     /// address; implementations look up `file_offset - 1` (the call).
     fn symbolize(&mut self, addrs: &[FileAddr]) -> Vec<SymInfo>;
+
+    /// Like [`Symbolize::symbolize`], with `None` where the object could
+    /// not be read at all (no answer, rather than an answer of no symbol):
+    /// what a record carries (`record`).
+    fn answer(&mut self, addrs: &[FileAddr]) -> Vec<Option<SymInfo>> {
+        self.symbolize(addrs).into_iter().map(Some).collect()
+    }
+
+    /// The build-id of the object at `module`, in hex (`None`: it has
+    /// none, or it cannot be read).
+    fn build_id(&mut self, _module: &Path) -> Option<String> {
+        None
+    }
 }
 
 /// blazesym over the ELF files the addresses point into, with a cache per address.
 pub struct BlazeSymbolizer {
     symbolizer: Symbolizer,
-    cache: HashMap<FileAddr, SymInfo>,
+    /// `None`: the object could not be read.
+    cache: HashMap<FileAddr, Option<SymInfo>>,
     /// How to open a module path (e.g. through `/proc/PID/root`); `None`
     /// refuses the module (another file than the one mapped, or none).
     resolve: ResolvePath,
@@ -133,15 +147,12 @@ impl BlazeSymbolizer {
         None
     }
 
-    fn lookup_module(&mut self, module: &Path, offsets: &[u64]) -> Vec<SymInfo> {
-        let unknown = || vec![SymInfo::default(); offsets.len()];
-        let Some(path) = (self.resolve)(module) else {
-            return unknown();
-        };
+    /// The answers for `offsets` in `module`; `None` when it could not be
+    /// read (refused, or neither it nor its debug file could be symbolized).
+    fn lookup_module(&mut self, module: &Path, offsets: &[u64]) -> Option<Vec<SymInfo>> {
+        let path = (self.resolve)(module)?;
         let lookups: Vec<u64> = offsets.iter().map(|o| o.saturating_sub(1)).collect();
-        let own = self
-            .symbolize_elf(&path, Input::FileOffset(&lookups))
-            .unwrap_or_else(unknown);
+        let own = self.symbolize_elf(&path, Input::FileOffset(&lookups));
         let Some((debug_path, info)) = self.debug_file(module, &path).cloned() else {
             return own;
         };
@@ -156,13 +167,13 @@ impl BlazeSymbolizer {
         let Some(from_debug) = self.symbolize_elf(&debug_path, Input::VirtOffset(&addrs)) else {
             return own;
         };
-        let mut merged = own;
+        let mut merged = own.unwrap_or_else(|| vec![SymInfo::default(); offsets.len()]);
         for ((i, _), answer) in virt.into_iter().zip(from_debug) {
             if answer.symbol.is_some() {
                 merged[i] = answer;
             }
         }
-        merged
+        Some(merged)
     }
 }
 
@@ -183,6 +194,13 @@ fn sym_info(result: Symbolized<'_>) -> SymInfo {
 
 impl Symbolize for BlazeSymbolizer {
     fn symbolize(&mut self, addrs: &[FileAddr]) -> Vec<SymInfo> {
+        self.answer(addrs)
+            .into_iter()
+            .map(Option::unwrap_or_default)
+            .collect()
+    }
+
+    fn answer(&mut self, addrs: &[FileAddr]) -> Vec<Option<SymInfo>> {
         let mut missing: HashMap<PathBuf, Vec<u64>> = HashMap::new();
         for addr in addrs {
             if !self.cache.contains_key(addr) {
@@ -193,7 +211,10 @@ impl Symbolize for BlazeSymbolizer {
             }
         }
         for (module, offsets) in missing {
-            let infos = self.lookup_module(&module, &offsets);
+            let infos = match self.lookup_module(&module, &offsets) {
+                Some(infos) => infos.into_iter().map(Some).collect(),
+                None => vec![None; offsets.len()],
+            };
             for (offset, info) in offsets.into_iter().zip(infos) {
                 self.cache.insert(
                     FileAddr {
@@ -206,13 +227,25 @@ impl Symbolize for BlazeSymbolizer {
         }
         addrs
             .iter()
-            .map(|addr| self.cache.get(addr).cloned().unwrap_or_default())
+            .map(|addr| self.cache.get(addr).cloned().flatten())
             .collect()
+    }
+
+    fn build_id(&mut self, module: &Path) -> Option<String> {
+        let id = match self.debug_files.get(module) {
+            Some(Some((_, info))) => info.build_id.clone(),
+            _ => {
+                debug::ObjectInfo::read(&(self.resolve)(module)?)
+                    .ok()?
+                    .build_id
+            }
+        };
+        id.as_deref().map(debug::hex)
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Symbolizes this test binary's own function from its file offset.
@@ -237,7 +270,8 @@ mod tests {
         );
     }
 
-    const TESTDATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/symbolize/testdata");
+    pub(crate) const TESTDATA: &str =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/src/symbolize/testdata");
 
     /// A fresh directory for one test.
     fn scratch(name: &str) -> PathBuf {
@@ -256,7 +290,7 @@ mod tests {
     /// The return addresses (file offset of the call + 1) of a few bytes
     /// into `leak_alloc` and `leak_inner` of `libleak-N.so`, from its debug
     /// file's symbol table.
-    fn return_addrs(n: u32) -> (u64, u64) {
+    pub(crate) fn return_addrs(n: u32) -> (u64, u64) {
         use object::{Object, ObjectSymbol};
         let debug_file = std::fs::read(Path::new(TESTDATA).join(format!("libleak-{n}.debug")))
             .expect("debug file");

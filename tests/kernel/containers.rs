@@ -3,9 +3,12 @@
 //! libraries it links, traced from the host by its host pid. Its files are
 //! read as it sees them (symbols, unwind tables, probes), never the host's
 //! file at the same path; the report shows its pid inside the namespace.
+//! Its `--record` replayed once the program and its root are gone is the
+//! live report frame by frame (the symbols travel in the record).
 //! Debian's python3.11 at a prefix the host lacks, its standard library and
 //! /usr bind-mounted into the container's root: its leak at its Python
-//! lines, its own native frames named from its file as on the host.
+//! lines, its own native frames named from its file as on the host, and so
+//! in its record replayed once the root is gone (as the leaking program's).
 //! `--follow-forks` in a container: children and grandchildren started in
 //! its pid namespace traced exactly, each with its host and namespace pid.
 //! A pod's container in a cgroup v2 hierarchy named as the systemd driver
@@ -294,12 +297,15 @@ fn symbols(site: &Value) -> Vec<String> {
         .collect()
 }
 
-/// Traces the contained program by its host pid; returns the JSON report.
-/// `exit`: the program is killed after its work, so memtrace reads its
-/// files only after it is gone (the report comes when it exits).
-fn trace(contained: &mut Contained, exit: bool) -> Value {
+/// Traces the contained program by its host pid, with `extra` arguments;
+/// returns the JSON report. `exit`: the program is killed after its work,
+/// so memtrace reads its files only after it is gone (the report comes
+/// when it exits).
+fn trace(contained: &mut Contained, exit: bool, extra: &[&str]) -> Value {
     let pid = contained.host_pid.to_string();
-    let tracer = Tracer::attach(&["--pid", &pid, "--format", "json", "--top", "500"]);
+    let mut args = vec!["--pid", &pid, "--format", "json", "--top", "500"];
+    args.extend_from_slice(extra);
+    let tracer = Tracer::attach(&args);
     contained.go();
     if exit {
         // SAFETY: kill with the pid of a process this test started.
@@ -355,7 +361,7 @@ fn contained_program_is_read_as_it_sees_its_files() {
     ));
     assert!(!inside.exists());
     let mut contained = Contained::start("leak_sites_nofp", &inside);
-    let report = trace(&mut contained, false);
+    let report = trace(&mut contained, false, &[]);
     assert_contained(&report, &contained, &inside);
     assert_eq!(contained.ns_pid, 1);
 }
@@ -376,11 +382,84 @@ fn another_file_at_the_same_path_on_the_host_is_not_read() {
     let mut contained = Contained::start("leak_sites_nofp", &inside);
     // Symbols are read when the program is gone: still its own file, not
     // the host's at that path.
-    let report = trace(&mut contained, true);
+    let report = trace(&mut contained, true, &[]);
     assert_contained(&report, &contained, &inside);
     // Nothing of the planted program was read.
     let libraries = report["libraries"].to_string();
     assert!(!libraries.contains("balanced"), "{libraries}");
+}
+
+/// A record of a contained program replayed after the program and its
+/// root file system are gone: the report is the live one, every site frame
+/// by frame, its own frames named from the record. The same record without
+/// its symbols (as memtrace wrote it before format 3) is symbolized from
+/// this host's files, which lack the program: its frames go unnamed, and
+/// the report says where they were looked up.
+#[test]
+fn a_record_of_a_contained_program_replays_as_the_live_trace_once_its_files_are_gone() {
+    if !privileged() {
+        return;
+    }
+    let inside = PathBuf::from(format!(
+        "/memtrace-ct-record-{}/app/leak",
+        std::process::id()
+    ));
+    assert!(!inside.exists());
+    let dir = Contained::new_dir();
+    fs::create_dir_all(&dir.0).expect("mkdir");
+    let record = dir.0.join("trace.jsonl");
+    let record_arg = record.to_str().expect("utf-8 path");
+    let mut contained = Contained::start("leak_sites_nofp", &inside);
+    let live = trace(&mut contained, false, &["--record", record_arg]);
+    assert_contained(&live, &contained, &inside);
+    // The program, its libraries and its root go.
+    drop(contained);
+    let report = |file: &str| {
+        crate::support::run_json(&["report", file, "--format", "json", "--top", "500"])
+    };
+    let replayed = report(record_arg);
+    assert_eq!(
+        replayed["sites"], live["sites"],
+        "every site, frame by frame"
+    );
+    assert_eq!(replayed["totals"], live["totals"]);
+    assert_eq!(replayed["notes"], live["notes"]);
+    assert_eq!(
+        symbols(sites_of(&replayed, "leak_a")[0]).get(..2),
+        Some(&["leak_a".to_string(), "main".to_string()][..])
+    );
+    // As an older record: no symbols carried.
+    let text = fs::read_to_string(&record).expect("the record");
+    assert!(text.starts_with(r#"{"type":"header","format":"memtrace-record/3""#));
+    let older: String = text
+        .lines()
+        .filter(|line| {
+            !line.starts_with(r#"{"type":"object""#) && !line.starts_with(r#"{"type":"sym""#)
+        })
+        .map(|line| line.replace("memtrace-record/3", "memtrace-record/2") + "\n")
+        .collect();
+    let older_path = dir.0.join("older.jsonl");
+    fs::write(&older_path, older).expect("write");
+    let old = report(older_path.to_str().expect("utf-8 path"));
+    assert_eq!(old["totals"], live["totals"]);
+    let own_frames: Vec<&Value> = old["sites"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|site| site["frames"].as_array().into_iter().flatten())
+        .filter(|frame| frame["module"].as_str() == inside.to_str())
+        .collect();
+    assert!(!own_frames.is_empty(), "{}", old["sites"]);
+    assert!(
+        own_frames.iter().all(|frame| frame["symbol"].is_null()),
+        "the host has no file at the program's path: {own_frames:?}"
+    );
+    let notes = old["notes"].to_string();
+    assert!(
+        notes.contains("were symbolized from this host's files")
+            && notes.contains(inside.to_str().expect("utf-8")),
+        "{notes}"
+    );
 }
 
 /// The native frames of a site as (symbol, module), innermost first.
@@ -442,8 +521,12 @@ fn python_in_a_container_gets_its_lines_and_its_own_native_frames() {
         ("/usr", "/usr"),
         ("/usr/lib/python3.11", stdlib.to_str().expect("path")),
     ];
+    let recorded = Contained::new_dir();
+    fs::create_dir_all(&recorded.0).expect("mkdir");
+    let record = recorded.0.join("trace.jsonl");
+    let record_arg = record.to_str().expect("utf-8 path");
     let mut contained = Contained::spawn(dir, &inside, &["/app/leaky.py", "30"], &binds);
-    let report = trace(&mut contained, false);
+    let report = trace(&mut contained, false, &["--record", record_arg]);
     assert_eq!(report["target"]["ns_pid"], 1);
     assert_eq!(report["target"]["pid"], u64::from(contained.host_pid));
     let found = &report["python"][0];
@@ -482,6 +565,15 @@ fn python_in_a_container_gets_its_lines_and_its_own_native_frames() {
         "named, not ??: {contained_native:?}"
     );
     drop(contained);
+    // Replayed once the container's root is gone: its interpreter's
+    // frames named from the record, the Python frames where they were.
+    let replayed =
+        crate::support::run_json(&["report", record_arg, "--format", "json", "--top", "500"]);
+    assert_eq!(
+        render_site(&replayed),
+        site,
+        "the replayed site is the live one"
+    );
     let host = crate::python::trace_by_pid(&python.to_path_buf());
     let symbols = |frames: Vec<(String, String)>| -> Vec<String> {
         frames.into_iter().map(|(symbol, _)| symbol).collect()

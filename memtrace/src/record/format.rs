@@ -6,20 +6,25 @@
 //! The header's target and the footer are the report's types, passed in as
 //! the type parameters `T` and `F`.
 
+use std::collections::HashMap;
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use crate::event::{self, Event};
 use crate::probe::catalog::{Domain, Memory};
 use memtrace_common::WireEvent;
 
-/// The format written: version 2 adds Python stacks (`py_stack` lines and
+/// The format written: version 2 added Python stacks (`py_stack` lines and
 /// an event's `py`, the Python stack it was made under) and an event's
 /// `tag` (a USDT allocation's device index; absent in older version 2
-/// records, which replay without a device cache's devices).
-pub const FORMAT: &str = "memtrace-record/2";
+/// records, which replay without a device cache's devices); version 3 adds
+/// the symbols of every recorded native frame as the trace resolved them
+/// (`object` and `sym` lines, before the footer).
+pub const FORMAT: &str = "memtrace-record/3";
 /// Formats read: version 1 (no Python stacks) reads as version 2 without
-/// them.
-pub const FORMATS_READ: &[&str] = &["memtrace-record/1", FORMAT];
+/// them; versions 1 and 2 (no symbols) are symbolized from this host's files.
+pub const FORMATS_READ: &[&str] = &["memtrace-record/1", "memtrace-record/2", FORMAT];
 
 /// One line of a record file (a JSON object tagged by `type`).
 // One line exists at a time while reading or writing: the footer's size does not matter.
@@ -72,6 +77,31 @@ pub enum Line<T, F> {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         truncated: bool,
     },
+    /// An object the recorded frames point into, named as the stacks name
+    /// it, with its build-id (hex; absent: it has none, or it could not be
+    /// read). Before the `sym` lines naming it.
+    Object {
+        id: u32,
+        path: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        build_id: Option<String>,
+    },
+    /// One recorded frame address (object `object`, return address at file
+    /// `offset`, as the stacks carry it) as the trace symbolized it: the
+    /// function, source file and line (each absent when unknown);
+    /// `unreadable` when the object could not be read then.
+    Sym {
+        object: u32,
+        offset: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        symbol: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        file: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        line: Option<u32>,
+        #[serde(default, skip_serializing_if = "is_false")]
+        unreadable: bool,
+    },
     /// An interval snapshot was taken at `t_s` seconds.
     Snapshot { t_s: f64 },
     /// The trace ended at `ended_ns` (monotonic); the events after it only
@@ -114,6 +144,21 @@ pub enum Item<T, F> {
         domain: Domain,
         wire: WireEvent,
     },
+    /// An object the `sym` lines after it name (its build-id is for the
+    /// reader of the file: the symbols come with it).
+    Object {
+        path: PathBuf,
+    },
+    /// A frame address (`offset` in the object at `module`) as the trace
+    /// symbolized it; `unreadable`: its object could not be read then.
+    Sym {
+        module: PathBuf,
+        offset: u64,
+        symbol: Option<String>,
+        file: Option<String>,
+        line: Option<u32>,
+        unreadable: bool,
+    },
     Snapshot {
         t_s: f64,
     },
@@ -132,12 +177,13 @@ pub enum Stop {
     Truncated(String),
 }
 
-/// The state of one read through a file: whether a header was seen, and the
-/// domain of each spec so far.
+/// The state of one read through a file: whether a header was seen, the
+/// domain of each spec so far, and the objects `sym` lines may name.
 #[derive(Debug, Default)]
 pub struct Reader {
     header: bool,
     domains: Vec<Domain>,
+    objects: HashMap<u32, PathBuf>,
 }
 
 impl Reader {
@@ -224,6 +270,37 @@ impl Reader {
                     wire,
                 }
             }
+            Line::Object { id, path, .. } => {
+                let path = PathBuf::from(path);
+                if self.objects.insert(id, path.clone()).is_some() {
+                    return Err(Stop::Truncated(format!(
+                        "line {number}: object {id} defined twice"
+                    )));
+                }
+                Item::Object { path }
+            }
+            Line::Sym {
+                object,
+                offset,
+                symbol,
+                file,
+                line,
+                unreadable,
+            } => {
+                let Some(module) = self.objects.get(&object).cloned() else {
+                    return Err(Stop::Truncated(format!(
+                        "line {number}: symbol of unknown object {object}"
+                    )));
+                };
+                Item::Sym {
+                    module,
+                    offset,
+                    symbol,
+                    file,
+                    line,
+                    unreadable,
+                }
+            }
             Line::Snapshot { t_s } => Item::Snapshot { t_s },
             Line::End { ended_ns } => Item::End { ended_ns },
             Line::Footer(footer) => Item::Footer(footer),
@@ -279,6 +356,7 @@ pub fn event_fields(wire: &WireEvent) -> [i64; 10] {
 mod tests {
     use super::*;
     use serde::de::IgnoredAny;
+    use std::path::Path;
 
     type Read = Result<Option<Item<IgnoredAny, IgnoredAny>>, Stop>;
 
@@ -447,5 +525,95 @@ mod tests {
             panic!("event: {read:?}");
         };
         assert_eq!(event.py_stack, 0);
+    }
+
+    #[test]
+    fn symbol_lines_round_trip_and_name_a_known_object() {
+        let mut reader = Reader::default();
+        let v3 = HEADER.replace("record/1", "record/3");
+        let _: Read = reader.line(1, &v3);
+        let lines: [Line<(), ()>; 3] = [
+            Line::Object {
+                id: 4,
+                path: "/usr/lib/libc.so.6".into(),
+                build_id: Some("93ac61ec".into()),
+            },
+            Line::Sym {
+                object: 4,
+                offset: 0x2a,
+                symbol: Some("malloc".into()),
+                file: Some("malloc.c".into()),
+                line: Some(3021),
+                unreadable: false,
+            },
+            Line::Sym {
+                object: 4,
+                offset: 0x2b,
+                symbol: None,
+                file: None,
+                line: None,
+                unreadable: true,
+            },
+        ];
+        let texts: Vec<String> = lines
+            .iter()
+            .map(|line| serde_json::to_string(line).expect("serializes"))
+            .collect();
+        assert_eq!(
+            texts,
+            [
+                r#"{"type":"object","id":4,"path":"/usr/lib/libc.so.6","build_id":"93ac61ec"}"#,
+                r#"{"type":"sym","object":4,"offset":42,"symbol":"malloc","file":"malloc.c","line":3021}"#,
+                r#"{"type":"sym","object":4,"offset":43,"unreadable":true}"#,
+            ]
+        );
+        let unknown: Read = reader.line(2, &texts[1]);
+        assert_eq!(
+            unknown.expect_err("object 4 not defined yet"),
+            Stop::Truncated("line 2: symbol of unknown object 4".into())
+        );
+        let read: Read = reader.line(2, &texts[0]);
+        assert!(
+            matches!(read, Ok(Some(Item::Object { ref path })) if path == Path::new("/usr/lib/libc.so.6")),
+            "{read:?}"
+        );
+        let read: Read = reader.line(3, &texts[1]);
+        let Ok(Some(Item::Sym {
+            module,
+            offset,
+            symbol,
+            file,
+            line,
+            unreadable,
+        })) = read
+        else {
+            panic!("sym: {read:?}");
+        };
+        assert_eq!(
+            (module.to_str(), offset, unreadable),
+            (Some("/usr/lib/libc.so.6"), 42, false)
+        );
+        assert_eq!(
+            (symbol.as_deref(), file.as_deref(), line),
+            (Some("malloc"), Some("malloc.c"), Some(3021))
+        );
+        let read: Read = reader.line(4, &texts[2]);
+        assert!(
+            matches!(
+                read,
+                Ok(Some(Item::Sym {
+                    offset: 43,
+                    unreadable: true,
+                    symbol: None,
+                    ..
+                }))
+            ),
+            "{read:?}"
+        );
+        let again: Read = reader.line(5, &texts[0]);
+        assert_eq!(
+            again.expect_err("object 4 twice"),
+            Stop::Truncated("line 5: object 4 defined twice".into())
+        );
     }
 }

@@ -130,7 +130,8 @@ pub fn first_matching(
     })
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// A build-id as it is written (`readelf -n`, `.build-id/` paths).
+pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 

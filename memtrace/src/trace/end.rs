@@ -72,7 +72,12 @@ impl Trace<'_> {
         let mut report = session.report(probes, &self.discovery);
         if let Some(recorder) = session.pipeline.recorder.take() {
             let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
-            recorder.finish(&report, ended_ns, session.pipeline.thread_names())?;
+            recorder.finish(
+                &report,
+                ended_ns,
+                session.pipeline.thread_names(),
+                &mut session.symbolizer,
+            )?;
         }
         // With a push to a profile store, the report waits for it (a bounded
         // time) to say what became of it: the probes go first, so that the
