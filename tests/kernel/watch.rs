@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use crate::support::{fixture, privileged, FakeContainer, Fixture, MEMTRACE};
 
-const BLOCK: u64 = 256 * 1024;
+pub const BLOCK: u64 = 256 * 1024;
 
 fn now_unix_ms() -> u64 {
     SystemTime::now()
@@ -29,7 +29,7 @@ fn now_unix_ms() -> u64 {
 }
 
 /// A fresh reports directory under the target dir.
-fn reports_dir(name: &str) -> PathBuf {
+pub fn reports_dir(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../target/tmp")
         .join(format!("watch-{name}-{}", std::process::id()));
@@ -38,13 +38,13 @@ fn reports_dir(name: &str) -> PathBuf {
 }
 
 /// A `memtrace watch` process with its stderr collected as it comes.
-struct Watch {
-    child: Child,
+pub struct Watch {
+    pub child: Child,
     stderr: Arc<Mutex<String>>,
 }
 
 impl Watch {
-    fn start(args: &[&str]) -> Watch {
+    pub fn start(args: &[&str]) -> Watch {
         Watch::start_with_env(args, &[])
     }
 
@@ -75,12 +75,12 @@ impl Watch {
         Watch { child, stderr }
     }
 
-    fn text(&self) -> String {
+    pub fn text(&self) -> String {
         self.stderr.lock().map(|t| t.clone()).unwrap_or_default()
     }
 
     /// Waits (bounded, as a safety net) until stderr contains `needle`.
-    fn wait_for(&mut self, needle: &str) {
+    pub fn wait_for(&mut self, needle: &str) {
         let deadline = Instant::now() + Duration::from_secs(120);
         while !self.text().contains(needle) {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -96,7 +96,7 @@ impl Watch {
     }
 
     /// SIGTERM, then the exit status and stderr (bounded wait).
-    fn stop(mut self) -> (std::process::ExitStatus, String) {
+    pub fn stop(mut self) -> (std::process::ExitStatus, String) {
         // SAFETY: kill with our own child's pid and a valid signal.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -156,7 +156,7 @@ fn family_of(pid: u32) -> Vec<u32> {
 }
 
 /// The perf-event and BPF fds held by `pid` and the processes under it.
-fn probe_fds(pid: u32) -> Vec<String> {
+pub fn probe_fds(pid: u32) -> Vec<String> {
     let mut held = Vec::new();
     for p in family_of(pid) {
         for fd in std::fs::read_dir(format!("/proc/{p}/fd"))
@@ -180,7 +180,7 @@ fn read_json(path: &Path) -> Option<Value> {
 }
 
 /// Waits (bounded) for a file to hold JSON.
-fn wait_json(path: &Path, watch: &Watch) -> Value {
+pub fn wait_json(path: &Path, watch: &Watch) -> Value {
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
         if let Some(v) = read_json(path) {

@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand};
 use bench::Section;
 
 mod bench;
+mod docker;
 mod kernels;
 mod setup;
 mod soak;
@@ -408,11 +409,19 @@ fn test(extra: &[String]) -> Result<()> {
         "warnings",
     ]))?;
     let fixtures = fixtures()?;
+    // The real container runtime of tests/kernel/docker.rs: a daemon (this
+    // task's own, stopped when the tests end, when none answers) and the
+    // test image.
+    let cache = root().join("target/docker");
+    std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    let _daemon = docker::Daemon::ensure(&cache.join("dockerd.log"))?;
+    let image = docker::test_image(&cache)?;
     let mut cmd = Command::new("cargo");
     cmd.current_dir(root())
         .args(["test", "--workspace"])
         .args(extra)
         .env("MEMTRACE_FIXTURES", &fixtures)
+        .env("MEMTRACE_DOCKER_IMAGE", &image)
         .env("MEMTRACE_REQUIRE_KERNEL_TESTS", "1");
     match real_cudart() {
         Ok(path) => {

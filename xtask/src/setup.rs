@@ -97,6 +97,13 @@ const TEST_TOOLS: &[Package] = &[
     pkg("libjemalloc2", Probe::Lib("libjemalloc.so.2")),
     pkg("libgoogle-perftools4", Probe::Lib("libtcmalloc.so.4")),
     pkg("libmimalloc2.0", Probe::Lib("libmimalloc.so.2")),
+    // The real container runtime (tests/kernel/docker.rs): the daemon (a
+    // docker client alone is not enough), the test image's root file
+    // system, and the host's glibc debug files, which a container's own
+    // glibc must not be symbolized from.
+    pkg("docker.io", Probe::Command("dockerd")),
+    pkg("debootstrap", Probe::Command("debootstrap")),
+    pkg("libc6-dbg", Probe::Dpkg),
 ];
 
 /// The bench's peers and workloads (besides the fixtures it builds).
@@ -351,6 +358,8 @@ mod tests {
         assert!(test.contains(&"python3-pip"));
         assert!(test.contains(&"libgoogle-perftools4"));
         assert!(!test.contains(&"chromium"));
+        assert!(test.contains(&"libc6-dbg"));
+        assert!(!test.contains(&"docker.io"), "seen by its daemon on PATH");
         let bench = missing(Need::Bench, commands);
         assert!(bench.contains(&"libmimalloc2.0"));
         assert!(!bench.contains(&"redis-tools"));
