@@ -1,4 +1,4 @@
-//! memtrace's build tasks: `cargo xtask build-ebpf | build | fixtures | test | demo | bench | soak`.
+//! memtrace's build tasks: `cargo xtask build-ebpf | build | fixtures | test | test-image | demo | bench | soak`.
 //!
 //! Each task installs what it needs first (the Debian packages setup.rs lists
 //! for it, nightly rust-src, bpf-linker built against rustc's own LLVM) and is
@@ -49,6 +49,10 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Start dockerd when none answers and build the kernel suite's container
+    /// image (`memtrace-test/trixie:<hash>`, no registry needed); prints its
+    /// name. A dockerd it started is stopped again; the image stays.
+    TestImage,
     /// Build everything and trace the bundled leaky demo program.
     Demo,
     /// Measure memtrace against the probe floor and its peers (writes BENCHMARKS.md).
@@ -98,6 +102,11 @@ fn main() -> Result<()> {
             setup::ensure(setup::Need::Fixtures).and_then(|()| fixtures().map(|_| ()))
         }
         Task::Test { args } => test(&args),
+        Task::TestImage => {
+            let (_daemon, image) = docker_test_image()?;
+            println!("{image}");
+            Ok(())
+        }
         Task::Demo => demo(),
         Task::Bench(args) => bench::bench(args),
         Task::BenchRedis { rounds, requests } => {
@@ -412,10 +421,7 @@ fn test(extra: &[String]) -> Result<()> {
     // The real container runtime of tests/kernel/docker.rs: a daemon (this
     // task's own, stopped when the tests end, when none answers) and the
     // test image.
-    let cache = root().join("target/docker");
-    std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
-    let _daemon = docker::Daemon::ensure(&cache.join("dockerd.log"))?;
-    let image = docker::test_image(&cache)?;
+    let (_daemon, image) = docker_test_image()?;
     let mut cmd = Command::new("cargo");
     cmd.current_dir(root())
         .args(["test", "--workspace"])
@@ -430,6 +436,18 @@ fn test(extra: &[String]) -> Result<()> {
         Err(err) => eprintln!("xtask: the real libcudart.so.13 is unavailable: {err:#}"),
     }
     run(&mut cmd)
+}
+
+/// A Docker daemon that answers (started when none does; the one started
+/// is stopped when the returned guard drops) and the kernel suite's test
+/// image, cached under target/docker.
+fn docker_test_image() -> Result<(docker::Daemon, String)> {
+    setup::ensure(setup::Need::TestImage)?;
+    let cache = root().join("target/docker");
+    std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    let daemon = docker::Daemon::ensure(&cache.join("dockerd.log"))?;
+    let image = docker::test_image(&cache)?;
+    Ok((daemon, image))
 }
 
 /// The real CUDA runtime from PyPI's `nvidia-cuda-runtime` wheel (a probe
