@@ -9,9 +9,11 @@
 //! --init`, `--pid` of a container process, libc frames named from the
 //! container's own glibc (not the host's, whose libc6-dbg is installed),
 //! Python lines and native frames of the container's python3.13, `watch
-//! --container`, processes `docker exec` starts during a trace, and a
-//! recorded trace replayed to the same sites. Without the variable (a
-//! plain `cargo test`) each test says why it is skipped.
+//! --container`, processes `docker exec` starts during a trace, a recorded
+//! trace replayed to the same sites, and the Containerfile's image (built
+//! from the test image as its base) tracing another container with the
+//! DaemonSet's settings. Without the variable (a plain `cargo test`) each
+//! test says why it is skipped.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -115,9 +117,31 @@ impl Drop for Speaker {
     }
 }
 
+/// A docker command run on drop (`rm -f NAME`, `rmi -f TAG`): what a test
+/// made is removed whatever happened.
+struct OnDrop(Vec<String>);
+
+impl OnDrop {
+    fn docker(args: &[&str]) -> OnDrop {
+        OnDrop(args.iter().map(|a| a.to_string()).collect())
+    }
+}
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new("docker")
+            .args(&self.0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
 /// A `docker run` container of the test image, removed (`docker rm -f`)
 /// on drop whatever happened.
 struct Container {
+    /// Dropped first: the container goes before its client is killed.
+    _removed: OnDrop,
     name: String,
     id: String,
     main: Speaker,
@@ -154,6 +178,7 @@ impl Container {
         args.extend_from_slice(command);
         // Removed on drop even when the start fails half way.
         let mut container = Container {
+            _removed: OnDrop::docker(&["rm", "-f", &name]),
             name: name.clone(),
             id: String::new(),
             main: Speaker::start(&args),
@@ -190,16 +215,6 @@ impl Container {
 
     fn prefix(&self) -> &str {
         &self.id[..12]
-    }
-}
-
-impl Drop for Container {
-    fn drop(&mut self) {
-        let _ = Command::new("docker")
-            .args(["rm", "-f", &self.name])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
     }
 }
 
@@ -619,4 +634,125 @@ fn a_recorded_container_trace_replays_to_the_same_sites() {
     );
     let replayed: Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(site_keys(&replayed), site_keys(&live));
+}
+
+/// A directory removed (with what it holds) on drop.
+struct Removed(PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The Containerfile built with `docker build` from the locally imported
+/// test image as its base (`--build-arg BASE`, no registry), around this
+/// memtrace binary, run as the DaemonSet runs it (deploy/kubernetes:
+/// hostPID, uid 0 with every capability dropped but some of those it adds,
+/// read-only root, /sys/kernel/btf read-only, AppArmor unconfined, no new
+/// privileges) against another container: its leaks, exactly.
+#[test]
+fn the_containerfile_image_traces_another_container_with_the_daemonsets_capabilities() {
+    let Some(image) = image() else { return };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    // Docker 20.10 knows CAP_BPF and CAP_PERFMON by no name; CAP_SYS_ADMIN
+    // stands for both. Both are among those the DaemonSet adds.
+    let caps = ["SYS_ADMIN", "SYS_PTRACE"];
+    let manifest = std::fs::read_to_string(root.join("deploy/kubernetes/daemonset.yaml"))
+        .expect("the DaemonSet");
+    for cap in caps {
+        assert!(
+            manifest.lines().any(|l| l.trim() == format!("- {cap}")),
+            "the DaemonSet adds {cap}"
+        );
+    }
+    assert!(
+        manifest.contains("hostPID: true") && manifest.contains("readOnlyRootFilesystem: true")
+    );
+    // The build context: the Containerfile and the binary where it takes it.
+    let context =
+        Removed(std::env::temp_dir().join(format!("memtrace-image-{}", std::process::id())));
+    let dist = context.0.join("target/dist/amd64");
+    std::fs::create_dir_all(&dist).expect("mkdir");
+    std::fs::copy(root.join("Containerfile"), context.0.join("Containerfile")).expect("copy");
+    std::fs::copy(root.join(".dockerignore"), context.0.join(".dockerignore")).expect("copy");
+    std::fs::copy(MEMTRACE, dist.join("memtrace")).expect("copy");
+    let tag = format!("memtrace-test/agent:{}", std::process::id());
+    let _image = OnDrop::docker(&["rmi", "-f", &tag]);
+    let agent = format!("memtrace-test-agent-{}", std::process::id());
+    let _agent = OnDrop::docker(&["rm", "-f", &agent]);
+    let base = format!("BASE={image}");
+    let context_s = context.0.to_string_lossy().to_string();
+    let containerfile = context
+        .0
+        .join("Containerfile")
+        .to_string_lossy()
+        .to_string();
+    docker(&[
+        "build",
+        "-q",
+        "--network",
+        "none",
+        "-f",
+        &containerfile,
+        "--build-arg",
+        &base,
+        "-t",
+        &tag,
+        &context_s,
+    ]);
+    let mut target = leak_sites(&image, &[]);
+    let prefix = target.prefix().to_string();
+    let mut args = vec![
+        "run",
+        "--rm",
+        "--name",
+        &agent,
+        "--pid",
+        "host",
+        "--network",
+        "none",
+        "--user",
+        "0",
+        "--read-only",
+        "--cap-drop",
+        "ALL",
+    ];
+    for cap in caps {
+        args.extend_from_slice(&["--cap-add", cap]);
+    }
+    args.extend_from_slice(&[
+        "--security-opt",
+        "apparmor=unconfined",
+        "--security-opt",
+        "no-new-privileges",
+        "-v",
+        "/sys/kernel/btf:/sys/kernel/btf:ro",
+        &tag,
+        "--container",
+        &prefix,
+        "--format",
+        "json",
+        "--top",
+        "500",
+        "--duration",
+        "2m",
+    ]);
+    let mut command = Command::new("docker");
+    command.args(&args);
+    let tracer = Tracer::attach_command(command);
+    target.main.go();
+    // The client passes the signal on to memtrace in its container.
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report();
+    assert_leaks(&report, 1, &stderr);
+    // The container's name comes from Docker's state through /proc/1/root,
+    // the host's root (hostPID): where the host's pid 1 does not let even
+    // root read it (this sandbox's), there is no name.
+    let mut expected = report.clone();
+    if std::fs::read_dir("/proc/1/root").is_err() {
+        assert_eq!(report["target"]["container_name"], Value::Null);
+        expected["target"]["container_name"] = Value::from(target.name.as_str());
+    }
+    assert_placement(&expected, &target);
 }

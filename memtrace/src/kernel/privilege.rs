@@ -109,7 +109,8 @@ pub fn missing(facts: &Facts) -> Vec<&'static Need> {
             // kernel does not know (before 5.8: neither).
             let unknown = facts.cap_last_cap.is_some_and(|last| need.number > last);
             let admin_stands_in = unknown || [CAP_BPF, CAP_PERFMON].contains(&need.number);
-            !has(need.number) && !(admin_stands_in && has(CAP_SYS_ADMIN))
+            let held = has(need.number) || (admin_stands_in && has(CAP_SYS_ADMIN));
+            !held
         })
         .collect()
 }
