@@ -15,15 +15,17 @@
 //! DaemonSet's settings. Without the variable (a plain `cargo test`) each
 //! test says why it is skipped.
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use object::{Object, ObjectSegment, ObjectSymbol};
 use serde_json::Value;
 
-use crate::support::{fixtures, privileged, site_totals, sites_of, Tracer, MEMTRACE};
-use crate::watch::{probe_fds, reports_dir, wait_json, Watch, BLOCK};
+use crate::support::{fixtures, privileged, site_totals, sites_of, Fixture, Tracer, MEMTRACE};
+use crate::watch::{assert_found_leak_block, probe_fds, reports_dir, wait_json, Watch, QUICK};
+
+/// A JSON report of every site, the trace ended by SIGINT (at most 2 min).
+const JSON_REPORT: &[&str] = &["--format", "json", "--top", "500", "--duration", "2m"];
 
 /// The test image, when this suite can run (root and the image named).
 fn image() -> Option<String> {
@@ -53,68 +55,13 @@ fn docker(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-/// A process speaking the fixtures' ready/go/done protocol through a
-/// docker client (`docker run -i`, `docker exec -i`); the client is killed
-/// on drop.
-struct Speaker {
-    client: Child,
-    stdout: BufReader<ChildStdout>,
-    /// Its pid in the container's pid namespace (its `ready` line).
-    ns_pid: u32,
-}
-
-impl Speaker {
-    fn start(args: &[&str]) -> Speaker {
-        let mut client = Command::new("docker")
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("docker starts");
-        let mut stdout = BufReader::new(client.stdout.take().expect("stdout piped"));
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("ready line");
-        let ns_pid = line
-            .strip_prefix("ready ")
-            .and_then(|p| p.trim().parse().ok())
-            .unwrap_or_else(|| panic!("docker {args:?} said {line:?}"));
-        Speaker {
-            client,
-            stdout,
-            ns_pid,
-        }
-    }
-
-    fn send(&mut self) {
-        let stdin = self.client.stdin.as_mut().expect("stdin piped");
-        stdin.write_all(b"\n").expect("line");
-        stdin.flush().expect("flush");
-    }
-
-    fn expect_line(&mut self, text: &str) {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            let n = self.stdout.read_line(&mut line).expect("output");
-            assert!(n > 0, "ended before `{text}`");
-            if line.trim() == text {
-                return;
-            }
-        }
-    }
-
-    /// Lets it do its work and waits for its `done` line.
-    fn go(&mut self) {
-        self.send();
-        self.expect_line("done");
-    }
-}
-
-impl Drop for Speaker {
-    fn drop(&mut self) {
-        let _ = self.client.kill();
-        let _ = self.client.wait();
-    }
+/// A fixture speaking its ready/go/done protocol through a docker client
+/// (`docker run -i`, `docker exec -i`); its `pid` is the one it sees, in
+/// the container's pid namespace.
+fn through_docker(args: &[&str]) -> Fixture {
+    let mut command = Command::new("docker");
+    command.args(args);
+    Fixture::start_command(command)
 }
 
 /// A docker command run on drop (`rm -f NAME`, `rmi -f TAG`): what a test
@@ -144,7 +91,7 @@ struct Container {
     _removed: OnDrop,
     name: String,
     id: String,
-    main: Speaker,
+    main: Fixture,
     /// The host pid of the program it runs (docker-init's child with `--init`).
     host_pid: u32,
 }
@@ -181,11 +128,11 @@ impl Container {
             _removed: OnDrop::docker(&["rm", "-f", &name]),
             name: name.clone(),
             id: String::new(),
-            main: Speaker::start(&args),
+            main: through_docker(&args),
             host_pid: 0,
         };
         container.id = docker(&["inspect", "-f", "{{.Id}}", &name]);
-        container.host_pid = container.host_pid_of(container.main.ns_pid);
+        container.host_pid = container.host_pid_of(container.main.pid);
         container
     }
 
@@ -205,12 +152,12 @@ impl Container {
     }
 
     /// Starts `command` in the running container (`docker exec -i`).
-    fn exec(&self, command: &[&str]) -> (Speaker, u32) {
+    fn exec(&self, command: &[&str]) -> (Fixture, u32) {
         let mut args = vec!["exec", "-i", self.name.as_str()];
         args.extend_from_slice(command);
-        let speaker = Speaker::start(&args);
-        let host_pid = self.host_pid_of(speaker.ns_pid);
-        (speaker, host_pid)
+        let started = through_docker(&args);
+        let host_pid = self.host_pid_of(started.pid);
+        (started, host_pid)
     }
 
     fn prefix(&self) -> &str {
@@ -238,7 +185,7 @@ fn leak_sites(image: &str, extra: &[&str]) -> Container {
 /// `extra`, lets the container's program do its work, ends the trace.
 fn trace(container: &mut Container, selection: &[&str], extra: &[&str]) -> (Value, String) {
     let mut args = selection.to_vec();
-    args.extend_from_slice(&["--format", "json", "--top", "500", "--duration", "2m"]);
+    args.extend_from_slice(JSON_REPORT);
     args.extend_from_slice(extra);
     let tracer = Tracer::attach(&args);
     container.main.go();
@@ -279,7 +226,7 @@ fn process(report: &Value, pid: u32) -> &Value {
 fn assert_placement(report: &Value, container: &Container) {
     let target = &report["target"];
     assert_eq!(target["pid"], container.host_pid, "{target}");
-    assert_eq!(target["ns_pid"], container.main.ns_pid, "{target}");
+    assert_eq!(target["ns_pid"], container.main.pid, "{target}");
     assert_eq!(target["container_id"], container.id.as_str(), "{target}");
     assert_eq!(target["container_runtime"], "docker", "{target}");
     assert_eq!(
@@ -293,7 +240,7 @@ fn assert_placement(report: &Value, container: &Container) {
 fn a_docker_container_is_traced_by_its_id() {
     let Some(image) = image() else { return };
     let mut container = leak_sites(&image, &[]);
-    assert_eq!(container.main.ns_pid, 1);
+    assert_eq!(container.main.pid, 1);
     let prefix = container.prefix().to_string();
     let (report, stderr) = trace(&mut container, &["--container", &prefix], &[]);
     assert_leaks(&report, 1, &stderr);
@@ -305,7 +252,7 @@ fn docker_run_init_is_skipped_with_a_note_and_its_child_traced() {
     let Some(image) = image() else { return };
     let mut container = leak_sites(&image, &["--init"]);
     // docker-init is pid 1, the program its child.
-    assert_ne!(container.main.ns_pid, 1);
+    assert_ne!(container.main.pid, 1);
     let init = container.host_pid_of(1);
     let comm = std::fs::read_to_string(format!("/proc/{init}/comm")).expect("comm");
     assert_eq!(comm.trim(), "docker-init");
@@ -483,24 +430,7 @@ fn watch_container_traces_the_leaking_process_of_a_docker_container() {
     let dir = reports_dir("docker");
     let dir_s = dir.to_string_lossy().to_string();
     let prefix = container.prefix().to_string();
-    let mut watch = Watch::start(&[
-        "--container",
-        &prefix,
-        "--reports",
-        &dir_s,
-        "--interval",
-        "250ms",
-        "--judge-window",
-        "15s",
-        "--warmup",
-        "0s",
-        "--window",
-        "3s",
-        "--backoff",
-        "1h",
-        "--heartbeat",
-        "250ms",
-    ]);
+    let mut watch = Watch::start(&[&["--container", &prefix, "--reports", &dir_s], QUICK].concat());
     watch.wait_for(&format!("watching pid {}", container.host_pid));
     assert_eq!(
         probe_fds(watch.child.id()),
@@ -508,19 +438,12 @@ fn watch_container_traces_the_leaking_process_of_a_docker_container() {
         "probes while healthy"
     );
     // It leaks: an episode traces it.
-    container.main.send();
+    container.main.send_line();
     let episode = wait_json(&dir.join("episode-0001/episode.json"), &watch);
-    container.main.send();
+    container.main.send_line();
     assert_eq!(episode["pid"], container.host_pid, "{episode}");
     assert_eq!(episode["outcome"], "done", "{episode}\n{}", watch.text());
-    let found = episode["found"].as_array().cloned().unwrap_or_default();
-    let site = found
-        .iter()
-        .find(|f| f["function"] == "leak_block")
-        .unwrap_or_else(|| panic!("leak_block not found: {episode}"));
-    let count = site["live_count"].as_u64().unwrap_or(0);
-    assert!(count >= 1, "{site}");
-    assert_eq!(site["live_bytes"].as_u64(), Some(count * BLOCK), "{site}");
+    assert_found_leak_block(&episode);
     let heartbeat: Value =
         serde_json::from_slice(&std::fs::read(dir.join("heartbeat.json")).expect("heartbeat.json"))
             .expect("JSON");
@@ -545,16 +468,7 @@ fn processes_docker_exec_starts_during_a_trace_are_traced() {
     let Some(image) = image() else { return };
     let mut container = leak_sites(&image, &[]);
     let prefix = container.prefix().to_string();
-    let mut tracer = Tracer::attach(&[
-        "--container",
-        &prefix,
-        "--format",
-        "json",
-        "--top",
-        "500",
-        "--duration",
-        "2m",
-    ]);
+    let mut tracer = Tracer::attach(&[&["--container", &prefix], JSON_REPORT].concat());
     let (mut exec, exec_pid) = container.exec(&["/fixtures/leak_sites", "30", "30"]);
     tracer.wait_for_stderr(&format!(
         "tracing pid {exec_pid} (leak_sites) too: it is in container"
@@ -567,7 +481,7 @@ fn processes_docker_exec_starts_during_a_trace_are_traced() {
     assert_leaks(&report, 2, &stderr);
     let late = process(&report, exec_pid);
     assert_eq!(late["started_during_trace"], true, "{late}");
-    assert_eq!(late["ns_pid"], exec.ns_pid, "{late}");
+    assert_eq!(late["ns_pid"], exec.pid, "{late}");
     assert_eq!(late["container_id"], container.id.as_str(), "{late}");
     assert_eq!(
         process(&report, container.host_pid)["started_during_trace"],
@@ -741,17 +655,8 @@ fn the_containerfile_image_traces_another_container_with_the_daemonsets_capabili
             "MEMTRACE_HOST_ROOT=/host",
         ]);
     }
-    args.extend_from_slice(&[
-        &tag,
-        "--container",
-        &prefix,
-        "--format",
-        "json",
-        "--top",
-        "500",
-        "--duration",
-        "2m",
-    ]);
+    args.extend_from_slice(&[&tag, "--container", &prefix]);
+    args.extend_from_slice(JSON_REPORT);
     let mut command = Command::new("docker");
     command.args(&args);
     let tracer = Tracer::attach_command(command);
