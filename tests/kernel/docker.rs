@@ -426,7 +426,17 @@ fn python_in_a_docker_container_gets_its_lines_and_its_own_native_frames() {
 #[test]
 fn watch_container_traces_the_leaking_process_of_a_docker_container() {
     let Some(image) = image() else { return };
-    let mut container = Container::run(&image, &[], &["/fixtures/steady_leak", "256", "100"]);
+    // Under a name of its own: watch.rs watches `--name steady_leak`,
+    // maybe at the same time.
+    let program = format!(
+        "{}:/app/docker_steady:ro",
+        fixtures().join("steady_leak").display()
+    );
+    let mut container = Container::run(
+        &image,
+        &["-v", &program],
+        &["/app/docker_steady", "256", "100"],
+    );
     let dir = reports_dir("docker");
     let dir_s = dir.to_string_lossy().to_string();
     let prefix = container.prefix().to_string();
