@@ -47,8 +47,13 @@ impl Daemon {
         let mut failures = Vec::new();
         for flags in DAEMON_FLAGS {
             eprintln!(
-                "xtask: starting dockerd {} (log: {})",
-                flags.join(" "),
+                "xtask: starting {} (log: {})",
+                ["dockerd"]
+                    .iter()
+                    .chain(flags.iter())
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(" "),
                 log.display()
             );
             let out =
