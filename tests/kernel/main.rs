@@ -12,6 +12,7 @@ mod compat;
 mod containers;
 mod core_host;
 mod counters;
+mod docker;
 mod forks;
 mod gpu;
 mod headroom;

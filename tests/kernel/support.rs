@@ -65,20 +65,27 @@ impl Fixture {
 
     /// [`Fixture::start`] with extra environment variables (`LD_PRELOAD`).
     pub fn start_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> Fixture {
-        let mut child = Command::new(fixture(name))
-            .args(args)
-            .envs(env.iter().copied())
+        let mut command = Command::new(fixture(name));
+        command.args(args).envs(env.iter().copied());
+        Fixture::start_command(command)
+    }
+
+    /// A fixture started by `command` (directly, or through a client such
+    /// as `docker run -i`); `pid` is what its `ready` line says, its pid
+    /// in its own pid namespace.
+    pub fn start_command(mut command: Command) -> Fixture {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|err| panic!("cannot start fixture {name}: {err}"));
+            .unwrap_or_else(|err| panic!("cannot start fixture {command:?}: {err}"));
         let mut stdout = BufReader::new(child.stdout.take().expect("stdout piped"));
         let mut line = String::new();
         stdout.read_line(&mut line).expect("ready line");
         let pid = line
             .strip_prefix("ready ")
             .and_then(|p| p.trim().parse().ok())
-            .unwrap_or_else(|| panic!("fixture {name} said {line:?}"));
+            .unwrap_or_else(|| panic!("fixture {command:?} said {line:?}"));
         Fixture { child, pid, stdout }
     }
 

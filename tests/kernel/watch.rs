@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use crate::support::{fixture, privileged, FakeContainer, Fixture, MEMTRACE};
 
-const BLOCK: u64 = 256 * 1024;
+pub const BLOCK: u64 = 256 * 1024;
 
 fn now_unix_ms() -> u64 {
     SystemTime::now()
@@ -28,8 +28,40 @@ fn now_unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// Quick episodes: sampled every 250 ms, judged over 15 s with no
+/// warm-up, traced for 3 s, no second episode within the hour, a heartbeat
+/// every 250 ms.
+pub const QUICK: &[&str] = &[
+    "--interval",
+    "250ms",
+    "--judge-window",
+    "15s",
+    "--warmup",
+    "0s",
+    "--window",
+    "3s",
+    "--backoff",
+    "1h",
+    "--heartbeat",
+    "250ms",
+];
+
+/// The episode found `leak_block` holding whole blocks (at least one);
+/// returns how many.
+pub fn assert_found_leak_block(episode: &Value) -> u64 {
+    let found = episode["found"].as_array().cloned().unwrap_or_default();
+    let site = found
+        .iter()
+        .find(|f| f["function"] == "leak_block")
+        .unwrap_or_else(|| panic!("leak_block not found: {episode}"));
+    let count = site["live_count"].as_u64().unwrap_or(0);
+    assert!(count >= 1, "{site}");
+    assert_eq!(site["live_bytes"].as_u64(), Some(count * BLOCK), "{site}");
+    count
+}
+
 /// A fresh reports directory under the target dir.
-fn reports_dir(name: &str) -> PathBuf {
+pub fn reports_dir(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../target/tmp")
         .join(format!("watch-{name}-{}", std::process::id()));
@@ -38,13 +70,13 @@ fn reports_dir(name: &str) -> PathBuf {
 }
 
 /// A `memtrace watch` process with its stderr collected as it comes.
-struct Watch {
-    child: Child,
+pub struct Watch {
+    pub child: Child,
     stderr: Arc<Mutex<String>>,
 }
 
 impl Watch {
-    fn start(args: &[&str]) -> Watch {
+    pub fn start(args: &[&str]) -> Watch {
         Watch::start_with_env(args, &[])
     }
 
@@ -75,12 +107,12 @@ impl Watch {
         Watch { child, stderr }
     }
 
-    fn text(&self) -> String {
+    pub fn text(&self) -> String {
         self.stderr.lock().map(|t| t.clone()).unwrap_or_default()
     }
 
     /// Waits (bounded, as a safety net) until stderr contains `needle`.
-    fn wait_for(&mut self, needle: &str) {
+    pub fn wait_for(&mut self, needle: &str) {
         let deadline = Instant::now() + Duration::from_secs(120);
         while !self.text().contains(needle) {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -96,7 +128,7 @@ impl Watch {
     }
 
     /// SIGTERM, then the exit status and stderr (bounded wait).
-    fn stop(mut self) -> (std::process::ExitStatus, String) {
+    pub fn stop(mut self) -> (std::process::ExitStatus, String) {
         // SAFETY: kill with our own child's pid and a valid signal.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -156,7 +188,7 @@ fn family_of(pid: u32) -> Vec<u32> {
 }
 
 /// The perf-event and BPF fds held by `pid` and the processes under it.
-fn probe_fds(pid: u32) -> Vec<String> {
+pub fn probe_fds(pid: u32) -> Vec<String> {
     let mut held = Vec::new();
     for p in family_of(pid) {
         for fd in std::fs::read_dir(format!("/proc/{p}/fd"))
@@ -180,7 +212,7 @@ fn read_json(path: &Path) -> Option<Value> {
 }
 
 /// Waits (bounded) for a file to hold JSON.
-fn wait_json(path: &Path, watch: &Watch) -> Value {
+pub fn wait_json(path: &Path, watch: &Watch) -> Value {
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
         if let Some(v) = read_json(path) {
@@ -214,24 +246,8 @@ fn watch_traces_only_after_the_leak_starts_and_follows_restarts() {
     let dir = reports_dir("leak");
     let dir_s = dir.to_string_lossy().to_string();
     let first = steady();
-    let mut watch = Watch::start(&[
-        "--name",
-        "steady_leak",
-        "--reports",
-        &dir_s,
-        "--interval",
-        "250ms",
-        "--judge-window",
-        "15s",
-        "--warmup",
-        "0s",
-        "--window",
-        "3s",
-        "--backoff",
-        "1h",
-        "--heartbeat",
-        "250ms",
-    ]);
+    let mut watch =
+        Watch::start(&[&["--name", "steady_leak", "--reports", &dir_s], QUICK].concat());
     watch.wait_for(&format!("watching pid {}", first.pid));
     let watcher = watch.child.id();
     // Healthy: judged (phase "watching") with no probe held, for a while.
@@ -291,16 +307,9 @@ fn watch_traces_only_after_the_leak_starts_and_follows_restarts() {
         "{episode}"
     );
     // The leaking site, with exactly its blocks of the window.
-    let found = episode["found"].as_array().cloned().unwrap_or_default();
-    let site = found
-        .iter()
-        .find(|f| f["function"] == "leak_block")
-        .unwrap_or_else(|| panic!("leak_block not found: {episode}"));
-    let count = site["live_count"].as_u64().unwrap_or(0);
-    assert!(count >= 1, "{site}");
-    assert_eq!(site["live_bytes"].as_u64(), Some(count * BLOCK), "{site}");
+    let count = assert_found_leak_block(&episode);
     assert_eq!(
-        found[0]["function"], "leak_block",
+        episode["found"][0]["function"], "leak_block",
         "ranked first: {episode}"
     );
     // The same figures as the tracer's own report; the other formats exist.
@@ -450,25 +459,10 @@ fn watch_finds_a_device_memory_leak_through_nvml() {
     );
     let mut watch = Watch::start_with_env(
         &[
-            "--pid",
-            &pid_s,
-            "--reports",
-            &dir_s,
-            "--metrics",
-            "gpu",
-            "--interval",
-            "250ms",
-            "--judge-window",
-            "15s",
-            "--warmup",
-            "0s",
-            "--window",
-            "3s",
-            "--backoff",
-            "1h",
-            "--heartbeat",
-            "250ms",
-        ],
+            &["--pid", &pid_s, "--reports", &dir_s, "--metrics", "gpu"],
+            QUICK,
+        ]
+        .concat(),
         &[
             ("LD_LIBRARY_PATH", nvml_dir.as_os_str()),
             ("MEMTRACE_STUB_GPU_DIR", usage.as_os_str()),
@@ -552,24 +546,7 @@ fn watch_container_watches_each_of_its_processes_and_traces_the_leaking_one() {
     container.enter(first.pid);
     let outsider = steady();
     let prefix = container.id[..12].to_string();
-    let mut watch = Watch::start(&[
-        "--container",
-        &prefix,
-        "--reports",
-        &dir_s,
-        "--interval",
-        "250ms",
-        "--judge-window",
-        "15s",
-        "--warmup",
-        "0s",
-        "--window",
-        "3s",
-        "--backoff",
-        "1h",
-        "--heartbeat",
-        "250ms",
-    ]);
+    let mut watch = Watch::start(&[&["--container", &prefix, "--reports", &dir_s], QUICK].concat());
     watch.wait_for(&format!("watching container {prefix}"));
     watch.wait_for(&format!("watching pid {}", first.pid));
     let mut second = steady();
@@ -624,14 +601,7 @@ fn watch_container_watches_each_of_its_processes_and_traces_the_leaking_one() {
             .is_some_and(|t| t.contains(&format!("of pid {}", second.pid))),
         "{episode}"
     );
-    let found = episode["found"].as_array().cloned().unwrap_or_default();
-    let site = found
-        .iter()
-        .find(|f| f["function"] == "leak_block")
-        .unwrap_or_else(|| panic!("leak_block not found: {episode}"));
-    let count = site["live_count"].as_u64().unwrap_or(0);
-    assert!(count >= 1, "{site}");
-    assert_eq!(site["live_bytes"].as_u64(), Some(count * BLOCK), "{site}");
+    assert_found_leak_block(&episode);
     let (status, text) = watch.stop();
     assert!(status.success(), "{status}: {text}");
     drop((first, second, outsider));

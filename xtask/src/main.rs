@@ -1,4 +1,4 @@
-//! memtrace's build tasks: `cargo xtask build-ebpf | build | fixtures | test | demo | bench | soak`.
+//! memtrace's build tasks: `cargo xtask build-ebpf | build | fixtures | test | test-image | demo | bench | soak`.
 //!
 //! Each task installs what it needs first (the Debian packages setup.rs lists
 //! for it, nightly rust-src, bpf-linker built against rustc's own LLVM) and is
@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand};
 use bench::Section;
 
 mod bench;
+mod docker;
 mod kernels;
 mod setup;
 mod soak;
@@ -48,6 +49,10 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Start dockerd when none answers and build the kernel suite's container
+    /// image (`memtrace-test/trixie:<hash>`, no registry needed); prints its
+    /// name. A dockerd it started is stopped again; the image stays.
+    TestImage,
     /// Build everything and trace the bundled leaky demo program.
     Demo,
     /// Measure memtrace against the probe floor and its peers (writes BENCHMARKS.md).
@@ -97,6 +102,11 @@ fn main() -> Result<()> {
             setup::ensure(setup::Need::Fixtures).and_then(|()| fixtures().map(|_| ()))
         }
         Task::Test { args } => test(&args),
+        Task::TestImage => {
+            let (_daemon, image) = docker_test_image()?;
+            println!("{image}");
+            Ok(())
+        }
         Task::Demo => demo(),
         Task::Bench(args) => bench::bench(args),
         Task::BenchRedis { rounds, requests } => {
@@ -414,11 +424,16 @@ fn test(extra: &[String]) -> Result<()> {
         "warnings",
     ]))?;
     let fixtures = fixtures()?;
+    // The real container runtime of tests/kernel/docker.rs: a daemon (this
+    // task's own, stopped when the tests end, when none answers) and the
+    // test image.
+    let (_daemon, image) = docker_test_image()?;
     let mut cmd = Command::new("cargo");
     cmd.current_dir(root())
         .args(["test", "--workspace"])
         .args(extra)
         .env("MEMTRACE_FIXTURES", &fixtures)
+        .env("MEMTRACE_DOCKER_IMAGE", &image)
         .env("MEMTRACE_REQUIRE_KERNEL_TESTS", "1");
     match real_cudart() {
         Ok(path) => {
@@ -427,6 +442,18 @@ fn test(extra: &[String]) -> Result<()> {
         Err(err) => eprintln!("xtask: the real libcudart.so.13 is unavailable: {err:#}"),
     }
     run(&mut cmd)
+}
+
+/// A Docker daemon that answers (started when none does; the one started
+/// is stopped when the returned guard drops) and the kernel suite's test
+/// image, cached under target/docker.
+fn docker_test_image() -> Result<(docker::Daemon, String)> {
+    setup::ensure(setup::Need::TestImage)?;
+    let cache = root().join("target/docker");
+    std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    let daemon = docker::Daemon::ensure(&cache.join("dockerd.log"))?;
+    let image = docker::test_image(&cache)?;
+    Ok((daemon, image))
 }
 
 /// The real CUDA runtime from PyPI's `nvidia-cuda-runtime` wheel (a probe

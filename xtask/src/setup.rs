@@ -97,6 +97,17 @@ const TEST_TOOLS: &[Package] = &[
     pkg("libjemalloc2", Probe::Lib("libjemalloc.so.2")),
     pkg("libgoogle-perftools4", Probe::Lib("libtcmalloc.so.4")),
     pkg("libmimalloc2.0", Probe::Lib("libmimalloc.so.2")),
+    // The host's glibc debug files, which a container's own glibc must not
+    // be symbolized from (tests/kernel/docker.rs).
+    pkg("libc6-dbg", Probe::Dpkg),
+];
+
+/// The real container runtime and its test image (xtask/src/docker.rs):
+/// the daemon (a docker client alone is not enough) and the image's root
+/// file system.
+const DOCKER: &[Package] = &[
+    pkg("docker.io", Probe::Command("dockerd")),
+    pkg("debootstrap", Probe::Command("debootstrap")),
 ];
 
 /// The bench's peers and workloads (besides the fixtures it builds).
@@ -142,6 +153,8 @@ pub enum Need {
     Fixtures,
     /// `cargo xtask test`: the fixtures and every tool the tests run.
     Test,
+    /// `cargo xtask test-image`: Docker and debootstrap.
+    TestImage,
     /// `cargo xtask bench`: the fixtures and the bench's peers.
     Bench,
     /// `cargo xtask bench --no-install`: the fixtures only.
@@ -158,6 +171,7 @@ impl Need {
             Need::Demo => "demo",
             Need::Fixtures => "fixtures",
             Need::Test => "test",
+            Need::TestImage => "test-image",
             Need::Bench | Need::BenchNoPeers => "bench",
             Need::CrossArm64 => "build --target aarch64-unknown-linux-gnu",
             Need::KernelsArm64 => "test-kernels --arch arm64",
@@ -170,7 +184,8 @@ impl Need {
             Need::Demo => &[BUILD],
             Need::Fixtures | Need::BenchNoPeers => &[BUILD, FIXTURES],
             // The arm64 placement, CFI and USDT unit tests read cross-built code.
-            Need::Test => &[BUILD, FIXTURES, TEST_TOOLS, CROSS_ARM64],
+            Need::Test => &[BUILD, FIXTURES, TEST_TOOLS, DOCKER, CROSS_ARM64],
+            Need::TestImage => &[DOCKER],
             Need::Bench => &[BUILD, FIXTURES, BENCH_PEERS],
             Need::CrossArm64 => &[BUILD, CROSS_ARM64],
             Need::KernelsArm64 => &[BUILD, KERNELS_ARM64],
@@ -298,6 +313,7 @@ mod tests {
             Need::Demo,
             Need::Fixtures,
             Need::Test,
+            Need::TestImage,
             Need::Bench,
             Need::BenchNoPeers,
             Need::KernelsArm64,
@@ -351,6 +367,12 @@ mod tests {
         assert!(test.contains(&"python3-pip"));
         assert!(test.contains(&"libgoogle-perftools4"));
         assert!(!test.contains(&"chromium"));
+        assert!(test.contains(&"libc6-dbg"));
+        assert!(!test.contains(&"docker.io"), "seen by its daemon on PATH");
+        assert_eq!(
+            missing(Need::TestImage, |_| false),
+            ["docker.io", "debootstrap"]
+        );
         let bench = missing(Need::Bench, commands);
         assert!(bench.contains(&"libmimalloc2.0"));
         assert!(!bench.contains(&"redis-tools"));

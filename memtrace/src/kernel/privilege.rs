@@ -7,6 +7,11 @@
 //! - `CAP_BPF`: `bpf(2)`: maps, program loads, the raw tracepoint.
 //! - `CAP_PERFMON`: tracing programs (`bpf_probe_read_user`, stack walks)
 //!   and the per-CPU perf events.
+//!
+//!   `CAP_SYS_ADMIN` stands for both on every kernel (`bpf_capable()`,
+//!   `perfmon_capable()`): Docker 20.10 (Debian 12's `docker.io`) cannot
+//!   grant `CAP_BPF` or `CAP_PERFMON` by name, so `--cap-add SYS_ADMIN
+//!   --cap-add SYS_PTRACE` is how a container of it gets to trace.
 //! - `CAP_SYS_PTRACE`: another user's `/proc/PID/{maps,mem,root,exe}`
 //!   (ptrace access checks); launch mode traces its own child without it.
 //! - `CAP_SYS_ADMIN`: creating a uprobe through the `uprobe` PMU
@@ -99,13 +104,13 @@ pub fn missing(facts: &Facts) -> Vec<&'static Need> {
             When::UprobesNeedAdmin => facts.uprobes_need_admin == Some(true),
         })
         .filter(|need| {
-            // A kernel without the capability: CAP_SYS_ADMIN stands for it.
+            // CAP_SYS_ADMIN stands for CAP_BPF and CAP_PERFMON (the kernel's
+            // bpf_capable(), perfmon_capable()), and for any capability a
+            // kernel does not know (before 5.8: neither).
             let unknown = facts.cap_last_cap.is_some_and(|last| need.number > last);
-            if unknown {
-                !has(CAP_SYS_ADMIN)
-            } else {
-                !has(need.number)
-            }
+            let admin_stands_in = unknown || [CAP_BPF, CAP_PERFMON].contains(&need.number);
+            let held = has(need.number) || (admin_stands_in && has(CAP_SYS_ADMIN));
+            !held
         })
         .collect()
 }
@@ -289,8 +294,8 @@ mod tests {
         assert!(names(&facts).is_empty());
         facts.uprobes_need_admin = Some(true);
         assert_eq!(names(&facts), ["CAP_SYS_ADMIN"]);
-        facts.cap_eff = (three & !(1u64 << CAP_BPF)) | (1u64 << CAP_SYS_ADMIN);
-        assert_eq!(names(&facts), ["CAP_BPF"]);
+        facts.cap_eff = three & !(1u64 << CAP_BPF);
+        assert_eq!(names(&facts), ["CAP_BPF", "CAP_SYS_ADMIN"]);
         // Launch mode traces its own child: no CAP_SYS_PTRACE needed.
         facts.cap_eff = caps(&[CAP_BPF, CAP_PERFMON]);
         facts.uprobes_need_admin = Some(false);
@@ -306,6 +311,23 @@ mod tests {
         facts.cap_eff = (1u64 << 41) - 1;
         facts.uprobes_need_admin = Some(true);
         assert!(names(&facts).is_empty());
+    }
+
+    #[test]
+    fn cap_sys_admin_stands_for_cap_bpf_and_cap_perfmon() {
+        // What Docker 20.10 can grant (it knows neither CAP_BPF nor
+        // CAP_PERFMON by name): the kernel's bpf_capable() and
+        // perfmon_capable() accept CAP_SYS_ADMIN.
+        let mut facts = Facts {
+            cap_eff: caps(&[CAP_SYS_ADMIN, CAP_SYS_PTRACE]),
+            cap_last_cap: Some(40),
+            uprobes_need_admin: None,
+            attaching: true,
+        };
+        assert!(names(&facts).is_empty());
+        // Not for CAP_SYS_PTRACE.
+        facts.cap_eff = caps(&[CAP_SYS_ADMIN]);
+        assert_eq!(names(&facts), ["CAP_SYS_PTRACE"]);
     }
 
     #[test]
