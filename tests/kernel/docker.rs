@@ -531,7 +531,6 @@ fn site_keys(report: &Value) -> Vec<String> {
 }
 
 #[test]
-#[ignore = "needs record-symbols (issue 34 defect 2): replay symbolizes from the host's files at the container's paths"]
 fn a_recorded_container_trace_replays_to_the_same_sites() {
     let Some(image) = image() else { return };
     let record = std::env::temp_dir().join(format!("memtrace-docker-{}.jsonl", std::process::id()));
