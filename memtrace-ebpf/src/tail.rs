@@ -41,9 +41,9 @@ const WALK: u32 = 0;
 const PYTHON: u32 = 1;
 
 /// Frames one run of `tail_walk` walks: 127 frames (`--stack-depth`'s
-/// most) take 22 runs, under the kernel's 33 tail calls per probe with the
-/// Python read's.
-const FRAMES_PER_CALL: u32 = 6;
+/// most) take 22 runs, under the kernel's tail calls per probe with the
+/// Python read's (checked where the constant is defined).
+const FRAMES_PER_CALL: u32 = memtrace_common::unwind::FRAMES_PER_TAIL_CALL;
 
 /// An event on its way through the tail-called programs.
 #[repr(C)]
