@@ -17,9 +17,7 @@ pub const FRAMES_PER_TAIL_CALL: u32 = 6;
 pub const KERNEL_TAIL_CALLS: u32 = 32;
 /// A walk of [`MAX_FRAMES`] frames, its start and the Python read fit the
 /// kernel's tail calls, with room to spare.
-const _: () = assert!(
-    (MAX_FRAMES as u32).div_ceil(FRAMES_PER_TAIL_CALL) + 2 <= KERNEL_TAIL_CALLS
-);
+const _: () = assert!((MAX_FRAMES as u32).div_ceil(FRAMES_PER_TAIL_CALL) + 2 <= KERNEL_TAIL_CALLS);
 /// Rows per element of the `UNWIND_ROWS` array map (4 KiB values).
 pub const ROWS_PER_CHUNK: u32 = 1024;
 /// Rules per element of the `UNWIND_RULES` array map (4 KiB values).
