@@ -105,6 +105,17 @@ pub struct TraceArgs {
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub unwind_table_mib: u32,
 
+    /// Where built unwind tables are cached, by object build-id, for later
+    /// attaches to the same objects (a directory only memtrace's user can
+    /// write; refused otherwise), or `off`.
+    #[arg(long, value_name = "DIR|off", default_value = crate::unwind::cache::DEFAULT_DIR)]
+    pub table_cache: crate::unwind::cache::Setting,
+
+    /// Bound on the table cache's total size, in MiB (the least recently
+    /// used tables are removed beyond it).
+    #[arg(long, default_value_t = crate::unwind::cache::DEFAULT_MIB, value_parser = clap::value_parser!(u64).range(1..))]
+    pub table_cache_mib: u64,
+
     /// Trace one allocation in N (chosen by address, so the matching free is
     /// sampled too); totals are then estimates. Applied in the kernel.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]

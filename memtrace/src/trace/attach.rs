@@ -96,7 +96,15 @@ impl<'a> Trace<'a> {
             peers,
         } = choose_target(args, names.as_mut())?;
 
+        let loading = Instant::now();
         let mut probes = Probes::load(pid, &options)?;
+        if let Some(unwind) = probes.unwind.as_mut() {
+            unwind.use_cache(&args.table_cache, args.table_cache_mib << 20);
+        }
+        log::info!(
+            "attach phase: eBPF programs loaded in {} ms",
+            loading.elapsed().as_millis()
+        );
         // Held to the end of the trace: the kernel counts run time while it is open.
         let bpf_stats = if args.bpf_stats {
             Some(

@@ -3,6 +3,7 @@
 //! ([`table`]) and loading them, with each traced process's executable
 //! mappings, into the maps the in-kernel unwinder reads ([`kernel`]).
 
+pub mod cache;
 pub mod cfi;
 pub mod kernel;
 pub mod table;
