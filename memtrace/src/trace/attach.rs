@@ -191,6 +191,10 @@ impl<'a> Trace<'a> {
                 why: why.join("; "),
             })
         })?;
+        log::info!(
+            "attach phase: target chosen, programs loaded, tables and probes in place {} ms after start",
+            loading.elapsed().as_millis()
+        );
         discovery.release_warnings(mark);
         for skip in &skipped {
             eprintln!("memtrace: {}", skip.note());

@@ -6,6 +6,7 @@
 
 use std::collections::HashSet;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use crate::probe::catalog::{Allocator, FuncDef};
 use crate::probe::maps;
@@ -151,7 +152,9 @@ impl Discovery {
     ) -> std::io::Result<usize> {
         let mappings = maps::read(pid)?;
         // Unwind tables before probes: the first stacks already need them.
+        let started = Instant::now();
         probes.update_unwind(pid, &mappings);
+        let tables_ms = started.elapsed().as_millis();
         let mut files: Vec<(PathBuf, PathBuf, FileId)> = Vec::new();
         for mapping in maps::executable_file_mappings(&mappings) {
             let Some(path) = mapping.path.clone() else {
@@ -178,13 +181,22 @@ impl Discovery {
             }
         }
         let mut attached = 0;
+        let (mut planning, mut attaching, mut objects) = (Duration::ZERO, Duration::ZERO, 0);
         for (path, open_path, id) in files {
             if !self.considered.insert(id) {
                 continue;
             }
+            objects += 1;
+            let started = Instant::now();
             attached += self.probe_usdt(&path, &open_path, probes);
-            match self.plan(&path, &open_path) {
-                Ok(Some(mut library)) => match probes.attach_library(&mut library) {
+            let planned = self.plan(&path, &open_path);
+            planning += started.elapsed();
+            let started = Instant::now();
+            let outcome =
+                planned.map(|library| library.map(|mut l| (probes.attach_library(&mut l), l)));
+            attaching += started.elapsed();
+            match outcome {
+                Ok(Some((outcome, library))) => match outcome {
                     Ok(count) => {
                         attached += count;
                         self.libraries.push(library);
@@ -204,6 +216,14 @@ impl Discovery {
                 }
                 Err(err) => log::debug!("skipping {}: {err}", path.display()),
             }
+        }
+        if objects > 0 {
+            log::info!(
+                "attach phase: pid {pid}: unwind tables in {tables_ms} ms; {objects} objects \
+                 searched for allocator functions in {} ms; {attached} probes attached in {} ms",
+                planning.as_millis(),
+                attaching.as_millis()
+            );
         }
         Ok(attached)
     }

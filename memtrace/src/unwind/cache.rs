@@ -150,7 +150,8 @@ impl TableCache {
                 .create(dir)
                 .map_err(|err| Refused::Create(shown.clone(), err))?;
         }
-        let meta = std::fs::symlink_metadata(dir).map_err(|err| Refused::Create(shown.clone(), err))?;
+        let meta =
+            std::fs::symlink_metadata(dir).map_err(|err| Refused::Create(shown.clone(), err))?;
         if !meta.is_dir() || meta.uid() != euid() || meta.mode() & 0o077 != 0 {
             return Err(Refused::Unsafe(shown));
         }
@@ -299,7 +300,12 @@ const HEADER: usize = 8 + 4 * 7 + 8 * 2;
 fn encode(key: &str, entry: &Entry) -> Vec<u8> {
     let packed = &entry.packed;
     let mut out = Vec::with_capacity(
-        HEADER + key.len() + packed.rules.len() * 8 + packed.rows.len() * 4 + packed.pages.len() * 4 + 4,
+        HEADER
+            + key.len()
+            + packed.rules.len() * 8
+            + packed.rows.len() * 4
+            + packed.pages.len() * 4
+            + 4,
     );
     out.extend_from_slice(MAGIC);
     for word in [
@@ -337,7 +343,9 @@ fn encode(key: &str, entry: &Entry) -> Vec<u8> {
 
 /// Reads and checks a whole cache file.
 fn read_checked(file: &mut File, key: &str, max_bytes: u64) -> Result<Entry, Rejected> {
-    let meta = file.metadata().map_err(|err| Rejected::Io(err.to_string()))?;
+    let meta = file
+        .metadata()
+        .map_err(|err| Rejected::Io(err.to_string()))?;
     if !meta.is_file() || meta.uid() != euid() || meta.mode() & 0o077 != 0 {
         return Err(Rejected::Unsafe);
     }
@@ -494,7 +502,10 @@ mod tests {
         cache.store("b-01", &entry()).expect("stores");
         assert_eq!(cache.load("b-01").expect("valid"), Some(entry()));
         let dir_mode = std::fs::metadata(cache.dir()).expect("dir").mode() & 0o777;
-        let file_mode = std::fs::metadata(cache.path_of("b-01")).expect("file").mode() & 0o777;
+        let file_mode = std::fs::metadata(cache.path_of("b-01"))
+            .expect("file")
+            .mode()
+            & 0o777;
         assert_eq!((dir_mode, file_mode), (0o700, 0o600));
     }
 
@@ -513,8 +524,11 @@ mod tests {
         let mut bad = good.clone();
         bad[good.len() - 10] ^= 1;
         std::fs::write(cache.path_of("b-02"), &bad).expect("write");
-        std::fs::set_permissions(cache.path_of("b-02"), std::fs::Permissions::from_mode(0o600))
-            .expect("chmod");
+        std::fs::set_permissions(
+            cache.path_of("b-02"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .expect("chmod");
         assert_eq!(cache.load("b-02"), Err(Rejected::Checksum));
         assert!(!cache.path_of("b-02").exists(), "removed, to be rebuilt");
     }
@@ -553,7 +567,10 @@ mod tests {
         assert_eq!(cache.load("b-03"), Err(Rejected::Unsafe));
 
         let open = parent.path().join("open");
-        std::fs::DirBuilder::new().mode(0o777).create(&open).expect("mkdir");
+        std::fs::DirBuilder::new()
+            .mode(0o777)
+            .create(&open)
+            .expect("mkdir");
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
         assert!(matches!(
             TableCache::open(&open, DEFAULT_MIB << 20),

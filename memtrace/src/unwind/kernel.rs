@@ -294,11 +294,7 @@ impl UnwindTables {
     /// Prepares the tables of the objects in `mappings` not seen before (in
     /// parallel: loaded from the cache or built), then copies them into the
     /// kernel in the order mapped.
-    fn prepare_new(
-        &mut self,
-        mappings: &[Mapping],
-        open_path: &dyn Fn(&Path) -> Option<PathBuf>,
-    ) {
+    fn prepare_new(&mut self, mappings: &[Mapping], open_path: &dyn Fn(&Path) -> Option<PathBuf>) {
         let mut new: Vec<((u64, u64), &Path, Option<PathBuf>)> = Vec::new();
         for mapping in mappings.iter().filter(|m| m.executable && m.is_file()) {
             let key = (mapping.dev, mapping.inode);
@@ -524,7 +520,9 @@ fn prepare(open: Option<&Path>, cache: Option<&TableCache>) -> Prepared {
             Ok(None) => {}
             Err(why) => {
                 counts.rejected += 1;
-                counts.failures.push(format!("cached table rejected: {why}"));
+                counts
+                    .failures
+                    .push(format!("cached table rejected: {why}"));
             }
         }
     }
@@ -535,20 +533,21 @@ fn prepare(open: Option<&Path>, cache: Option<&TableCache>) -> Prepared {
     if let (Ok(entry), Some(cache), Some(key)) = (&built, cache, key.as_deref()) {
         match cache.store(key, entry) {
             Ok(_) => counts.stored += 1,
-            Err(err) => counts.failures.push(format!("cannot cache its table: {err}")),
+            Err(err) => counts
+                .failures
+                .push(format!("cannot cache its table: {err}")),
         }
     }
     (built, counts)
 }
 
-/// Builds and packs an object's table from its CFI.
+/// Builds and packs an object's table from its CFI (reading only the
+/// object's headers and CFI sections).
 fn build(file: &mut std::fs::File) -> Result<cache::Entry, String> {
-    use std::io::Read;
-    let mut data = Vec::new();
-    file.read_to_end(&mut data).map_err(|err| err.to_string())?;
+    let data = object::ReadCache::new(file);
     let rows = cfi::rows_from_elf(&data).map_err(|err| err.to_string())?;
-    let packed =
-        table::pack(&rows.rows).ok_or_else(|| "more than 65536 distinct unwind rules".to_string())?;
+    let packed = table::pack(&rows.rows)
+        .ok_or_else(|| "more than 65536 distinct unwind rules".to_string())?;
     Ok(cache::Entry {
         packed,
         source_rows: rows.rows.len() as u64,

@@ -150,7 +150,7 @@ mod tests {
         let Ok(data) = std::fs::read("/lib/x86_64-linux-gnu/libc.so.6") else {
             return;
         };
-        let built = cfi::rows_from_elf(&data).expect("libc CFI");
+        let built = cfi::rows_from_elf(&data[..]).expect("libc CFI");
         let packed = pack(&built.rows).expect("packs");
         let end = built.rows.last().map_or(0, |r| r.pc);
         let mut pc = packed.base + 1;
