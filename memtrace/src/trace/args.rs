@@ -88,8 +88,9 @@ pub struct TraceArgs {
     #[arg(short, long)]
     pub output: Option<PathBuf>,
 
-    /// Frames kept per allocation stack (0: no stacks, cheapest).
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=127))]
+    /// Frames kept per allocation stack (0: no stacks, cheapest). 64 by
+    /// default: PyTorch's dispatcher under CPython takes ~50 (BENCHMARKS.md).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=127))]
     pub stack_depth: u32,
 
     /// How stacks are walked: `dwarf` (the objects' call-frame information,

@@ -29,8 +29,27 @@ pub const DEFAULT_DIR: &str = "/var/cache/memtrace/unwind";
 pub const DEFAULT_MIB: u64 = 1024;
 
 const MAGIC: &[u8; 8] = b"MTUNWTBL";
-/// Bumped whenever the file layout or the rows the builder makes change.
+/// Bumped whenever the file layout changes.
 const FORMAT_VERSION: u32 = 1;
+/// The builder's identity: a hash of the sources that make the rows and
+/// pack them, so a memtrace whose builder differs never uses another's tables.
+const BUILDER: u64 = fnv1a(
+    fnv1a(
+        fnv1a(0xcbf2_9ce4_8422_2325, include_bytes!("cfi.rs")),
+        include_bytes!("table.rs"),
+    ),
+    include_bytes!("../../../memtrace-common/src/unwind.rs"),
+);
+
+const fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    let mut i = 0;
+    while i < bytes.len() {
+        hash ^= bytes[i] as u64;
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+        i += 1;
+    }
+    hash
+}
 const SUFFIX: &str = "tbl";
 
 #[cfg(target_arch = "aarch64")]
@@ -45,7 +64,7 @@ pub enum Rejected {
     Unsafe,
     #[error("truncated or oversized")]
     Size,
-    #[error("not a memtrace table file, or another format version or architecture")]
+    #[error("not a memtrace table file, or another format, architecture or table builder")]
     Format,
     #[error("it holds another object's table")]
     Key,
@@ -292,10 +311,10 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Header: magic, version, architecture, key length, base, rule count, row
-/// count, page count, source rows, malformed; then the key, the rules, the
-/// rows, the page index, and the CRC-32 of all that.
-const HEADER: usize = 8 + 4 * 7 + 8 * 2;
+/// Header: magic, version, architecture, builder, key length, base, rule
+/// count, row count, page count, source rows, malformed; then the key, the
+/// rules, the rows, the page index, and the CRC-32 of all that.
+const HEADER: usize = 8 + 4 * 2 + 8 + 4 * 5 + 8 * 2;
 
 fn encode(key: &str, entry: &Entry) -> Vec<u8> {
     let packed = &entry.packed;
@@ -308,9 +327,10 @@ fn encode(key: &str, entry: &Entry) -> Vec<u8> {
             + 4,
     );
     out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&ARCH.to_le_bytes());
+    out.extend_from_slice(&BUILDER.to_le_bytes());
     for word in [
-        FORMAT_VERSION,
-        ARCH,
         key.len() as u32,
         packed.base,
         packed.rules.len() as u32,
@@ -391,7 +411,8 @@ fn decode(bytes: &[u8], key: &str) -> Result<Entry, Rejected> {
     let body_len = bytes.len().checked_sub(4).ok_or(Rejected::Size)?;
     let (body, crc) = bytes.split_at(body_len);
     let mut c = Cursor(body);
-    if c.take(8)? != MAGIC || c.u32()? != FORMAT_VERSION || c.u32()? != ARCH {
+    if c.take(8)? != MAGIC || c.u32()? != FORMAT_VERSION || c.u32()? != ARCH || c.u64()? != BUILDER
+    {
         return Err(Rejected::Format);
     }
     let key_len = c.u32()? as usize;

@@ -453,25 +453,26 @@ type Prepared = (Result<cache::Entry, String>, CacheStats);
 /// [`std::thread::available_parallelism`] threads (at most 8: each holds an
 /// object's bytes), the biggest objects first; results in `opens`' order.
 fn prepare_all(opens: &[Option<&Path>], cache: Option<&TableCache>) -> Vec<Prepared> {
-    let size = |open: &Option<&Path>| {
-        open.and_then(|p| std::fs::metadata(p).ok())
-            .map_or(0, |m| m.len())
-    };
-    let mut order: Vec<usize> = (0..opens.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(size(&opens[i])));
+    let sizes: Vec<u64> = opens
+        .iter()
+        .map(|open| {
+            open.and_then(|p| std::fs::metadata(p).ok())
+                .map_or(0, |m| m.len())
+        })
+        .collect();
+    let order = biggest_first(&sizes);
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, 8)
         .min(opens.len());
     let results: Vec<Mutex<Option<Prepared>>> = opens.iter().map(|_| Mutex::new(None)).collect();
     let next = AtomicUsize::new(0);
-    let work = || loop {
-        let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) else {
-            break;
-        };
-        let prepared = prepare(opens[i], cache);
-        if let Ok(mut slot) = results[i].lock() {
-            *slot = Some(prepared);
+    let work = || {
+        while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+            let prepared = prepare(opens[i], cache);
+            if let Ok(mut slot) = results[i].lock() {
+                *slot = Some(prepared);
+            }
         }
     };
     if workers <= 1 {
@@ -494,6 +495,15 @@ fn prepare_all(opens: &[Option<&Path>], cache: Option<&TableCache>) -> Vec<Prepa
             })
         })
         .collect()
+}
+
+/// The order objects of these sizes are prepared in: the biggest first, so
+/// that the longest build does not start last and leave the other threads
+/// idle; equal sizes in mapping order.
+fn biggest_first(sizes: &[u64]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    order
 }
 
 /// One object's table: from the cache when it holds a valid one, else built
@@ -553,4 +563,35 @@ fn build(file: &mut std::fs::File) -> Result<cache::Entry, String> {
         source_rows: rows.rows.len() as u64,
         malformed: rows.malformed as u64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_biggest_objects_are_prepared_first_ties_in_mapping_order() {
+        assert_eq!(biggest_first(&[10, 500, 10, 0, 90]), [1, 4, 0, 2, 3]);
+        assert!(biggest_first(&[]).is_empty());
+    }
+
+    #[test]
+    fn prepared_tables_come_back_in_mapping_order_whatever_the_build_order() {
+        let Ok(meta) = std::fs::metadata("/lib/x86_64-linux-gnu/libc.so.6") else {
+            return;
+        };
+        assert!(meta.len() > 0);
+        let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+        let missing = Path::new("/nonexistent/libfoo.so");
+        let prepared = prepare_all(&[Some(missing), Some(libc), None], None);
+        assert_eq!(prepared.len(), 3);
+        assert!(prepared[0].0.is_err(), "the missing file");
+        let libc_table = prepared[1].0.as_ref().expect("libc's table");
+        assert!(libc_table.source_rows > 1000);
+        assert_eq!(
+            prepared[2].0.as_ref().err().map(String::as_str),
+            Some("its path leads outside the target's root")
+        );
+        assert_eq!(prepared[1].1, CacheStats::default(), "no cache, no counts");
+    }
 }

@@ -165,17 +165,30 @@ fn seconds(runs: &[Result<Attach, String>]) -> Option<f64> {
     median(&ok)
 }
 
-/// The last run's `unwind` figure `key`, or `-`.
-fn unwind(runs: &[Result<Attach, String>], key: &str) -> String {
+/// The median over the runs of the report's number at `pointer` (a JSON
+/// pointer), or `-`.
+fn figure(runs: &[Result<Attach, String>], pointer: &str) -> String {
+    let values: Vec<f64> = runs
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .filter_map(|a| a.report.pointer(pointer).and_then(Value::as_f64))
+        .collect();
+    median(&values).map_or("-".into(), |v| format!("{v:.0}"))
+}
+
+/// Leak sites whose frames reach the script's `kept.append` lines (its
+/// Python frames), in the last run.
+fn leak_sites(runs: &[Result<Attach, String>]) -> String {
     runs.iter()
         .rev()
         .find_map(|r| r.as_ref().ok())
-        .map(|a| {
-            let v = &a.report["unwind"];
-            match key.split_once('.') {
-                Some((outer, inner)) => v[outer][inner].to_string(),
-                None => v[key].to_string(),
-            }
+        .and_then(|a| a.report["sites"].as_array())
+        .map(|sites| {
+            sites
+                .iter()
+                .filter(|site| site["frames"].to_string().contains("torch_cpu_leak.py"))
+                .count()
+                .to_string()
         })
         .unwrap_or_else(|| "-".into())
 }
@@ -188,15 +201,19 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
          wheel and its CUDA dependencies, CPU path, {} executable objects mapped), seconds from \
          memtrace's start to its \"tracing pid\" line; medians of the interleaved rounds. \
          Baseline: `--table-cache off` (every table built, as before the cache). First attach: \
-         an empty cache directory; later attach: the same directory again. Reproduce: \
-         `cargo xtask bench --section attach`.\n",
+         an empty cache directory; later attach: the same directory again. Tables prepared: \
+         loaded from the cache or built, in parallel (`unwind.build_ms`); loaded into maps: \
+         copied into the kernel (`unwind.load_ms`). The last column counts the report's sites \
+         whose Python frames reach the script's lines (the same in every row: the stacks do \
+         not depend on where the tables came from). \
+         Reproduce: `cargo xtask bench --section attach`.\n",
         bench.objects
     );
     let _ = writeln!(
         s,
-        "| Attach | Seconds to tracing | vs baseline | Tables prepared (ms) | Loaded into maps (ms) | Cache hits / built |"
+        "| Attach | Seconds to tracing | vs baseline | Tables prepared (ms) | Loaded into maps (ms) | Cache hits / built | Sites reaching the script's lines |"
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|");
     let base = seconds(&bench.baseline);
     for (name, runs) in [
         ("baseline (`--table-cache off`)", &bench.baseline),
@@ -206,13 +223,14 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
         let errors: Vec<&String> = runs.iter().filter_map(|r| r.as_ref().err()).collect();
         let _ = writeln!(
             s,
-            "| {name} | {} | {} | {} | {} | {} / {} |{}",
+            "| {name} | {} | {} | {} | {} | {} / {} | {} |{}",
             seconds(runs).map_or("-".into(), |v| format!("{v:.2}")),
             fmt_ratio(seconds(runs), base),
-            unwind(runs, "build_ms"),
-            unwind(runs, "load_ms"),
-            unwind(runs, "cache.hits"),
-            unwind(runs, "cache.misses"),
+            figure(runs, "/unwind/build_ms"),
+            figure(runs, "/unwind/load_ms"),
+            figure(runs, "/unwind/cache/hits"),
+            figure(runs, "/unwind/cache/misses"),
+            leak_sites(runs),
             errors
                 .first()
                 .map_or(String::new(), |e| format!(" failed: {e}"))
@@ -221,7 +239,7 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
     let _ = writeln!(
         s,
         "\nStack depth on the same process (warm cache, 5 s each, `--bpf-stats`): stacks cut at \
-         the depth (`stack_truncated_depth`) out of the allocations traced, and the kernel's \
+         the depth (`stack_truncations_by_cause.depth`) out of the allocations traced, and the kernel's \
          mean time per run of the return probe (where the stack is walked).\n"
     );
     let _ = writeln!(
@@ -244,8 +262,7 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
                 let _ = writeln!(
                     s,
                     "| {depth} | {} | {} | {exit_ns} |",
-                    a.report["events"]["allocs"],
-                    a.report["kernel_counters"]["stack_truncated_depth"],
+                    a.report["events"]["allocs"], a.report["stack_truncations_by_cause"]["depth"],
                 );
             }
             Err(err) => {
