@@ -104,7 +104,17 @@ impl Discovery {
         path: &std::path::Path,
         open_path: &std::path::Path,
     ) -> Result<Option<LibraryPlan>, crate::probe::elf::ElfError> {
-        let plan = plan::plan_library(path, open_path, &self.catalog, self.place)?;
+        let found = plan::plan_library(path, open_path, &self.catalog, self.place);
+        self.accept(found)
+    }
+
+    /// What an object's plan leaves to probe: its warnings said, the heap
+    /// allocators not wanted (`--allocators`) left out.
+    fn accept(
+        &mut self,
+        found: Result<Option<LibraryPlan>, crate::probe::elf::ElfError>,
+    ) -> Result<Option<LibraryPlan>, crate::probe::elf::ElfError> {
+        let plan = found?;
         // Functions whose entry the kernel refuses to probe (arm64: literal
         // or exclusive loads) are left out of the plan and said once each.
         for line in plan.iter().flat_map(LibraryPlan::warnings) {
@@ -181,15 +191,23 @@ impl Discovery {
             }
         }
         let mut attached = 0;
-        let (mut planning, mut attaching, mut objects) = (Duration::ZERO, Duration::ZERO, 0);
-        for (path, open_path, id) in files {
-            if !self.considered.insert(id) {
-                continue;
-            }
-            objects += 1;
+        files.retain(|(_, _, id)| self.considered.insert(*id));
+        let objects = files.len();
+        // The objects' symbol tables are read on every core.
+        let started = Instant::now();
+        let (catalog, place) = (&self.catalog, self.place);
+        let sizes =
+            crate::parallel::file_sizes(files.iter().map(|(_, open, _)| Some(open.as_path())));
+        let order = crate::parallel::biggest_first(&sizes);
+        let found = crate::parallel::map(&files, &order, |(path, open_path, _)| {
+            plan::plan_library(path, open_path, catalog, place)
+        });
+        let mut planning = started.elapsed();
+        let mut attaching = Duration::ZERO;
+        for ((path, open_path, _), found) in files.into_iter().zip(found) {
             let started = Instant::now();
             attached += self.probe_usdt(&path, &open_path, probes);
-            let planned = self.plan(&path, &open_path);
+            let planned = self.accept(found);
             planning += started.elapsed();
             let started = Instant::now();
             let outcome =

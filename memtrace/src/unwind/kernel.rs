@@ -10,8 +10,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::Instant;
 
 use aya::maps::{Array, HashMap as BpfHashMap, MapData};
@@ -449,61 +447,13 @@ impl UnwindTables {
 type Prepared = (Result<cache::Entry, String>, CacheStats);
 
 /// Prepares the tables of `opens` (each object's path as memtrace opens it;
-/// `None`: outside the target's root) on up to
-/// [`std::thread::available_parallelism`] threads (at most 8: each holds an
-/// object's bytes), the biggest objects first; results in `opens`' order.
+/// `None`: outside the target's root) on every core, the biggest objects
+/// first; results in `opens`' order.
 fn prepare_all(opens: &[Option<&Path>], cache: Option<&TableCache>) -> Vec<Prepared> {
-    let sizes: Vec<u64> = opens
-        .iter()
-        .map(|open| {
-            open.and_then(|p| std::fs::metadata(p).ok())
-                .map_or(0, |m| m.len())
-        })
-        .collect();
-    let order = biggest_first(&sizes);
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, 8)
-        .min(opens.len());
-    let results: Vec<Mutex<Option<Prepared>>> = opens.iter().map(|_| Mutex::new(None)).collect();
-    let next = AtomicUsize::new(0);
-    let work = || {
-        while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
-            let prepared = prepare(opens[i], cache);
-            if let Ok(mut slot) = results[i].lock() {
-                *slot = Some(prepared);
-            }
-        }
-    };
-    if workers <= 1 {
-        work();
-    } else {
-        std::thread::scope(|scope| {
-            for _ in 0..workers {
-                scope.spawn(work);
-            }
-        });
-    }
-    results
-        .into_iter()
-        .map(|slot| {
-            slot.into_inner().ok().flatten().unwrap_or_else(|| {
-                (
-                    Err("its table was not prepared (a worker failed)".into()),
-                    CacheStats::default(),
-                )
-            })
-        })
-        .collect()
-}
-
-/// The order objects of these sizes are prepared in: the biggest first, so
-/// that the longest build does not start last and leave the other threads
-/// idle; equal sizes in mapping order.
-fn biggest_first(sizes: &[u64]) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..sizes.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
-    order
+    let sizes = crate::parallel::file_sizes(opens.iter().copied());
+    crate::parallel::map(opens, &crate::parallel::biggest_first(&sizes), |open| {
+        prepare(*open, cache)
+    })
 }
 
 /// One object's table: from the cache when it holds a valid one, else built
@@ -568,12 +518,6 @@ fn build(file: &mut std::fs::File) -> Result<cache::Entry, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_biggest_objects_are_prepared_first_ties_in_mapping_order() {
-        assert_eq!(biggest_first(&[10, 500, 10, 0, 90]), [1, 4, 0, 2, 3]);
-        assert!(biggest_first(&[]).is_empty());
-    }
 
     #[test]
     fn prepared_tables_come_back_in_mapping_order_whatever_the_build_order() {
