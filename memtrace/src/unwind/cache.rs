@@ -4,10 +4,11 @@
 //! the same objects loads their tables instead of building them again.
 //!
 //! The directory and its files belong to memtrace's user and nobody else can
-//! write them (0700 / 0600); a directory that fails this is refused with a
-//! warning and nothing is cached. Every file read is checked in full (magic,
-//! format version, architecture, key, sizes, CRC-32, and every row, rule and
-//! page index in bounds) before it is used: a truncated or altered file is
+//! write them (created 0700 / 0600; refused when group or others may write);
+//! a directory that fails this is refused with a warning and nothing is
+//! cached. Every file read is checked in full (magic, format version,
+//! architecture, the table builder's identity, key, sizes, CRC-32, and every
+//! row, rule and page index in bounds) before it is used: a truncated or altered file is
 //! rejected, removed and rebuilt, never trusted. The directory's total size is
 //! bounded; the least recently used files (by mtime, refreshed on each hit)
 //! go first.
@@ -51,6 +52,8 @@ const fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
     hash
 }
 const SUFFIX: &str = "tbl";
+/// Group- or other-writable mode bits: a directory or file with either is refused.
+const WRITABLE_BY_OTHERS: u32 = 0o022;
 
 #[cfg(target_arch = "aarch64")]
 const ARCH: u32 = 2;
@@ -60,7 +63,7 @@ const ARCH: u32 = 1;
 /// Why a cache file was not used.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum Rejected {
-    #[error("not a regular file owned by memtrace's user with mode 0600")]
+    #[error("not a regular file owned by memtrace's user that only it may write")]
     Unsafe,
     #[error("truncated or oversized")]
     Size,
@@ -153,7 +156,7 @@ pub struct TableCache {
 pub enum Refused {
     #[error("{0}: cannot create it: {1}")]
     Create(String, std::io::Error),
-    #[error("{0}: not a directory owned by memtrace's user and closed to others (mode 0700)")]
+    #[error("{0}: not a directory owned by memtrace's user that only it may write")]
     Unsafe(String),
 }
 
@@ -171,7 +174,7 @@ impl TableCache {
         }
         let meta =
             std::fs::symlink_metadata(dir).map_err(|err| Refused::Create(shown.clone(), err))?;
-        if !meta.is_dir() || meta.uid() != euid() || meta.mode() & 0o077 != 0 {
+        if !meta.is_dir() || meta.uid() != euid() || meta.mode() & WRITABLE_BY_OTHERS != 0 {
             return Err(Refused::Unsafe(shown));
         }
         Ok(TableCache {
@@ -366,7 +369,7 @@ fn read_checked(file: &mut File, key: &str, max_bytes: u64) -> Result<Entry, Rej
     let meta = file
         .metadata()
         .map_err(|err| Rejected::Io(err.to_string()))?;
-    if !meta.is_file() || meta.uid() != euid() || meta.mode() & 0o077 != 0 {
+    if !meta.is_file() || meta.uid() != euid() || meta.mode() & WRITABLE_BY_OTHERS != 0 {
         return Err(Rejected::Unsafe);
     }
     if meta.len() > max_bytes {
