@@ -19,6 +19,7 @@ mod live;
 mod model;
 mod monitor;
 mod output;
+mod parallel;
 mod probe;
 mod prometheus;
 mod push;

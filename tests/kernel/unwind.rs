@@ -4,7 +4,7 @@
 //! `--stack-depth` and counted; signal handlers and threads; Debian's
 //! stripped, static `python3.11`; frame-pointer code unchanged against
 //! `--stacks fp`; walks replayed only when every stack word they read is
-//! unchanged.
+//! unchanged; a second attach loading the tables from the on-disk cache.
 
 use serde_json::Value;
 
@@ -371,4 +371,48 @@ fn replayed_walks_tell_callers_with_the_same_registers_apart() {
         .as_u64()
         .unwrap_or(0);
     assert!(replayed > 0, "{}", report["kernel_counters"]);
+}
+
+#[test]
+fn a_second_attach_loads_every_table_from_the_cache_and_still_finds_the_chain() {
+    if !privileged() {
+        return;
+    }
+    let cache = std::env::temp_dir().join(format!("memtrace-table-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let dir = cache.display().to_string();
+    let mut target = Fixture::start("unwind_chain", &["chain", "30", "30"]);
+    let pid = target.pid.to_string();
+    let args = [
+        "--pid",
+        pid.as_str(),
+        "--format",
+        "json",
+        "--top",
+        "500",
+        "--table-cache",
+        dir.as_str(),
+    ];
+    // The first attach builds and stores every table, and detaches.
+    let first = Tracer::attach(&args);
+    first.signal(libc::SIGINT);
+    let first = first.report().0;
+    let stats = &first["unwind"]["cache"];
+    let built = stats["misses"].as_u64().unwrap_or(0);
+    assert!(built >= 3, "the executable, libunwind_lib, libc: {stats}");
+    assert_eq!(stats["hits"], 0, "{stats}");
+    assert_eq!(stats["stored"], built, "{stats}");
+
+    // The second, to the same process, builds none and sees the same stacks.
+    let second = Tracer::attach(&args);
+    target.go();
+    second.signal(libc::SIGINT);
+    let report = second.report().0;
+    let stats = &report["unwind"]["cache"];
+    assert_eq!(stats["hits"], built, "{stats}");
+    assert_eq!(stats["misses"], 0, "{stats}");
+    assert_eq!(stats["rejected"], 0, "{stats}");
+    assert_eq!(report["unwind"]["objects"], first["unwind"]["objects"]);
+    assert_whole_chain(&report, "tables from the cache");
+    let _ = std::fs::remove_dir_all(&cache);
 }

@@ -180,8 +180,8 @@ const ALL_PROGRAMS: [&str; 3] = ["call_enter", "call_exit", "task_new"];
 fn stack_modes() -> [(&'static str, LoadOptions); 3] {
     let default = LoadOptions {
         stack_mode: STACK_MODE_DWARF,
-        stack_depth: 32,
-        // As the tracer's defaults: 64 MiB of tables, 64 processes.
+        stack_depth: 64,
+        // As the tracer's defaults: 64 frames, 64 MiB of tables, 64 processes.
         unwind: crate::unwind::kernel::Capacity::from_mib(64, 65),
         sample_rate: 1,
         min_size: 0,

@@ -13,7 +13,7 @@ use iced_x86::{Code, Decoder, DecoderOptions};
 
 use crate::arch::Arch;
 use object::{
-    Object, ObjectSection, ObjectSymbol, ObjectSymbolTable, RelocationTarget, SymbolKind,
+    Object, ObjectSection, ObjectSymbol, ObjectSymbolTable, ReadRef, RelocationTarget, SymbolKind,
 };
 
 /// Errors reading a file as ELF.
@@ -105,13 +105,22 @@ pub struct Defined {
 /// Finds which of `wanted` the file defines (dynamic symbols first, then the
 /// full symbol table, so statically linked allocators are found too), and
 /// its PLT stubs. The file must be an `arch` object.
+///
+/// Only what it needs is read (headers, symbol tables, the functions' first
+/// bytes, the PLT): a PyTorch process maps gigabytes of code.
 pub fn scan(path: &Path, wanted: &[&str], arch: Arch) -> Result<Defined, ElfError> {
-    let data = std::fs::read(path).map_err(|source| ElfError::Io {
+    let io = |source| ElfError::Io {
         path: path.to_path_buf(),
         source,
-    })?;
-    check_arch(path, &data, arch)?;
-    let file = object::File::parse(&*data).map_err(|source| ElfError::NotElf {
+    };
+    let handle = std::fs::File::open(path).map_err(io)?;
+    let data = object::ReadCache::new(handle);
+    let len = data
+        .len()
+        .map_err(|()| io(std::io::Error::other("cannot read its size")))?;
+    let header = data.read_bytes_at(0, len.min(64)).unwrap_or(&[]);
+    check_arch(path, header, arch)?;
+    let file = object::File::parse(&data).map_err(|source| ElfError::NotElf {
         path: path.to_path_buf(),
         source,
     })?;
@@ -145,13 +154,15 @@ pub fn scan(path: &Path, wanted: &[&str], arch: Arch) -> Result<Defined, ElfErro
             continue;
         }
         let file_offset = section_offset + delta;
-        let start = usize::try_from(file_offset).unwrap_or(usize::MAX);
         let window = match usize::try_from(symbol.size()) {
             Ok(0) | Err(_) => super::placement::WINDOW,
             Ok(size) => size.min(super::placement::WINDOW),
         };
-        let end = start.saturating_add(window).min(data.len());
-        let code = data.get(start..end).unwrap_or(&[]).to_vec();
+        let window = (window as u64).min(len.saturating_sub(file_offset));
+        let code = data
+            .read_bytes_at(file_offset, window)
+            .unwrap_or(&[])
+            .to_vec();
         found.insert(
             name.to_string(),
             DefinedFunction {
@@ -197,7 +208,7 @@ pub fn stripped_with_own_allocator(path: &Path) -> Result<bool, ElfError> {
 }
 
 /// GOT slot address -> the symbol its dynamic relocation names (without version).
-fn got_slots(file: &object::File) -> HashMap<u64, String> {
+fn got_slots<'d, R: ReadRef<'d>>(file: &object::File<'d, R>) -> HashMap<u64, String> {
     let mut slots: HashMap<u64, String> = HashMap::new();
     if let (Some(relocations), Some(dynsyms)) =
         (file.dynamic_relocations(), file.dynamic_symbol_table())
@@ -221,7 +232,7 @@ fn got_slots(file: &object::File) -> HashMap<u64, String> {
 
 /// Maps each x86-64 PLT stub (`.plt`, `.plt.sec`, `.plt.got`) to the symbol whose
 /// GOT slot it jumps through (`jmp qword [rip+disp]`).
-fn plt_stubs(file: &object::File) -> HashMap<u64, String> {
+fn plt_stubs<'d, R: ReadRef<'d>>(file: &object::File<'d, R>) -> HashMap<u64, String> {
     let slots = got_slots(file);
     let mut stubs = HashMap::new();
     if slots.is_empty() {
@@ -259,7 +270,7 @@ fn plt_stubs(file: &object::File) -> HashMap<u64, String> {
 /// through: `adrp x16, PAGE; ldr x17, [x16, #OFF]; add x16, x16, #OFF;
 /// br x17` (a `bti c` before it starts the stub where BTI is on; an
 /// `autia1716` may sit before the `br`).
-fn arm64_plt_stubs(file: &object::File) -> HashMap<u64, String> {
+fn arm64_plt_stubs<'d, R: ReadRef<'d>>(file: &object::File<'d, R>) -> HashMap<u64, String> {
     let slots = got_slots(file);
     let mut stubs = HashMap::new();
     if slots.is_empty() {

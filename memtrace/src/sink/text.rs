@@ -107,6 +107,22 @@ impl Sink for TextSink {
                     )
                 }
             )?;
+            if let Some(cache) = &unwind.cache {
+                writeln!(
+                    out,
+                    "unwind tables: prepared in {} ms, loaded in {} ms; cache {}: {} hits, {} built, {} rejected, {} evicted",
+                    unwind.build_ms,
+                    unwind.load_ms,
+                    cache.dir,
+                    cache.hits,
+                    cache.misses,
+                    cache.rejected,
+                    cache.evicted
+                )?;
+                for failure in &cache.failures {
+                    writeln!(out, "unwind table cache: {failure}")?;
+                }
+            }
         }
         if !report.bpf_programs.is_empty() {
             let programs: Vec<String> = report

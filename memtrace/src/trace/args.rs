@@ -88,8 +88,9 @@ pub struct TraceArgs {
     #[arg(short, long)]
     pub output: Option<PathBuf>,
 
-    /// Frames kept per allocation stack (0: no stacks, cheapest).
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=127))]
+    /// Frames kept per allocation stack (0: no stacks, cheapest). 64 by
+    /// default: PyTorch's dispatcher under CPython takes ~50 (BENCHMARKS.md).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=127))]
     pub stack_depth: u32,
 
     /// How stacks are walked: `dwarf` (the objects' call-frame information,
@@ -104,6 +105,17 @@ pub struct TraceArgs {
     /// report.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub unwind_table_mib: u32,
+
+    /// Where built unwind tables are cached, by object build-id, for later
+    /// attaches to the same objects (a directory only memtrace's user can
+    /// write; refused otherwise), or `off`.
+    #[arg(long, value_name = "DIR|off", default_value = crate::unwind::cache::DEFAULT_DIR)]
+    pub table_cache: crate::unwind::cache::Setting,
+
+    /// Bound on the table cache's total size, in MiB (the least recently
+    /// used tables are removed beyond it).
+    #[arg(long, default_value_t = crate::unwind::cache::DEFAULT_MIB, value_parser = clap::value_parser!(u64).range(1..))]
+    pub table_cache_mib: u64,
 
     /// Trace one allocation in N (chosen by address, so the matching free is
     /// sampled too); totals are then estimates. Applied in the kernel.

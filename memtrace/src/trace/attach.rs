@@ -95,7 +95,15 @@ impl<'a> Trace<'a> {
             peers,
         } = choose_target(args, names.as_mut())?;
 
+        let loading = Instant::now();
         let mut probes = Probes::load(pid, &options)?;
+        if let Some(unwind) = probes.unwind.as_mut() {
+            unwind.use_cache(&args.table_cache, args.table_cache_mib << 20);
+        }
+        log::info!(
+            "attach phase: eBPF programs loaded in {} ms",
+            loading.elapsed().as_millis()
+        );
         // Held to the end of the trace: the kernel counts run time while it is open.
         let bpf_stats = if args.bpf_stats {
             Some(
@@ -182,6 +190,10 @@ impl<'a> Trace<'a> {
                 why: why.join("; "),
             })
         })?;
+        log::info!(
+            "attach phase: target chosen, programs loaded, tables and probes in place {} ms after start",
+            loading.elapsed().as_millis()
+        );
         discovery.release_warnings(mark);
         for skip in &skipped {
             eprintln!("memtrace: {}", skip.note());

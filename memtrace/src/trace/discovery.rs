@@ -6,6 +6,7 @@
 
 use std::collections::HashSet;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use crate::probe::catalog::{Allocator, FuncDef};
 use crate::probe::maps;
@@ -103,7 +104,17 @@ impl Discovery {
         path: &std::path::Path,
         open_path: &std::path::Path,
     ) -> Result<Option<LibraryPlan>, crate::probe::elf::ElfError> {
-        let plan = plan::plan_library(path, open_path, &self.catalog, self.place)?;
+        let found = plan::plan_library(path, open_path, &self.catalog, self.place);
+        self.accept(found)
+    }
+
+    /// What an object's plan leaves to probe: its warnings said, the heap
+    /// allocators not wanted (`--allocators`) left out.
+    fn accept(
+        &mut self,
+        found: Result<Option<LibraryPlan>, crate::probe::elf::ElfError>,
+    ) -> Result<Option<LibraryPlan>, crate::probe::elf::ElfError> {
+        let plan = found?;
         // Functions whose entry the kernel refuses to probe (arm64: literal
         // or exclusive loads) are left out of the plan and said once each.
         for line in plan.iter().flat_map(LibraryPlan::warnings) {
@@ -151,7 +162,9 @@ impl Discovery {
     ) -> std::io::Result<usize> {
         let mappings = maps::read(pid)?;
         // Unwind tables before probes: the first stacks already need them.
+        let started = Instant::now();
         probes.update_unwind(pid, &mappings);
+        let tables_ms = started.elapsed().as_millis();
         let mut files: Vec<(PathBuf, PathBuf, FileId)> = Vec::new();
         for mapping in maps::executable_file_mappings(&mappings) {
             let Some(path) = mapping.path.clone() else {
@@ -178,13 +191,30 @@ impl Discovery {
             }
         }
         let mut attached = 0;
-        for (path, open_path, id) in files {
-            if !self.considered.insert(id) {
-                continue;
-            }
+        files.retain(|(_, _, id)| self.considered.insert(*id));
+        let objects = files.len();
+        // The objects' symbol tables are read on every core.
+        let started = Instant::now();
+        let (catalog, place) = (&self.catalog, self.place);
+        let sizes =
+            crate::parallel::file_sizes(files.iter().map(|(_, open, _)| Some(open.as_path())));
+        let order = crate::parallel::biggest_first(&sizes);
+        let found = crate::parallel::map(&files, &order, |(path, open_path, _)| {
+            plan::plan_library(path, open_path, catalog, place)
+        });
+        let mut planning = started.elapsed();
+        let mut attaching = Duration::ZERO;
+        for ((path, open_path, _), found) in files.into_iter().zip(found) {
+            let started = Instant::now();
             attached += self.probe_usdt(&path, &open_path, probes);
-            match self.plan(&path, &open_path) {
-                Ok(Some(mut library)) => match probes.attach_library(&mut library) {
+            let planned = self.accept(found);
+            planning += started.elapsed();
+            let started = Instant::now();
+            let outcome =
+                planned.map(|library| library.map(|mut l| (probes.attach_library(&mut l), l)));
+            attaching += started.elapsed();
+            match outcome {
+                Ok(Some((outcome, library))) => match outcome {
                     Ok(count) => {
                         attached += count;
                         self.libraries.push(library);
@@ -204,6 +234,14 @@ impl Discovery {
                 }
                 Err(err) => log::debug!("skipping {}: {err}", path.display()),
             }
+        }
+        if objects > 0 {
+            log::info!(
+                "attach phase: pid {pid}: unwind tables in {tables_ms} ms; {objects} objects \
+                 searched for allocator functions in {} ms; {attached} probes attached in {} ms",
+                planning.as_millis(),
+                attaching.as_millis()
+            );
         }
         Ok(attached)
     }

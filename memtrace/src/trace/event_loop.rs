@@ -59,7 +59,16 @@ impl Trace<'_> {
         let show_status = std::io::stderr().is_terminal() && self.live.is_none();
         let mut status = StatusLine::new(show_status);
 
+        let mut first_event_logged = false;
         loop {
+            if let (false, Some(at)) = (first_event_logged, self.session.pipeline.first_event_at) {
+                first_event_logged = true;
+                log::info!(
+                    "attach phase: first event {} ms after the probes' clock started",
+                    at.saturating_duration_since(self.session.started)
+                        .as_millis()
+                );
+            }
             tokio::select! {
                 guard = self.ring.readable_mut() => {
                     let mut guard = guard?;

@@ -59,6 +59,8 @@ pub struct Pipeline {
     /// Where the stream is recorded (`--record`).
     pub recorder: Option<Recorder>,
     pub decode_errors: u64,
+    /// When the first record was read from the ring (`-v`'s attach phases).
+    pub first_event_at: Option<Instant>,
     /// When held allocations were last taken from the kernel.
     held_taken: Option<Instant>,
     /// Held allocations taken and not yet applied, in time order (see
@@ -84,6 +86,7 @@ impl Pipeline {
             stale_maps: Vec::new(),
             recorder: None,
             decode_errors: 0,
+            first_event_at: None,
             held_taken: None,
             held_buf: Vec::new(),
             held_seen: Vec::new(),
@@ -168,6 +171,7 @@ impl Pipeline {
         let mut taken = std::mem::take(&mut self.held_buf);
         let mut next_taken = 0;
         while let Some(record) = ring.next() {
+            self.first_event_at.get_or_insert_with(Instant::now);
             match event::decode_wire(&record) {
                 Ok(wire) => {
                     while let Some(held) = taken.get(next_taken).filter(|h| h.ts_ns <= wire.ts_ns) {

@@ -103,8 +103,9 @@ pub fn eh_frame_size(data: &[u8]) -> u64 {
         .unwrap_or(0)
 }
 
-/// Builds the rows of the ELF object in `data`.
-pub fn rows_from_elf(data: &[u8]) -> Result<Rows, CfiError> {
+/// Builds the rows of the ELF object in `data` (a byte slice, or a file
+/// read through [`object::ReadCache`]: only headers and CFI sections are read).
+pub fn rows_from_elf<'d, R: object::ReadRef<'d>>(data: R) -> Result<Rows, CfiError> {
     let file = object::File::parse(data)?;
     let arch = match file.architecture() {
         object::Architecture::X86_64 => Arch::X86_64,
@@ -573,7 +574,7 @@ mod tests {
             eprintln!("no libc.so.6 to read");
             return;
         };
-        let rows = rows_from_elf(&data).expect("libc has CFI");
+        let rows = rows_from_elf(&data[..]).expect("libc has CFI");
         assert!(rows.fdes > 1000, "{} FDEs", rows.fdes);
         assert_eq!(rows.malformed, 0);
         assert!(rows.rows.windows(2).all(|w| w[0].pc < w[1].pc), "sorted");
@@ -601,7 +602,7 @@ mod tests {
             eprintln!("skipping: no arm64 glibc (libc6-arm64-cross) here");
             return;
         };
-        let rows = rows_from_elf(&data).expect("arm64 libc has CFI");
+        let rows = rows_from_elf(&data[..]).expect("arm64 libc has CFI");
         assert_eq!(rows.malformed, 0);
         assert!(rows.rows.len() > 1000, "{}", rows.rows.len());
         let with = |f: &dyn Fn(&UnwindRow) -> bool| rows.rows.iter().filter(|r| f(r)).count();
@@ -645,7 +646,7 @@ mod tests {
             .find(|s| s.name() == Ok("malloc"))
             .expect("malloc")
             .address();
-        let rows = rows_from_elf(&data).expect("cfi").rows;
+        let rows = rows_from_elf(&data[..]).expect("cfi").rows;
         // libc's text is mapped at file offset == address.
         let entry = lookup(&rows, malloc as u32).expect("a row at malloc");
         assert_eq!(
@@ -657,7 +658,7 @@ mod tests {
 
     #[test]
     fn garbage_and_truncated_objects_fail_cleanly() {
-        assert!(rows_from_elf(b"not an elf").is_err());
+        assert!(rows_from_elf(&b"not an elf"[..]).is_err());
         if let Some(data) = libc() {
             for cut in [64, 4096, data.len() / 3, data.len() / 2] {
                 let _ = rows_from_elf(&data[..cut]);
@@ -668,7 +669,7 @@ mod tests {
             for b in bad.iter_mut().skip(mid).step_by(7).take(20_000) {
                 *b ^= 0x5a;
             }
-            let _ = rows_from_elf(&bad);
+            let _ = rows_from_elf(&bad[..]);
         }
         let _ = rows_from_eh_frame(&[0xff; 64]);
         let _ = rows_from_eh_frame(&[0x10, 0, 0, 0, 0, 0, 0, 0, 1, 0x7a, 0x52, 0]);

@@ -3,8 +3,10 @@
 //! `PROC_SLOTS`, `PROC_SLOT_CACHE`, `PROC_MAPS`).
 //!
 //! Tables are built once per file (device, inode) and shared by every process
-//! mapping it. Table memory is bounded by `--unwind-table-mib`: an object whose
-//! table does not fit is left to frame pointers and named in the report.
+//! mapping it; the objects new to a process are prepared in parallel (loaded
+//! from the on-disk [`cache`] or built), then copied into the maps. Table
+//! memory is bounded by `--unwind-table-mib`: an object whose table does not
+//! fit is left to frame pointers and named in the report.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -20,7 +22,8 @@ use memtrace_common::unwind::{
 use serde::{Deserialize, Serialize};
 
 use crate::probe::maps::Mapping;
-use crate::unwind::cfi::{self, UnwindRow};
+use crate::unwind::cache::{self, CacheStats, TableCache};
+use crate::unwind::cfi;
 use crate::unwind::table;
 
 /// Most objects with a table (the `UNWIND_TABLES` map's size).
@@ -73,8 +76,16 @@ pub struct UnwindSummary {
     /// Kernel memory the tables use and the cap (`--unwind-table-mib`).
     pub kernel_bytes_used: u64,
     pub kernel_bytes_reserved: u64,
-    /// Milliseconds spent building tables.
+    /// Milliseconds spent preparing tables (loaded from the cache or built,
+    /// in parallel), wall clock.
     pub build_ms: u64,
+    /// Milliseconds spent copying tables into the kernel's maps.
+    #[serde(default)]
+    pub load_ms: u64,
+    /// The on-disk table cache (`--table-cache`): hits, misses, rejected
+    /// files, evictions; `None` when it is off.
+    #[serde(default)]
+    pub cache: Option<CacheStats>,
     /// Objects whose table did not fit the cap (frame pointers only).
     pub capped: Vec<String>,
     /// Objects without usable CFI, with why (frame pointers only).
@@ -120,6 +131,8 @@ pub struct UnwindTables {
     free_slots: Vec<u32>,
     /// The generation of the last process list written.
     generation: u32,
+    /// The on-disk cache of built tables (`--table-cache`).
+    cache: Option<TableCache>,
     summary: UnwindSummary,
 }
 
@@ -154,6 +167,7 @@ impl UnwindTables {
             slot_of: HashMap::new(),
             free_slots: (0..capacity.processes).rev().collect(),
             generation: 0,
+            cache: None,
             summary: UnwindSummary {
                 mode: "dwarf".into(),
                 kernel_bytes_reserved: (u64::from(capacity.row_chunks)
@@ -169,6 +183,30 @@ impl UnwindTables {
         self.summary.clone()
     }
 
+    /// Uses the on-disk table cache `setting` names; a directory refused
+    /// (another owner, open to others) is one warning, and tables are built.
+    pub fn use_cache(&mut self, setting: &cache::Setting, max_bytes: u64) {
+        let cache::Setting::Dir(dir) = setting else {
+            self.cache = None;
+            self.summary.cache = None;
+            return;
+        };
+        let mut stats = CacheStats {
+            dir: dir.display().to_string(),
+            ..CacheStats::default()
+        };
+        match TableCache::open(dir, max_bytes) {
+            Ok(cache) => self.cache = Some(cache),
+            Err(err) => {
+                let line = format!("--table-cache {err}: tables are built, not cached");
+                eprintln!("memtrace: warning: {line}");
+                stats.failures.push(line);
+                self.cache = None;
+            }
+        }
+        self.summary.cache = Some(stats);
+    }
+
     /// Gives process `pid` the unwinder's view of `mappings` (building the
     /// tables of objects not seen before). Cheap when nothing changed.
     pub fn update_process(
@@ -177,15 +215,14 @@ impl UnwindTables {
         mappings: &[Mapping],
         open_path: &dyn Fn(&Path) -> Option<PathBuf>,
     ) {
+        self.prepare_new(mappings, open_path);
         let mut entries: Vec<MapEntry> = Vec::new();
         for mapping in mappings.iter().filter(|m| m.executable) {
-            let table = if mapping.is_file() {
-                match (&mapping.path, mapping.deleted) {
-                    (Some(path), false) => self.table_for(mapping, path, open_path),
-                    _ => TABLE_NONE,
-                }
-            } else {
-                TABLE_NONE
+            let known = self.by_file.get(&(mapping.dev, mapping.inode));
+            let table = match (mapping.is_file() && !mapping.deleted, known) {
+                (true, Some(FileTable::Loaded(index))) => *index,
+                (true, Some(FileTable::Capped)) => TABLE_CAPPED,
+                _ => TABLE_NONE,
             };
             entries.push(MapEntry {
                 start: mapping.start,
@@ -252,71 +289,89 @@ impl UnwindTables {
         }
     }
 
-    fn table_for(
-        &mut self,
-        mapping: &Mapping,
-        path: &Path,
-        open_path: &dyn Fn(&Path) -> Option<PathBuf>,
-    ) -> u32 {
-        let key = (mapping.dev, mapping.inode);
-        if let Some(known) = self.by_file.get(&key) {
-            return match known {
-                FileTable::Loaded(index) => *index,
-                FileTable::Capped => TABLE_CAPPED,
-                FileTable::None => TABLE_NONE,
-            };
-        }
-        let started = Instant::now();
-        let built = open_path(path)
-            .ok_or_else(|| "its path leads outside the target's root".to_string())
-            .and_then(|open| std::fs::read(open).map_err(|err| err.to_string()))
-            .and_then(|data| cfi::rows_from_elf(&data).map_err(|err| err.to_string()));
-        self.summary.build_ms += started.elapsed().as_millis() as u64;
-        let state = match built {
-            Ok(rows) => {
-                if rows.malformed > 0 {
-                    let line = format!(
-                        "{}: {} malformed CFI entries skipped (stacks through them use frame pointers)",
-                        path.display(),
-                        rows.malformed
-                    );
-                    eprintln!("memtrace: warning: {line}");
-                    self.summary.without_cfi.push(line);
-                }
-                match self.load(&rows.rows) {
-                    Some(index) => {
-                        self.summary.objects += 1;
-                        self.summary.rows += rows.rows.len() as u64;
-                        FileTable::Loaded(index)
-                    }
-                    None if rows.rows.is_empty() => FileTable::None,
-                    None => {
-                        self.summary.capped.push(path.display().to_string());
-                        FileTable::Capped
-                    }
+    /// Prepares the tables of the objects in `mappings` not seen before (in
+    /// parallel: loaded from the cache or built), then copies them into the
+    /// kernel in the order mapped.
+    fn prepare_new(&mut self, mappings: &[Mapping], open_path: &dyn Fn(&Path) -> Option<PathBuf>) {
+        let mut new: Vec<((u64, u64), &Path, Option<PathBuf>)> = Vec::new();
+        for mapping in mappings.iter().filter(|m| m.executable && m.is_file()) {
+            let key = (mapping.dev, mapping.inode);
+            if let (Some(path), false) = (&mapping.path, mapping.deleted) {
+                if !self.by_file.contains_key(&key) && !new.iter().any(|(k, _, _)| *k == key) {
+                    new.push((key, path, open_path(path)));
                 }
             }
+        }
+        if new.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        let opens: Vec<Option<&Path>> = new.iter().map(|(_, _, open)| open.as_deref()).collect();
+        let prepared = prepare_all(&opens, self.cache.as_ref());
+        self.summary.build_ms += started.elapsed().as_millis() as u64;
+        let started = Instant::now();
+        let mut stored = false;
+        for ((key, path, _), (built, counts)) in new.iter().zip(prepared) {
+            stored |= counts.stored > 0;
+            if let Some(stats) = self.summary.cache.as_mut() {
+                stats.add(&counts, path);
+            }
+            let state = self.take_prepared(path, built);
+            self.by_file.insert(*key, state);
+        }
+        self.summary.load_ms += started.elapsed().as_millis() as u64;
+        if let (true, Some(cache), Some(stats)) =
+            (stored, self.cache.as_ref(), self.summary.cache.as_mut())
+        {
+            stats.evicted += cache.evict();
+        }
+        log::info!(
+            "unwinder: {} objects: tables prepared in {} ms so far, loaded into the kernel in {} ms so far",
+            new.len(),
+            self.summary.build_ms,
+            self.summary.load_ms
+        );
+    }
+
+    /// Loads one prepared table into the kernel; what the object's mappings
+    /// point at.
+    fn take_prepared(&mut self, path: &Path, built: Result<cache::Entry, String>) -> FileTable {
+        let entry = match built {
+            Ok(entry) => entry,
             Err(why) => {
                 self.summary
                     .without_cfi
                     .push(format!("{}: {why}", path.display()));
-                FileTable::None
+                return FileTable::None;
             }
         };
-        self.by_file.insert(key, state);
-        match state {
-            FileTable::Loaded(index) => index,
-            FileTable::Capped => TABLE_CAPPED,
-            FileTable::None => TABLE_NONE,
+        if entry.malformed > 0 {
+            let line = format!(
+                "{}: {} malformed CFI entries skipped (stacks through them use frame pointers)",
+                path.display(),
+                entry.malformed
+            );
+            eprintln!("memtrace: warning: {line}");
+            self.summary.without_cfi.push(line);
+        }
+        if entry.packed.rows.is_empty() {
+            return FileTable::None;
+        }
+        match self.load(&entry.packed) {
+            Some(index) => {
+                self.summary.objects += 1;
+                self.summary.rows += entry.source_rows;
+                FileTable::Loaded(index)
+            }
+            None => {
+                self.summary.capped.push(path.display().to_string());
+                FileTable::Capped
+            }
         }
     }
 
     /// Copies one table into the kernel; `None` when it does not fit.
-    fn load(&mut self, rows: &[UnwindRow]) -> Option<u32> {
-        if rows.is_empty() {
-            return None;
-        }
-        let packed = table::pack(rows)?;
+    fn load(&mut self, packed: &table::Packed) -> Option<u32> {
         let row_chunks = packed.rows.len().div_ceil(ROWS_PER_CHUNK as usize) as u32;
         let rule_chunks = packed.rules.len().div_ceil(RULES_PER_CHUNK as usize) as u32;
         let page_chunks = packed.pages.len().div_ceil(PAGES_PER_CHUNK as usize) as u32;
@@ -385,5 +440,102 @@ impl UnwindTables {
             * 4096
             + u64::from(self.next_table) * std::mem::size_of::<TableInfo>() as u64;
         Some(index)
+    }
+}
+
+/// What preparing one object's table gave, and what it did to the cache.
+type Prepared = (Result<cache::Entry, String>, CacheStats);
+
+/// Prepares the tables of `opens` (each object's path as memtrace opens it;
+/// `None`: outside the target's root) on every core, the biggest objects
+/// first; results in `opens`' order.
+fn prepare_all(opens: &[Option<&Path>], cache: Option<&TableCache>) -> Vec<Prepared> {
+    let sizes = crate::parallel::file_sizes(opens.iter().copied());
+    crate::parallel::map(opens, &crate::parallel::biggest_first(&sizes), |open| {
+        prepare(*open, cache)
+    })
+}
+
+/// One object's table: from the cache when it holds a valid one, else built
+/// from the object's CFI (and stored).
+fn prepare(open: Option<&Path>, cache: Option<&TableCache>) -> Prepared {
+    let mut counts = CacheStats::default();
+    let Some(open) = open else {
+        return (
+            Err("its path leads outside the target's root".into()),
+            counts,
+        );
+    };
+    let mut file = match std::fs::File::open(open) {
+        Ok(file) => file,
+        Err(err) => return (Err(err.to_string()), counts),
+    };
+    let key = cache.and_then(|_| cache::key_of(&file));
+    if let (Some(cache), Some(key)) = (cache, key.as_deref()) {
+        match cache.load(key) {
+            Ok(Some(entry)) => {
+                counts.hits += 1;
+                return (Ok(entry), counts);
+            }
+            Ok(None) => {}
+            Err(why) => {
+                counts.rejected += 1;
+                counts
+                    .failures
+                    .push(format!("cached table rejected: {why}"));
+            }
+        }
+    }
+    if cache.is_some() {
+        counts.misses += 1;
+    }
+    let built = build(&mut file);
+    if let (Ok(entry), Some(cache), Some(key)) = (&built, cache, key.as_deref()) {
+        match cache.store(key, entry) {
+            Ok(_) => counts.stored += 1,
+            Err(err) => counts
+                .failures
+                .push(format!("cannot cache its table: {err}")),
+        }
+    }
+    (built, counts)
+}
+
+/// Builds and packs an object's table from its CFI (reading only the
+/// object's headers and CFI sections).
+fn build(file: &mut std::fs::File) -> Result<cache::Entry, String> {
+    let data = object::ReadCache::new(file);
+    let rows = cfi::rows_from_elf(&data).map_err(|err| err.to_string())?;
+    let packed = table::pack(&rows.rows)
+        .ok_or_else(|| "more than 65536 distinct unwind rules".to_string())?;
+    Ok(cache::Entry {
+        packed,
+        source_rows: rows.rows.len() as u64,
+        malformed: rows.malformed as u64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prepared_tables_come_back_in_mapping_order_whatever_the_build_order() {
+        let Ok(meta) = std::fs::metadata("/lib/x86_64-linux-gnu/libc.so.6") else {
+            return;
+        };
+        assert!(meta.len() > 0);
+        let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+        let missing = Path::new("/nonexistent/libfoo.so");
+        let prepared = prepare_all(&[Some(missing), Some(libc), None], None);
+        assert_eq!(prepared.len(), 3);
+        assert!(prepared[0].0.is_err(), "the missing file");
+        let libc_table = prepared[1].0.as_ref().expect("libc's table");
+        assert!(libc_table.source_rows > 1000);
+        assert_eq!(
+            prepared[2].0.as_ref().err().map(String::as_str),
+            Some("its path leads outside the target's root")
+        );
+        assert_eq!(prepared[1].1, CacheStats::default(), "no cache, no counts");
     }
 }

@@ -3,6 +3,7 @@
 //! ([`table`]) and loading them, with each traced process's executable
 //! mappings, into the maps the in-kernel unwinder reads ([`kernel`]).
 
+pub mod cache;
 pub mod cfi;
 pub mod kernel;
 pub mod table;
@@ -26,7 +27,7 @@ pub fn describe(files: &[PathBuf]) -> anyhow::Result<ExitCode> {
             }
         };
         let started = Instant::now();
-        match cfi::rows_from_elf(&data) {
+        match cfi::rows_from_elf(&data[..]) {
             Ok(rows) => {
                 let build_ms = started.elapsed().as_secs_f64() * 1000.0;
                 let Some(packed) = table::pack(&rows.rows) else {

@@ -101,23 +101,25 @@ pub fn search(packed: &Packed, pc: u32) -> Option<UnwindRule> {
     packed.rules.get(usize::from(row.rule)).copied()
 }
 
+/// Rows at `pcs` cycling through three rules (for tests).
+#[cfg(test)]
+pub fn sample_rows(pcs: &[u32]) -> Vec<UnwindRow> {
+    pcs.iter()
+        .enumerate()
+        .map(|(i, &pc)| UnwindRow {
+            pc,
+            cfa_offset8: (i % 3) as i16,
+            rbp_offset8: 0,
+            kind: 1,
+            ra_offset8: -1,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::unwind::cfi;
-
-    fn rows(pcs: &[u32]) -> Vec<UnwindRow> {
-        pcs.iter()
-            .enumerate()
-            .map(|(i, &pc)| UnwindRow {
-                pc,
-                cfa_offset8: (i % 3) as i16,
-                rbp_offset8: 0,
-                kind: 1,
-                ra_offset8: -1,
-            })
-            .collect()
-    }
 
     fn full_search(rows: &[UnwindRow], pc: u32) -> Option<UnwindRule> {
         cfi::lookup(rows, pc).map(UnwindRow::rule)
@@ -125,7 +127,7 @@ mod tests {
 
     #[test]
     fn pages_lead_with_the_covering_rule() {
-        let rows = rows(&[0x1010, 0x1020, 0x3000, 0x3008, 0x5100]);
+        let rows = sample_rows(&[0x1010, 0x1020, 0x3000, 0x3008, 0x5100]);
         let packed = pack(&rows).expect("packs");
         assert_eq!(packed.base, 0x1000);
         assert_eq!(packed.pages.len(), 5);
@@ -148,7 +150,7 @@ mod tests {
         let Ok(data) = std::fs::read("/lib/x86_64-linux-gnu/libc.so.6") else {
             return;
         };
-        let built = cfi::rows_from_elf(&data).expect("libc CFI");
+        let built = cfi::rows_from_elf(&data[..]).expect("libc CFI");
         let packed = pack(&built.rows).expect("packs");
         let end = built.rows.last().map_or(0, |r| r.pc);
         let mut pc = packed.base + 1;

@@ -22,6 +22,7 @@ use super::{root, run};
 use common::{Env, Peers};
 
 mod allocators;
+mod attach;
 mod capacity;
 mod collateral;
 mod common;
@@ -102,6 +103,8 @@ pub enum Section {
     Ending,
     /// ns per event: USDT probes (semaphore or not) vs a function-entry uprobe.
     Usdt,
+    /// Time to tracing on PyTorch: table cache off, cold, warm; stack depth.
+    Attach,
 }
 
 impl Section {
@@ -214,6 +217,9 @@ fn bench_as(task: &str, args: BenchArgs) -> Result<()> {
     eprintln!("xtask bench: USDT probes ({pair_rounds} rounds)");
     let mut usdt = String::new();
     usdt::render(&usdt::bench(&env), &mut usdt);
+    eprintln!("xtask bench: time to tracing on PyTorch");
+    let mut attaching = String::new();
+    attach::render(&attach::bench(&env), &mut attaching);
 
     let command = std::iter::once("cargo xtask".to_string())
         .chain(std::env::args().skip(1))
@@ -242,6 +248,7 @@ fn bench_as(task: &str, args: BenchArgs) -> Result<()> {
     doc.push_str(&python);
     doc.push_str(&ending);
     doc.push_str(&usdt);
+    doc.push_str(&attaching);
     let out = if args.out.is_absolute() {
         args.out.clone()
     } else {
@@ -327,6 +334,7 @@ fn one_section(section: Section, env: &Env, peers: &Peers, requests: u64) -> Str
         Section::Workloads => s = workloads_section(env, peers, env.rounds),
         Section::Ending => ending::render(&ending::bench(env), &mut s),
         Section::Usdt => usdt::render(&usdt::bench(env), &mut s),
+        Section::Attach => attach::render(&attach::bench(env), &mut s),
     }
     s
 }
@@ -400,7 +408,8 @@ mod tests {
                 "allocators",
                 "workloads",
                 "ending",
-                "usdt"
+                "usdt",
+                "attach"
             ]
         );
         assert_eq!(Section::from_str("python", false), Ok(Section::Workloads));

@@ -1,0 +1,93 @@
+//! A map over a slice on every core (at most [`MAX_THREADS`]), for the
+//! attach's per-object work (building unwind tables, searching objects for
+//! allocator functions): items taken in a given order, results in the
+//! slice's order.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Most threads: each may hold an object's symbol tables or CFI.
+pub const MAX_THREADS: usize = 8;
+
+/// `f` of every item, computed on up to
+/// [`std::thread::available_parallelism`] threads taking the items in
+/// `order` (indices; those missing are done last, in slice order); the
+/// results in `items`' order.
+pub fn map<T: Sync, R: Send>(items: &[T], order: &[usize], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let mut queue: Vec<usize> = order.iter().copied().filter(|&i| i < items.len()).collect();
+    let mut queued = vec![false; items.len()];
+    queue.retain(|&i| !std::mem::replace(&mut queued[i], true));
+    queue.extend((0..items.len()).filter(|&i| !queued[i]));
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, MAX_THREADS)
+        .min(items.len());
+    let results: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
+    let next = AtomicUsize::new(0);
+    let work = || {
+        while let Some(&i) = queue.get(next.fetch_add(1, Ordering::Relaxed)) {
+            let result = f(&items[i]);
+            if let Ok(mut slot) = results[i].lock() {
+                *slot = Some(result);
+            }
+        }
+    };
+    if threads <= 1 {
+        work();
+    } else {
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(work);
+            }
+        });
+    }
+    // A slot is empty only if `f` panicked on a worker, and then
+    // `thread::scope` has already propagated the panic.
+    results
+        .into_iter()
+        .filter_map(|slot| slot.into_inner().ok().flatten())
+        .collect()
+}
+
+/// The order to take objects of these sizes in: the biggest first, so that
+/// the longest job does not start last and leave the other threads idle;
+/// equal sizes in their own order.
+pub fn biggest_first(sizes: &[u64]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    order
+}
+
+/// The sizes of these files (0 for one that cannot be read).
+pub fn file_sizes<'a>(paths: impl Iterator<Item = Option<&'a std::path::Path>>) -> Vec<u64> {
+    paths
+        .map(|path| {
+            path.and_then(|p| std::fs::metadata(p).ok())
+                .map_or(0, |m| m.len())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_biggest_objects_are_taken_first_ties_in_their_order() {
+        assert_eq!(biggest_first(&[10, 500, 10, 0, 90]), [1, 4, 0, 2, 3]);
+        assert!(biggest_first(&[]).is_empty());
+    }
+
+    #[test]
+    fn results_keep_the_items_order_whatever_the_order_they_are_taken_in() {
+        let items: Vec<u64> = (0..50).collect();
+        let order: Vec<usize> = (0..50).rev().collect();
+        assert_eq!(
+            map(&items, &order, |n| n * 2),
+            (0..50).map(|n| n * 2).collect::<Vec<_>>()
+        );
+        // Indices out of range or repeated are ignored; missing ones still run.
+        assert_eq!(map(&items[..3], &[2, 2, 9], |n| n + 1), [1, 2, 3]);
+        assert!(map(&[] as &[u64], &[], |n| *n).is_empty());
+    }
+}
