@@ -51,8 +51,12 @@ pub(crate) fn value_after(line: &str, key: &str) -> Option<f64> {
 #[derive(Clone, Debug)]
 pub(crate) enum Tracer {
     None,
-    /// memtrace with these extra flags.
-    Memtrace(Vec<String>),
+    /// memtrace with these extra flags, and the build of its eBPF programs
+    /// forced (`MEMTRACE_EBPF_VARIANT`; `None`: the one the kernel gets).
+    Memtrace {
+        flags: Vec<String>,
+        variant: Option<&'static str>,
+    },
     /// bpftrace's empty probes on this object's malloc (entry and return)
     /// and free (entry): the naive floor.
     Bpftrace(String),
@@ -201,10 +205,13 @@ pub(crate) fn attach_with(
             attach_s: 0.0,
             summary: String::new(),
         }),
-        Tracer::Memtrace(flags) => {
+        Tracer::Memtrace { flags, variant } => {
             let report = work.join(format!("report-{}.json", next_seq()));
             let _ = std::fs::remove_file(&report);
             let mut cmd = Command::new(memtrace);
+            if let Some(variant) = variant {
+                cmd.env("MEMTRACE_EBPF_VARIANT", variant);
+            }
             cmd.args(["--pid", &pid.to_string(), "--format", "json", "-o"])
                 .arg(&report)
                 .args(flags);
@@ -358,7 +365,19 @@ pub(crate) fn max(values: &[f64]) -> Option<f64> {
 
 /// memtrace with these flags, as a [`Tracer`].
 pub(crate) fn memtrace_flags(flags: &[&str]) -> Tracer {
-    Tracer::Memtrace(flags.iter().map(|s| s.to_string()).collect())
+    Tracer::Memtrace {
+        flags: flags.iter().map(|s| s.to_string()).collect(),
+        variant: None,
+    }
+}
+
+/// memtrace with its default flags and the eBPF object `variant` forced
+/// (the objects of kernels without `bpf_loop`, measured on this one).
+pub(crate) fn memtrace_object(variant: &'static str) -> Tracer {
+    Tracer::Memtrace {
+        flags: Vec::new(),
+        variant: Some(variant),
+    }
 }
 
 fn next_seq() -> u32 {

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::common::{
-    fmt_ns, fmt_ratio, lost_summary, median, memtrace_flags, min, one_line, traced_run, Env,
-    Report, Tracer, MEMLEAK_RETRIES, TARGET_LOOP_S,
+    fmt_ns, fmt_ratio, lost_summary, median, memtrace_flags, memtrace_object, min, one_line,
+    traced_run, Env, Report, Tracer, MEMLEAK_RETRIES, TARGET_LOOP_S,
 };
 
 pub(super) struct PairConfig {
@@ -57,7 +57,19 @@ pub(super) fn bench(
             memtrace_flags(&["--stack-depth", "0"]),
             traced,
         ),
-        PairConfig::new("memtrace default", "`memtrace` (32-frame DWARF stacks)".into(), memtrace_flags(&[]), traced),
+        PairConfig::new("memtrace default", "`memtrace` (64-frame DWARF stacks)".into(), memtrace_flags(&[]), traced),
+        PairConfig::new(
+            "memtrace, tailcall object",
+            "`MEMTRACE_EBPF_VARIANT=tailcall memtrace`: the object of kernels without `bpf_loop` (5.15, 5.16), its walk across tail calls".into(),
+            memtrace_object("tailcall"),
+            traced,
+        ),
+        PairConfig::new(
+            "memtrace, compat object",
+            "`MEMTRACE_EBPF_VARIANT=compat memtrace`: the object of 5.10-5.14 (no cookies, nothing settled in the kernel)".into(),
+            memtrace_object("compat"),
+            traced,
+        ),
         PairConfig::new(
             "memtrace --no-settle",
             "`memtrace --no-settle` (DWARF stacks, both events of every pair sent: the cost of a block that outlives its thread's next allocation)".into(),
@@ -253,6 +265,15 @@ pub(super) fn render(p: &PairsResult, s: &mut String) {
         "- memtrace default (DWARF) / memtrace --stacks fp, same frames (mallocbench has frame \
          pointers): {} (goal <= 1.3x)",
         fmt_ratio(memtrace_default, p.median_of("memtrace --stacks fp"))
+    );
+    let _ = writeln!(
+        s,
+        "- the objects of kernels without `bpf_loop`, on this kernel: tailcall object / memtrace \
+         default: {}; compat object / memtrace default: {} (compat sends every event: compare \
+         with --no-settle: {})",
+        fmt_ratio(p.median_of("memtrace, tailcall object"), memtrace_default),
+        fmt_ratio(p.median_of("memtrace, compat object"), memtrace_default),
+        fmt_ratio(p.median_of("memtrace, compat object"), p_no_settle)
     );
     let _ = writeln!(
         s,

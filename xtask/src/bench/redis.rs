@@ -177,7 +177,7 @@ fn markdown(opts: &RedisBench, set_ratio: &mut Option<f64>) -> String {
                 value.map_or("-".into(), |v| format!("{v:.0}"))
             );
         }
-        let memtrace = matches!(c.setup, Setup::Traced(Ok(Tracer::Memtrace(_))));
+        let memtrace = matches!(c.setup, Setup::Traced(Ok(Tracer::Memtrace { .. })));
         let allocs = c.events.iter().map(|e| e.0).max();
         let lost: u64 = c.events.iter().map(|e| e.2).sum();
         let _ = writeln!(
