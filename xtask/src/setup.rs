@@ -3,6 +3,7 @@
 //! ones installed with `apt-get install -y --no-install-recommends` (as root;
 //! otherwise the task fails naming them and the command that installs them).
 
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -241,10 +242,15 @@ fn apt_lists() -> bool {
     })
 }
 
+/// Runs apt-get, its output on stderr: a task's stdout is its own (`cargo
+/// xtask bench --section` prints Markdown there).
 fn apt_get(args: &[&str]) -> Result<()> {
-    run(Command::new("apt-get")
-        .args(args)
-        .env("DEBIAN_FRONTEND", "noninteractive"))
+    let mut command = Command::new("apt-get");
+    command.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+    if let Ok(stderr) = std::io::stderr().as_fd().try_clone_to_owned() {
+        command.stdout(std::process::Stdio::from(stderr));
+    }
+    run(&mut command)
 }
 
 /// Installs what `need` lacks; fails naming the packages and the command

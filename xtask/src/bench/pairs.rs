@@ -84,7 +84,7 @@ pub(super) fn bench(
         ),
         PairConfig::new(
             "memtrace --stacks fp",
-            "`memtrace --stacks fp` (32-frame frame-pointer stacks)".into(),
+            "`memtrace --stacks fp` (frame-pointer stacks)".into(),
             memtrace_flags(&["--stacks", "fp"]),
             traced,
         ),
