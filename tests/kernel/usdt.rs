@@ -253,11 +253,13 @@ fn usdt_pairs_count_exactly_in_pie_non_pie_and_a_late_library_full_and_compat() 
         return;
     }
     let pairs = pairs_file("counts");
-    // The full object (specs by attach cookie) and the compat one (by the
-    // probed address in SPEC_BY_ADDR).
+    // The full object (specs by attach cookie), the tailcall one (cookies,
+    // its USDT allocations' stacks walked across tail calls) and the compat
+    // one (by the probed address in SPEC_BY_ADDR).
     for (name, variant) in [
         ("usdt_probes", "full"),
         ("usdt_probes_nopie", "full"),
+        ("usdt_probes", "tailcall"),
         ("usdt_probes", "compat"),
         ("usdt_probes_nopie", "compat"),
     ] {
