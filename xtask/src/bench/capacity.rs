@@ -71,7 +71,7 @@ pub(super) fn render(capacity: &CapacityResult, s: &mut String) {
         s,
         "`capacity` (tests/fixtures/bench/capacity.c): {CAPACITY_THREADS} threads run malloc(64)+free \
          pairs in 1 ms batches at a target rate (split between them) for {seconds} s, traced by \
-         default memtrace (32-frame stacks). One pair is two events. \"Achieved\" is the rate the \
+         default memtrace (64-frame stacks). One pair is two events. \"Achieved\" is the rate the \
          traced program reached: the probes' cost can hold it below the target.\n"
     );
     let _ = writeln!(
