@@ -28,7 +28,7 @@ pub(super) fn render_text(report: &Report) -> String {
     for check in &report.features {
         let _ = writeln!(
             out,
-            "  {:<18} {:<8} {} [{}+]: {}",
+            "  {:<21} {:<8} {} [{}+]: {}",
             check.key,
             check.presence.word(),
             check.describe,

@@ -108,10 +108,11 @@ pub enum Feature {
     TaskStorage,
     UprobeMulti,
     UretprobeSyscall,
+    TailCallsWithCalls,
 }
 
 impl Feature {
-    pub const ALL: [Feature; 12] = [
+    pub const ALL: [Feature; 13] = [
         Feature::Btf,
         Feature::UprobePmu,
         Feature::RingBuffer,
@@ -124,6 +125,7 @@ impl Feature {
         Feature::TaskStorage,
         Feature::UprobeMulti,
         Feature::UretprobeSyscall,
+        Feature::TailCallsWithCalls,
     ];
 
     /// The stable key (JSON `features[].key`).
@@ -141,6 +143,7 @@ impl Feature {
             Feature::TaskStorage => "task_storage",
             Feature::UprobeMulti => "uprobe_multi",
             Feature::UretprobeSyscall => "uretprobe_syscall",
+            Feature::TailCallsWithCalls => "tail_calls_with_calls",
         }
     }
 
@@ -161,6 +164,9 @@ impl Feature {
                 "uprobe_multi links (one BPF link per object and process: fast attach and detach)"
             }
             Feature::UretprobeSyscall => "uretprobe syscall (fast return probes, x86-64)",
+            Feature::TailCallsWithCalls => {
+                "tail calls in programs with BPF-to-BPF calls (x86-64 from 5.10, arm64 from 6.0)"
+            }
         }
     }
 
@@ -179,6 +185,7 @@ impl Feature {
             Feature::TaskStorage => "5.11",
             Feature::UprobeMulti => "6.6",
             Feature::UretprobeSyscall => "6.11",
+            Feature::TailCallsWithCalls => "5.10",
         }
     }
 }
@@ -290,6 +297,7 @@ fn probe_one(feature: Feature, privileged: bool) -> (Presence, String) {
             Err(err) => (Presence::Unknown, format!("probe failed: {err}")),
         },
         Feature::AtomicsFetch => atomics_probe(),
+        Feature::TailCallsWithCalls => tail_calls_with_calls_probe(),
         Feature::UprobeMulti => uprobe_multi_probe(),
         Feature::UretprobeSyscall => {
             if std::env::consts::ARCH != "x86_64" {
@@ -400,6 +408,97 @@ const ATOMIC_FETCH_PROGRAM: [Insn; 6] = [
     insn(0xb7, 0, 0, 0, 0),   // r0 = 0
     insn(0x95, 0, 0, 0, 0),   // BPF_JMP|BPF_EXIT
 ];
+
+/// `r6 = r1; call sub; r1 = r6; r2 = PROG_ARRAY; r3 = 0; tail_call; r0 = 0;
+/// exit; sub: r0 = 0; exit`, with the prog array's fd put in at index 3: a
+/// kernel whose JIT cannot keep the tail-call count across BPF-to-BPF
+/// calls (arm64 before 6.0) refuses it ("tail_calls are not allowed in
+/// programs with bpf-to-bpf calls"). The full object's programs are such
+/// programs (a global walk function and the private-stack guard's tail call).
+const TAIL_CALL_WITH_CALL_PROGRAM: [Insn; 11] = [
+    insn(0xbf, 6, 1, 0, 0),  // BPF_ALU64|BPF_MOV|BPF_X: r6 = r1
+    insn(0x85, 0, 1, 0, 7),  // BPF_JMP|BPF_CALL, BPF_PSEUDO_CALL: call insn 9
+    insn(0xbf, 1, 6, 0, 0),  // r1 = r6
+    insn(0x18, 2, 1, 0, 0),  // BPF_LD|BPF_IMM|BPF_DW, BPF_PSEUDO_MAP_FD: r2 = map (fd set later)
+    insn(0x00, 0, 0, 0, 0),  // (its upper half)
+    insn(0xb7, 3, 0, 0, 0),  // r3 = 0
+    insn(0x85, 0, 0, 0, 12), // call bpf_tail_call
+    insn(0xb7, 0, 0, 0, 0),  // r0 = 0
+    insn(0x95, 0, 0, 0, 0),  // exit
+    insn(0xb7, 0, 0, 0, 0),  // sub: r0 = 0
+    insn(0x95, 0, 0, 0, 0),  // exit
+];
+
+/// `BPF_MAP_CREATE` and `BPF_MAP_TYPE_PROG_ARRAY`.
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_TYPE_PROG_ARRAY: u32 = 3;
+
+/// The head of `union bpf_attr` for BPF_MAP_CREATE.
+#[repr(C)]
+struct MapCreateAttr {
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+}
+
+/// A one-slot program array, for the tail-call probe.
+fn prog_array() -> std::io::Result<OwnedFd> {
+    let attr = MapCreateAttr {
+        map_type: BPF_MAP_TYPE_PROG_ARRAY,
+        key_size: 4,
+        value_size: 4,
+        max_entries: 1,
+        map_flags: 0,
+    };
+    // SAFETY: `attr` is a valid BPF_MAP_CREATE attribute of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_CREATE,
+            &attr as *const MapCreateAttr,
+            std::mem::size_of::<MapCreateAttr>(),
+        )
+    };
+    let fd = i32::try_from(fd).unwrap_or(-1);
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the bpf syscall returned a new file descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn tail_calls_with_calls_probe() -> (Presence, String) {
+    let map = match prog_array() {
+        Ok(map) => map,
+        Err(err) => {
+            return (
+                Presence::Unknown,
+                format!("cannot create a program array: {err}"),
+            )
+        }
+    };
+    let mut program = TAIL_CALL_WITH_CALL_PROGRAM;
+    program[3].imm = std::os::fd::AsRawFd::as_raw_fd(&map);
+    match load_raw(&program) {
+        Ok(()) => (
+            Presence::Found,
+            "loaded a program with a BPF-to-BPF call and a tail call".to_string(),
+        ),
+        Err((errno, log)) if errno == libc::EPERM => (
+            Presence::Unknown,
+            format!("probe refused (EPERM){}", last_line(&log)),
+        ),
+        Err((errno, log)) => (
+            Presence::Missing,
+            format!(
+                "a program with a BPF-to-BPF call and a tail call was refused (errno {errno}){}",
+                last_line(&log)
+            ),
+        ),
+    }
+}
 
 /// The head of `union bpf_attr` for BPF_PROG_LOAD (the kernel takes a
 /// shorter attr than its own and zero-fills the rest).

@@ -50,11 +50,13 @@ impl Variant {
     }
 }
 
-/// The features the full object needs.
-pub const FULL_NEEDS: [Feature; 3] = [
+/// The features the full object needs (its programs call global BPF
+/// functions and hold a tail call, which arm64 allows from 6.0).
+pub const FULL_NEEDS: [Feature; 4] = [
     Feature::AttachCookie,
     Feature::AtomicsFetch,
     Feature::BpfLoop,
+    Feature::TailCallsWithCalls,
 ];
 
 /// The features the `tailcall` object needs.
@@ -206,13 +208,27 @@ mod tests {
 
     #[test]
     fn a_5_10_kernel_lacks_all_three() {
-        let choice = lacking(&FULL_NEEDS);
+        let choice = lacking(&[
+            Feature::AttachCookie,
+            Feature::AtomicsFetch,
+            Feature::BpfLoop,
+        ]);
         assert_eq!(choice.variant, Variant::Compat);
         assert_eq!(choice.missing.len(), 3);
         assert!(!choice.variant.has_cookies() && choice.variant.tail_calls());
         let notice = choice.notice(false).expect("a notice");
         assert!(!notice.contains("settled"), "{notice}");
         assert!(notice.contains("tail calls"), "{notice}");
+    }
+
+    #[test]
+    fn an_arm64_kernel_before_6_0_with_bpf_loop_gets_tail_calls() {
+        // 5.17-5.19 on arm64: bpf_loop, but no tail call from a program
+        // that calls BPF functions, as the full object's do.
+        let choice = lacking(&[Feature::TailCallsWithCalls]);
+        assert_eq!(choice.variant, Variant::TailCall);
+        let notice = choice.notice(true).expect("a notice");
+        assert!(notice.contains("tail_calls_with_calls"), "{notice}");
     }
 
     #[test]
