@@ -185,6 +185,8 @@ impl Feature {
             Feature::TaskStorage => "5.11",
             Feature::UprobeMulti => "6.6",
             Feature::UretprobeSyscall => "6.11",
+            // The JITs that keep the tail-call count across calls.
+            Feature::TailCallsWithCalls if cfg!(target_arch = "aarch64") => "6.0",
             Feature::TailCallsWithCalls => "5.10",
         }
     }
