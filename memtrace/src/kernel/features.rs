@@ -483,23 +483,7 @@ fn tail_calls_with_calls_probe() -> (Presence, String) {
     };
     let mut program = TAIL_CALL_WITH_CALL_PROGRAM;
     program[3].imm = std::os::fd::AsRawFd::as_raw_fd(&map);
-    match load_raw(&program) {
-        Ok(()) => (
-            Presence::Found,
-            "loaded a program with a BPF-to-BPF call and a tail call".to_string(),
-        ),
-        Err((errno, log)) if errno == libc::EPERM => (
-            Presence::Unknown,
-            format!("probe refused (EPERM){}", last_line(&log)),
-        ),
-        Err((errno, log)) => (
-            Presence::Missing,
-            format!(
-                "a program with a BPF-to-BPF call and a tail call was refused (errno {errno}){}",
-                last_line(&log)
-            ),
-        ),
-    }
+    program_probe(&program, "a program with a BPF-to-BPF call and a tail call")
 }
 
 /// The head of `union bpf_attr` for BPF_PROG_LOAD (the kernel takes a
@@ -557,21 +541,24 @@ fn load_raw(insns: &[Insn]) -> Result<(), (i32, String)> {
 }
 
 fn atomics_probe() -> (Presence, String) {
-    match load_raw(&ATOMIC_FETCH_PROGRAM) {
-        Ok(()) => (
-            Presence::Found,
-            "loaded a program using BPF_ATOMIC|BPF_FETCH".to_string(),
-        ),
+    program_probe(
+        &ATOMIC_FETCH_PROGRAM,
+        "a program using BPF_ATOMIC|BPF_FETCH",
+    )
+}
+
+/// Whether the kernel loads `insns` (`what` it is, for the detail): a
+/// refusal for want of privilege tells nothing.
+fn program_probe(insns: &[Insn], what: &str) -> (Presence, String) {
+    match load_raw(insns) {
+        Ok(()) => (Presence::Found, format!("loaded {what}")),
         Err((errno, log)) if errno == libc::EPERM => (
             Presence::Unknown,
             format!("probe refused (EPERM){}", last_line(&log)),
         ),
         Err((errno, log)) => (
             Presence::Missing,
-            format!(
-                "a BPF_ATOMIC|BPF_FETCH program was refused (errno {errno}){}",
-                last_line(&log)
-            ),
+            format!("{what} was refused (errno {errno}){}", last_line(&log)),
         ),
     }
 }
