@@ -44,7 +44,22 @@ fn as_nobody(caps: &str) -> Command {
 /// `leak_sites`, lets the fixture work once it traces, and returns the exit
 /// code, stdout and stderr.
 fn trace_leak_sites(mut command: Command) -> (Option<i32>, String, String) {
-    let mut fixture = Fixture::start("leak_sites", &["30", "30"]);
+    // A copy nobody may read: the checkout (and its fixtures) may sit in a
+    // directory only root can enter, and an unprivileged tracer then cannot
+    // open the program to name its frames.
+    use std::os::unix::fs::PermissionsExt;
+    static RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("memtrace-privilege-{}-{run}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let _removed = Removed(dir.clone());
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let program = dir.join("leak_sites");
+    std::fs::copy(crate::support::fixture("leak_sites"), &program).expect("copy the fixture");
+    std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut start = Command::new(&program);
+    start.args(["30", "30"]);
+    let mut fixture = Fixture::start_command(start);
     let mut child = command
         .args(["--pid", &fixture.pid.to_string()])
         .args(["--duration", "4s", "--format", "json", "--top", "500"])
