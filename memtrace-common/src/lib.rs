@@ -449,13 +449,16 @@ pub enum Counter {
     /// program (its pending table was full, or the tail call failed): the
     /// stack came from frame pointers, or the Python frames were left out.
     WalkNotStarted = 27,
+    /// A DWARF stack ended early at an object whose table was still being
+    /// prepared (attached by pid, tracing starts before every table is in).
+    UnwindTablePending = 28,
 }
 
 /// Number of [`Counter`] slots.
 pub const COUNTER_SLOTS: u32 = 32;
 
 impl Counter {
-    pub const ALL: [Counter; 28] = [
+    pub const ALL: [Counter; 29] = [
         Counter::RingbufFull,
         Counter::StackFault,
         Counter::StackCollision,
@@ -484,6 +487,7 @@ impl Counter {
         Counter::SettledSeenTwice,
         Counter::StacksReplayed,
         Counter::WalkNotStarted,
+        Counter::UnwindTablePending,
     ];
 }
 

@@ -32,6 +32,9 @@ pub const MAX_MAPPINGS: usize = 320;
 pub const TABLE_NONE: u32 = u32::MAX;
 /// [`MapEntry::table`]: the mapping's table did not fit the table memory cap.
 pub const TABLE_CAPPED: u32 = u32::MAX - 1;
+/// [`MapEntry::table`]: the mapping's table is still being prepared: a walk
+/// reaching it ends there (counted), rather than guess with frame pointers.
+pub const TABLE_PENDING: u32 = u32::MAX - 2;
 /// Most binary-search steps over a process's mappings (2^9 > [`MAX_MAPPINGS`]).
 pub const MAPPING_SEARCH_STEPS: u32 = 9;
 /// Most binary-search steps within one page's rows (a 4 KiB page holds at
@@ -149,7 +152,8 @@ pub struct MapEntry {
     pub end: u64,
     /// `start - file_offset`: a PC minus this is its file offset.
     pub bias: u64,
-    /// Index in `UNWIND_TABLES`, or [`TABLE_NONE`] / [`TABLE_CAPPED`].
+    /// Index in `UNWIND_TABLES`, or [`TABLE_NONE`] / [`TABLE_CAPPED`] /
+    /// [`TABLE_PENDING`].
     pub table: u32,
     pub _pad: u32,
 }

@@ -41,7 +41,7 @@ use memtrace_common::{
         DwarfStack, MapEntry, PageChunk, PageRow, ProcMaps, RowChunk, RowKind, RuleChunk,
         TableInfo, UnwindRule, MAPPING_SEARCH_STEPS, MAX_FRAMES, MAX_MAPPINGS, PAGES_PER_CHUNK,
         PAGE_SHIFT, PC_CACHE_ENTRIES, ROWS_PER_CHUNK, ROW_SEARCH_STEPS, RULES_PER_CHUNK,
-        SLOT_CACHE_ENTRIES, TABLE_CAPPED, TABLE_NONE,
+        SLOT_CACHE_ENTRIES, TABLE_CAPPED, TABLE_NONE, TABLE_PENDING,
     },
     Counter, EventKind,
 };
@@ -207,6 +207,8 @@ const FAULT: u32 = 2;
 const NO_TABLE: u32 = 3;
 const BAD_RULE: u32 = 4;
 const CAPPED: u32 = 5;
+/// The PC's object's table is still being prepared (the frame is kept).
+const PENDING: u32 = 6;
 
 use crate::arch::{SIGCTX_FP, SIGCTX_PC, SIGCTX_SP};
 
@@ -878,6 +880,8 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
             }
             Some(entry) if entry.table == TABLE_NONE => (UnwindRule::default(), NO_TABLE, true),
             Some(entry) if entry.table == TABLE_CAPPED => (UnwindRule::default(), CAPPED, true),
+            // Not cached: the table arrives under a new generation anyway.
+            Some(entry) if entry.table == TABLE_PENDING => (UnwindRule::default(), PENDING, false),
             Some(entry) => match find_rule(entry.table, lookup.wrapping_sub(entry.bias)) {
                 Some(rule) => (rule, NO_TABLE, true),
                 None => return BAD_RULE,
@@ -896,6 +900,9 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
     }
     scratch.len = depth + 1;
     walk.hash = hash_frame(walk.hash, walk.pc);
+    if missing == PENDING {
+        return PENDING;
+    }
 
     let kind = row.kind;
     let cfa = if kind == RowKind::Rsp as u8 {
@@ -1432,6 +1439,7 @@ fn count_stop(stop: u32) {
         NO_TABLE => bump(Counter::UnwindNoTable),
         BAD_RULE => bump(Counter::UnwindBadRule),
         CAPPED => bump(Counter::UnwindTableCap),
+        PENDING => bump(Counter::UnwindTablePending),
         _ => {}
     }
 }

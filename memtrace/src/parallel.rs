@@ -1,7 +1,8 @@
 //! A map over a slice on every core (at most [`MAX_THREADS`]), for the
 //! attach's per-object work (building unwind tables, searching objects for
 //! allocator functions): items taken in a given order, results in the
-//! slice's order.
+//! slice's order, or ([`spawn`]) sent one by one from a thread of their own
+//! while the caller goes on (tables prepared while tracing runs).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -14,6 +15,50 @@ pub const MAX_THREADS: usize = 8;
 /// `order` (indices; those missing are done last, in slice order); the
 /// results in `items`' order.
 pub fn map<T: Sync, R: Send>(items: &[T], order: &[usize], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let results: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
+    run(items, order, |i, item| {
+        let result = f(item);
+        if let Ok(mut slot) = results[i].lock() {
+            *slot = Some(result);
+        }
+    });
+    // A slot is empty only if `f` panicked on a worker, and then
+    // `thread::scope` has already propagated the panic.
+    results
+        .into_iter()
+        .filter_map(|slot| slot.into_inner().ok().flatten())
+        .collect()
+}
+
+/// `f` of every item, computed as [`map`] does but on a thread of its own
+/// (named `name`) while the caller goes on: each result is sent on
+/// `results` as soon as it is done. Dropping the receiver lets the work
+/// finish unheard.
+pub fn spawn<T, R>(
+    name: &str,
+    items: Vec<T>,
+    order: Vec<usize>,
+    f: impl Fn(&T) -> R + Send + Sync + 'static,
+    results: std::sync::mpsc::Sender<R>,
+) -> std::io::Result<()>
+where
+    T: Send + Sync + 'static,
+    R: Send + 'static,
+{
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            run(&items, &order, |_, item| {
+                let _ = results.send(f(item));
+            });
+        })
+        .map(drop)
+}
+
+/// Calls `work` on every item (with its index) on up to
+/// [`std::thread::available_parallelism`] threads (at most
+/// [`MAX_THREADS`]) taking the items in `order`; returns when all are done.
+fn run<T: Sync>(items: &[T], order: &[usize], work: impl Fn(usize, &T) + Sync) {
     let mut queue: Vec<usize> = order.iter().copied().filter(|&i| i < items.len()).collect();
     let mut queued = vec![false; items.len()];
     queue.retain(|&i| !std::mem::replace(&mut queued[i], true));
@@ -22,31 +67,21 @@ pub fn map<T: Sync, R: Send>(items: &[T], order: &[usize], f: impl Fn(&T) -> R +
         .map_or(1, |n| n.get())
         .clamp(1, MAX_THREADS)
         .min(items.len());
-    let results: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
     let next = AtomicUsize::new(0);
-    let work = || {
+    let worker = || {
         while let Some(&i) = queue.get(next.fetch_add(1, Ordering::Relaxed)) {
-            let result = f(&items[i]);
-            if let Ok(mut slot) = results[i].lock() {
-                *slot = Some(result);
-            }
+            work(i, &items[i]);
         }
     };
     if threads <= 1 {
-        work();
+        worker();
     } else {
         std::thread::scope(|scope| {
             for _ in 0..threads {
-                scope.spawn(work);
+                scope.spawn(worker);
             }
         });
     }
-    // A slot is empty only if `f` panicked on a worker, and then
-    // `thread::scope` has already propagated the panic.
-    results
-        .into_iter()
-        .filter_map(|slot| slot.into_inner().ok().flatten())
-        .collect()
 }
 
 /// The order to take objects of these sizes in: the biggest first, so that
@@ -89,5 +124,15 @@ mod tests {
         // Indices out of range or repeated are ignored; missing ones still run.
         assert_eq!(map(&items[..3], &[2, 2, 9], |n| n + 1), [1, 2, 3]);
         assert!(map(&[] as &[u64], &[], |n| *n).is_empty());
+    }
+
+    #[test]
+    fn spawned_work_sends_every_result_while_the_caller_goes_on() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let items: Vec<u64> = (0..20).collect();
+        spawn("test-spawn", items, vec![19, 0], |n| n * 3, tx).expect("a thread");
+        let mut got: Vec<u64> = rx.iter().collect();
+        got.sort_unstable();
+        assert_eq!(got, (0..20).map(|n| n * 3).collect::<Vec<_>>());
     }
 }

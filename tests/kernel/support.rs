@@ -165,8 +165,20 @@ impl Tracer {
     }
 
     /// [`Tracer::attach`] of a command that ends in an `exec` of memtrace
-    /// (same pid), e.g. through `unshare`.
-    pub fn attach_command(mut command: Command) -> Tracer {
+    /// (same pid), e.g. through `unshare`. When memtrace says unwind tables
+    /// are still being built (attached by pid with objects not in the table
+    /// cache), this waits for `unwind tables ready` too, so stacks are whole.
+    pub fn attach_command(command: Command) -> Tracer {
+        let mut tracer = Tracer::attach_tracing(command);
+        if tracer.stderr_text.contains("unwind tables still building") {
+            tracer.wait_for_stderr("unwind tables ready");
+        }
+        tracer
+    }
+
+    /// [`Tracer::attach_command`] without waiting for the unwind tables: the
+    /// first line that says memtrace is tracing.
+    pub fn attach_tracing(mut command: Command) -> Tracer {
         let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

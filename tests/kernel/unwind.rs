@@ -4,7 +4,9 @@
 //! `--stack-depth` and counted; signal handlers and threads; Debian's
 //! stripped, static `python3.11`; frame-pointer code unchanged against
 //! `--stacks fp`; walks replayed only when every stack word they read is
-//! unchanged; a second attach loading the tables from the on-disk cache.
+//! unchanged; a second attach loading the tables from the on-disk cache;
+//! tables built while tracing runs (whole stacks once ready, stacks cut
+//! before counted).
 
 use serde_json::Value;
 
@@ -415,4 +417,116 @@ fn a_second_attach_loads_every_table_from_the_cache_and_still_finds_the_chain() 
     assert_eq!(report["unwind"]["objects"], first["unwind"]["objects"]);
     assert_whole_chain(&report, "tables from the cache");
     let _ = std::fs::remove_dir_all(&cache);
+}
+
+#[test]
+fn tables_built_while_tracing_give_the_whole_chain_once_ready() {
+    if !privileged() {
+        return;
+    }
+    // No cache: every table is built after tracing starts.
+    let mut target = Fixture::start("unwind_chain", &["chain", "30", "30"]);
+    let pid = target.pid.to_string();
+    let tracer = Tracer::attach(&[
+        "--pid",
+        pid.as_str(),
+        "--format",
+        "json",
+        "--top",
+        "500",
+        "--table-cache",
+        "off",
+    ]);
+    assert!(
+        tracer.stderr_text.contains("unwind tables still building")
+            && tracer.stderr_text.contains("unwind tables ready"),
+        "{}",
+        tracer.stderr_text
+    );
+    target.go();
+    tracer.signal(libc::SIGINT);
+    let report = tracer.report().0;
+    assert_whole_chain(&report, "tables built while tracing");
+    let unwind = &report["unwind"];
+    let deferred = unwind["deferred"].as_u64().unwrap_or(0);
+    assert!(
+        deferred >= 3,
+        "the executable, libunwind_lib, libc: {unwind}"
+    );
+    assert_eq!(unwind["objects"], deferred, "{unwind}");
+    assert!(unwind["deferred_ms"].is_u64(), "{unwind}");
+    assert_eq!(unwind["pending"], serde_json::json!([]), "{unwind}");
+    // The fixture allocates nothing between the attach and "go".
+    assert_eq!(report["stack_truncations_by_cause"]["table_pending"], 0);
+
+    // --wait-for-tables: every table before tracing, none deferred.
+    let mut target = Fixture::start("unwind_chain", &["chain", "30", "30"]);
+    let pid = target.pid.to_string();
+    let tracer = Tracer::attach(&[
+        "--pid",
+        pid.as_str(),
+        "--format",
+        "json",
+        "--table-cache",
+        "off",
+        "--wait-for-tables",
+    ]);
+    assert!(
+        !tracer.stderr_text.contains("still building"),
+        "{}",
+        tracer.stderr_text
+    );
+    target.go();
+    tracer.signal(libc::SIGINT);
+    let report = tracer.report().0;
+    assert_whole_chain(&report, "--wait-for-tables");
+    assert_eq!(report["unwind"]["deferred"], 0);
+}
+
+#[test]
+fn stacks_cut_while_tables_are_built_are_counted_and_end_in_their_object() {
+    if !privileged() {
+        return;
+    }
+    // The chain runs at once, racing the tables: however the race goes,
+    // every block is found, and each one whose stack stops short of main
+    // ended at an object still without its table (counted).
+    let mut target = Fixture::start("unwind_chain", &["chain", "30", "30"]);
+    let pid = target.pid.to_string();
+    let mut command = std::process::Command::new(crate::support::MEMTRACE);
+    command.args([
+        "--pid",
+        pid.as_str(),
+        "--format",
+        "json",
+        "--top",
+        "500",
+        "--table-cache",
+        "off",
+    ]);
+    let mut tracer = Tracer::attach_tracing(command);
+    target.go();
+    if tracer.stderr_text.contains("still building") {
+        tracer.wait_for_stderr("unwind tables ready");
+    }
+    tracer.signal(libc::SIGINT);
+    let report = tracer.report().0;
+    assert_eq!(site_totals(&report, "lib_level3"), (15540, 20));
+    let cut = report["stack_truncations_by_cause"]["table_pending"]
+        .as_u64()
+        .expect("table_pending counted");
+    let short: u64 = sites_of(&report, "lib_level3")
+        .iter()
+        .filter(|site| !symbols(site).contains(&"main".to_string()))
+        .map(|site| site["live_count"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(
+        short <= cut,
+        "{short} blocks with stacks short of main, {cut} cut at a pending table"
+    );
+    if cut == 0 {
+        assert_whole_chain(&report, "tables in before the chain ran");
+    }
+    assert_eq!(report["unwind"]["pending"], serde_json::json!([]));
+    assert_eq!(report["stack_truncations_by_cause"]["no_table"], 0);
 }

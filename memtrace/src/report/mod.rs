@@ -175,6 +175,7 @@ pub const TRUNCATION_CAUSES: &[(&str, &str)] = &[
     ("stack_truncated_no_table", "no_table"),
     ("stack_truncated_bad_rule", "bad_rule"),
     ("stack_truncated_table_cap", "table_cap"),
+    ("stack_truncated_table_pending", "table_pending"),
 ];
 
 /// One traced process.

@@ -123,6 +123,21 @@ impl Sink for TextSink {
                     writeln!(out, "unwind table cache: {failure}")?;
                 }
             }
+            if unwind.deferred > 0 {
+                let when = match unwind.deferred_ms {
+                    Some(ms) => format!("all in {ms} ms after tracing started"),
+                    None => format!(
+                        "{} still being built: {}",
+                        unwind.pending.len(),
+                        unwind.pending.join(" ")
+                    ),
+                };
+                writeln!(
+                    out,
+                    "unwind tables built while tracing ran: {} objects, {when} (stacks reaching them before were cut: table_pending)",
+                    unwind.deferred
+                )?;
+            }
         }
         if !report.bpf_programs.is_empty() {
             let programs: Vec<String> = report

@@ -117,6 +117,14 @@ pub struct TraceArgs {
     #[arg(long, default_value_t = crate::unwind::cache::DEFAULT_MIB, value_parser = clap::value_parser!(u64).range(1..))]
     pub table_cache_mib: u64,
 
+    /// Attached to a running process, tracing starts once the cached unwind
+    /// tables are in; the others are built while it runs, and stacks
+    /// reaching an object still without one are cut there and counted
+    /// (`stack_truncated_table_pending`). This waits for every table
+    /// first, as a launched command (held until then) always does.
+    #[arg(long)]
+    pub wait_for_tables: bool,
+
     /// Trace one allocation in N (chosen by address, so the matching free is
     /// sampled too); totals are then estimates. Applied in the kernel.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]

@@ -99,6 +99,7 @@ impl<'a> Trace<'a> {
         let mut probes = Probes::load(pid, &options)?;
         if let Some(unwind) = probes.unwind.as_mut() {
             unwind.use_cache(&args.table_cache, args.table_cache_mib << 20);
+            unwind.defer_builds(held.is_none() && !args.wait_for_tables);
         }
         log::info!(
             "attach phase: eBPF programs loaded in {} ms",
@@ -322,8 +323,14 @@ impl<'a> Trace<'a> {
         // Before the announcement: by pid, Python frames are read from the
         // first allocation traced.
         session.watch_python(&mut self.probes);
+        let building = match self.probes.unwind_pending() {
+            0 => String::new(),
+            n => format!(
+                "; {n} unwind tables still building (stacks reaching them are cut, and counted, until they are in)"
+            ),
+        };
         eprintln!(
-            "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop",
+            "memtrace: tracing pid {pid} ({}): {probed} functions in {} objects; Ctrl-C to stop{building}",
             session.target.comm,
             self.discovery.libraries.len()
         );

@@ -77,6 +77,7 @@ impl Trace<'_> {
                     self.session.adopt_forks(&mut self.probes, &mut self.discovery);
                 }
                 _ = drain_tick.tick() => {
+                    self.probes.take_unwind_ready();
                     self.session.watch_python(&mut self.probes);
                     self.session.pipeline.drain(self.ring.get_mut(), &self.probes);
                     self.session.adopt_forks(&mut self.probes, &mut self.discovery);

@@ -270,6 +270,7 @@ pub fn counter_name(counter: Counter) -> &'static str {
         Counter::SettledSeenTwice => "settled_seen_twice",
         Counter::StacksReplayed => "stacks_replayed",
         Counter::WalkNotStarted => "walk_not_started",
+        Counter::UnwindTablePending => "stack_truncated_table_pending",
     }
 }
 
@@ -675,6 +676,21 @@ impl Probes {
             }
             _ => Ok(attached),
         }
+    }
+
+    /// Loads the unwind tables built while tracing runs that are done since
+    /// the last call (see [`UnwindTables::defer_builds`]); says so on stderr
+    /// when the last one is in.
+    pub fn take_unwind_ready(&mut self) {
+        if let Some((built, ms)) = self.unwind.as_mut().and_then(|u| u.take_ready()) {
+            eprintln!("memtrace: unwind tables ready: {built} built in {ms} ms while tracing");
+            log::info!("attach phase: the last unwind table built while tracing in the kernel {ms} ms after it started");
+        }
+    }
+
+    /// Objects whose unwind tables are being built while tracing runs.
+    pub fn unwind_pending(&self) -> usize {
+        self.unwind.as_ref().map_or(0, |u| u.pending_count())
     }
 
     /// Gives the DWARF unwinder process `pid`'s current executable mappings

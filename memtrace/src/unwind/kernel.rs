@@ -7,9 +7,17 @@
 //! from the on-disk [`cache`] or built), then copied into the maps. Table
 //! memory is bounded by `--unwind-table-mib`: an object whose table does not
 //! fit is left to frame pointers and named in the report.
+//!
+//! With [`UnwindTables::defer_builds`] (attaching to a running process), only
+//! cached tables are loaded before tracing starts: the others are built on a
+//! thread of their own while tracing runs, their mappings marked
+//! [`TABLE_PENDING`] (a walk reaching one ends there and is counted,
+//! `stack_truncated_table_pending`), and [`UnwindTables::take_ready`] loads
+//! each one as it is done and points the processes mapping it at it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::time::Instant;
 
 use aya::maps::{Array, HashMap as BpfHashMap, MapData};
@@ -17,7 +25,7 @@ use aya::Ebpf;
 use memtrace_common::unwind::{
     slot_cache_entry, MapEntry, PageChunk, PageRow, ProcMaps, RowChunk, RuleChunk, TableInfo,
     UnwindRule, MAX_MAPPINGS, PAGES_PER_CHUNK, ROWS_PER_CHUNK, RULES_PER_CHUNK, SLOT_CACHE_ENTRIES,
-    TABLE_CAPPED, TABLE_NONE,
+    TABLE_CAPPED, TABLE_NONE, TABLE_PENDING,
 };
 use serde::{Deserialize, Serialize};
 
@@ -92,6 +100,19 @@ pub struct UnwindSummary {
     pub without_cfi: Vec<String>,
     /// Processes with more executable mappings than the unwinder can hold.
     pub mapping_overflows: u64,
+    /// Objects whose tables were built while tracing ran (attached to a
+    /// running process: tracing started before them; stacks reaching them
+    /// meanwhile were cut and counted, `stack_truncated_table_pending`).
+    #[serde(default)]
+    pub deferred: u64,
+    /// Milliseconds from tracing start to the last deferred table in the
+    /// kernel; `None` while some are still being built or none were.
+    #[serde(default)]
+    pub deferred_ms: Option<u64>,
+    /// Deferred objects whose tables were still being built when this
+    /// report was made.
+    #[serde(default)]
+    pub pending: Vec<String>,
 }
 
 #[derive(Clone, Copy)]
@@ -99,6 +120,25 @@ enum FileTable {
     Loaded(u32),
     Capped,
     None,
+    /// Being built on the background thread.
+    Pending,
+}
+
+/// An object's identity: its file's (device, inode).
+type FileKey = (u64, u64);
+
+/// One object's table built on the background thread.
+type Arrived = (FileKey, PathBuf, Prepared);
+
+/// Tables being built while tracing runs.
+struct Background {
+    results: mpsc::Receiver<Arrived>,
+    /// Sent to each batch's thread.
+    sender: mpsc::Sender<Arrived>,
+    /// Objects sent off and not yet back, with their paths.
+    waiting: HashMap<FileKey, PathBuf>,
+    /// When the first table was deferred (tracing starts right after).
+    since: Instant,
 }
 
 /// Kernel bytes a packed table takes (whole 4 KiB chunks of rows, rules and
@@ -126,8 +166,14 @@ pub struct UnwindTables {
     next_rule_chunk: u32,
     next_page_chunk: u32,
     next_table: u32,
-    by_file: HashMap<(u64, u64), FileTable>,
+    by_file: HashMap<FileKey, FileTable>,
     slot_of: HashMap<u32, (u32, Vec<MapEntry>)>,
+    /// Each process's executable file mappings as last given: its list is
+    /// written again when a table they map arrives.
+    mappings_of: HashMap<u32, Vec<Mapping>>,
+    /// Whether tables not in the cache are built while tracing runs.
+    defer: bool,
+    background: Option<Background>,
     free_slots: Vec<u32>,
     /// The generation of the last process list written.
     generation: u32,
@@ -165,6 +211,9 @@ impl UnwindTables {
             next_table: 0,
             by_file: HashMap::new(),
             slot_of: HashMap::new(),
+            mappings_of: HashMap::new(),
+            defer: false,
+            background: None,
             free_slots: (0..capacity.processes).rev().collect(),
             generation: 0,
             cache: None,
@@ -180,7 +229,24 @@ impl UnwindTables {
     }
 
     pub fn summary(&self) -> UnwindSummary {
-        self.summary.clone()
+        let mut summary = self.summary.clone();
+        if let Some(background) = &self.background {
+            summary.pending = background
+                .waiting
+                .values()
+                .map(|path| path.display().to_string())
+                .collect();
+            summary.pending.sort();
+        }
+        summary
+    }
+
+    /// Builds the tables of objects not in the cache on a thread of their
+    /// own while tracing runs (`true`: attached to a running process), or
+    /// before tracing starts (`false`: a launched command, held until then,
+    /// or `--wait-for-tables`).
+    pub fn defer_builds(&mut self, defer: bool) {
+        self.defer = defer;
     }
 
     /// Uses the on-disk table cache `setting` names; a directory refused
@@ -216,12 +282,22 @@ impl UnwindTables {
         open_path: &dyn Fn(&Path) -> Option<PathBuf>,
     ) {
         self.prepare_new(mappings, open_path);
+        let executable: Vec<Mapping> = mappings.iter().filter(|m| m.executable).cloned().collect();
+        self.write_process(pid, &executable);
+        self.mappings_of.insert(pid, executable);
+    }
+
+    /// Writes process `pid`'s list of executable `mappings`, each pointing
+    /// at its object's table (or why it has none). Cheap when nothing
+    /// changed.
+    fn write_process(&mut self, pid: u32, mappings: &[Mapping]) {
         let mut entries: Vec<MapEntry> = Vec::new();
         for mapping in mappings.iter().filter(|m| m.executable) {
             let known = self.by_file.get(&(mapping.dev, mapping.inode));
             let table = match (mapping.is_file() && !mapping.deleted, known) {
                 (true, Some(FileTable::Loaded(index))) => *index,
                 (true, Some(FileTable::Capped)) => TABLE_CAPPED,
+                (true, Some(FileTable::Pending)) => TABLE_PENDING,
                 _ => TABLE_NONE,
             };
             entries.push(MapEntry {
@@ -279,6 +355,7 @@ impl UnwindTables {
 
     /// Forgets a process that is no longer traced.
     pub fn remove_process(&mut self, pid: u32) {
+        self.mappings_of.remove(&pid);
         if let Some((slot, _)) = self.slot_of.remove(&pid) {
             let _ = self.slots.remove(&pid);
             let index = pid % SLOT_CACHE_ENTRIES;
@@ -291,14 +368,15 @@ impl UnwindTables {
 
     /// Prepares the tables of the objects in `mappings` not seen before (in
     /// parallel: loaded from the cache or built), then copies them into the
-    /// kernel in the order mapped.
+    /// kernel in the order mapped. With [`Self::defer_builds`], only the
+    /// cached ones: the rest are sent to the background thread.
     fn prepare_new(&mut self, mappings: &[Mapping], open_path: &dyn Fn(&Path) -> Option<PathBuf>) {
-        let mut new: Vec<((u64, u64), &Path, Option<PathBuf>)> = Vec::new();
+        let mut new: Vec<(FileKey, PathBuf, Option<PathBuf>)> = Vec::new();
         for mapping in mappings.iter().filter(|m| m.executable && m.is_file()) {
             let key = (mapping.dev, mapping.inode);
             if let (Some(path), false) = (&mapping.path, mapping.deleted) {
                 if !self.by_file.contains_key(&key) && !new.iter().any(|(k, _, _)| *k == key) {
-                    new.push((key, path, open_path(path)));
+                    new.push((key, path.clone(), open_path(path)));
                 }
             }
         }
@@ -307,30 +385,146 @@ impl UnwindTables {
         }
         let started = Instant::now();
         let opens: Vec<Option<&Path>> = new.iter().map(|(_, _, open)| open.as_deref()).collect();
-        let prepared = prepare_all(&opens, self.cache.as_ref());
+        let cache = self.cache.as_ref();
+        let prepared: Vec<Option<Prepared>> = if self.defer {
+            let sizes = crate::parallel::file_sizes(opens.iter().copied());
+            crate::parallel::map(&opens, &crate::parallel::biggest_first(&sizes), |open| {
+                from_cache(*open, cache)
+            })
+        } else {
+            prepare_all(&opens, cache).into_iter().map(Some).collect()
+        };
         self.summary.build_ms += started.elapsed().as_millis() as u64;
         let started = Instant::now();
         let mut stored = false;
-        for ((key, path, _), (built, counts)) in new.iter().zip(prepared) {
+        let mut deferred = Vec::new();
+        for ((key, path, open), prepared) in new.into_iter().zip(prepared) {
+            let Some((built, counts)) = prepared else {
+                self.by_file.insert(key, FileTable::Pending);
+                deferred.push((key, path, open));
+                continue;
+            };
             stored |= counts.stored > 0;
             if let Some(stats) = self.summary.cache.as_mut() {
-                stats.add(&counts, path);
+                stats.add(&counts, &path);
             }
-            let state = self.take_prepared(path, built);
-            self.by_file.insert(*key, state);
+            let state = self.take_prepared(&path, built);
+            self.by_file.insert(key, state);
         }
         self.summary.load_ms += started.elapsed().as_millis() as u64;
-        if let (true, Some(cache), Some(stats)) =
-            (stored, self.cache.as_ref(), self.summary.cache.as_mut())
-        {
-            stats.evicted += cache.evict();
+        if stored {
+            self.evict();
         }
         log::info!(
-            "unwinder: {} objects: tables prepared in {} ms so far, loaded into the kernel in {} ms so far",
-            new.len(),
+            "unwinder: tables prepared in {} ms so far, loaded into the kernel in {} ms so far; {} built while tracing runs",
             self.summary.build_ms,
-            self.summary.load_ms
+            self.summary.load_ms,
+            deferred.len()
         );
+        if !deferred.is_empty() {
+            self.build_in_background(deferred);
+        }
+    }
+
+    /// Sends objects off to be built on a thread of their own (the biggest
+    /// first); [`Self::take_ready`] takes them as they are done.
+    fn build_in_background(&mut self, jobs: Vec<(FileKey, PathBuf, Option<PathBuf>)>) {
+        let background = self.background.get_or_insert_with(|| {
+            let (sender, results) = mpsc::channel();
+            Background {
+                results,
+                sender,
+                waiting: HashMap::new(),
+                since: Instant::now(),
+            }
+        });
+        self.summary.deferred += jobs.len() as u64;
+        self.summary.deferred_ms = None;
+        for (key, path, _) in &jobs {
+            background.waiting.insert(*key, path.clone());
+        }
+        let sizes = crate::parallel::file_sizes(jobs.iter().map(|(_, _, open)| open.as_deref()));
+        let order = crate::parallel::biggest_first(&sizes);
+        let cache = self.cache.clone();
+        let spawned = crate::parallel::spawn(
+            "memtrace-tables",
+            jobs,
+            order,
+            move |(key, path, open)| (*key, path.clone(), prepare(open.as_deref(), cache.as_ref())),
+            background.sender.clone(),
+        );
+        if let Err(err) = spawned {
+            // No thread: the objects are left to frame pointers, named.
+            for (key, path) in std::mem::take(&mut background.waiting) {
+                self.summary.without_cfi.push(format!(
+                    "{}: cannot start the thread that builds tables: {err}",
+                    path.display()
+                ));
+                self.by_file.insert(key, FileTable::None);
+            }
+        }
+    }
+
+    /// Objects whose tables are being built while tracing runs.
+    pub fn pending_count(&self) -> usize {
+        self.background.as_ref().map_or(0, |b| b.waiting.len())
+    }
+
+    /// Loads the tables built in the background since the last call into
+    /// the kernel and rewrites the lists of the processes that map them.
+    /// Returns, when the last one being built arrived in this call, how
+    /// many were built while tracing ran and how long it took (ms).
+    pub fn take_ready(&mut self) -> Option<(u64, u64)> {
+        let background = self.background.as_mut()?;
+        let arrived: Vec<Arrived> = background.results.try_iter().collect();
+        if arrived.is_empty() {
+            return None;
+        }
+        let started = Instant::now();
+        let mut stored = false;
+        let mut keys = HashSet::new();
+        for (key, path, (built, counts)) in arrived {
+            stored |= counts.stored > 0;
+            if let Some(stats) = self.summary.cache.as_mut() {
+                stats.add(&counts, &path);
+            }
+            let state = self.take_prepared(&path, built);
+            self.by_file.insert(key, state);
+            keys.insert(key);
+        }
+        let mut done = None;
+        if let Some(background) = self.background.as_mut() {
+            background.waiting.retain(|key, _| !keys.contains(key));
+            if background.waiting.is_empty() {
+                let took = background.since.elapsed().as_millis() as u64;
+                self.summary.deferred_ms = Some(took);
+                self.summary.build_ms += took;
+                done = Some((self.summary.deferred, took));
+            }
+        }
+        let pids: Vec<u32> = self
+            .mappings_of
+            .iter()
+            .filter(|(_, maps)| maps.iter().any(|m| keys.contains(&(m.dev, m.inode))))
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in pids {
+            if let Some(maps) = self.mappings_of.get(&pid).cloned() {
+                self.write_process(pid, &maps);
+            }
+        }
+        self.summary.load_ms += started.elapsed().as_millis() as u64;
+        if stored {
+            self.evict();
+        }
+        done
+    }
+
+    /// Keeps the on-disk cache under its bound after tables were stored.
+    fn evict(&mut self) {
+        if let (Some(cache), Some(stats)) = (self.cache.as_ref(), self.summary.cache.as_mut()) {
+            stats.evicted += cache.evict();
+        }
     }
 
     /// Loads one prepared table into the kernel; what the object's mappings
@@ -472,18 +666,8 @@ fn prepare(open: Option<&Path>, cache: Option<&TableCache>) -> Prepared {
     };
     let key = cache.and_then(|_| cache::key_of(&file));
     if let (Some(cache), Some(key)) = (cache, key.as_deref()) {
-        match cache.load(key) {
-            Ok(Some(entry)) => {
-                counts.hits += 1;
-                return (Ok(entry), counts);
-            }
-            Ok(None) => {}
-            Err(why) => {
-                counts.rejected += 1;
-                counts
-                    .failures
-                    .push(format!("cached table rejected: {why}"));
-            }
+        if let Some(entry) = cached(cache, key, &mut counts) {
+            return (Ok(entry), counts);
         }
     }
     if cache.is_some() {
@@ -499,6 +683,35 @@ fn prepare(open: Option<&Path>, cache: Option<&TableCache>) -> Prepared {
         }
     }
     (built, counts)
+}
+
+/// One object's table when the cache holds a valid one (a hit); `None`
+/// otherwise (nothing counted: [`prepare`] counts the miss or rejection
+/// when it builds the table).
+fn from_cache(open: Option<&Path>, cache: Option<&TableCache>) -> Option<Prepared> {
+    let file = std::fs::File::open(open?).ok()?;
+    let key = cache::key_of(&file)?;
+    let mut counts = CacheStats::default();
+    let entry = cached(cache?, &key, &mut counts)?;
+    Some((Ok(entry), counts))
+}
+
+/// The table `cache` holds under `key`, counting a hit or a rejected file.
+fn cached(cache: &TableCache, key: &str, counts: &mut CacheStats) -> Option<cache::Entry> {
+    match cache.load(key) {
+        Ok(Some(entry)) => {
+            counts.hits += 1;
+            Some(entry)
+        }
+        Ok(None) => None,
+        Err(why) => {
+            counts.rejected += 1;
+            counts
+                .failures
+                .push(format!("cached table rejected: {why}"));
+            None
+        }
+    }
 }
 
 /// Builds and packs an object's table from its CFI (reading only the

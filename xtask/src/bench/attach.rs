@@ -19,9 +19,11 @@ use super::common::{attach, fmt_ratio, median, memtrace_flags, one_line, Env};
 use super::proc::{Proc, Stream};
 use crate::{root, run};
 
-/// One attach: seconds to tracing and what its report said.
+/// One attach: seconds to tracing, to every unwind table in the kernel,
+/// and what its report said.
 struct Attach {
     seconds: f64,
+    ready: f64,
     report: Value,
 }
 
@@ -80,6 +82,7 @@ fn one(env: &Env, pid: i32, flags: &[&str], for_s: u64) -> Result<Attach, String
         let _ = std::fs::remove_file(&path);
         Ok(Attach {
             seconds: attached.attach_s,
+            ready: attached.ready_s,
             report: serde_json::from_str(&text)?,
         })
     };
@@ -122,9 +125,12 @@ pub(super) fn bench(env: &Env) -> AttachBench {
     for round in 0..rounds {
         eprintln!("xtask bench:   attach round {}", round + 1);
         let _ = std::fs::remove_dir_all(&cache);
-        result
-            .baseline
-            .push(one(env, pid, &["--table-cache", "off"], 1));
+        result.baseline.push(one(
+            env,
+            pid,
+            &["--table-cache", "off", "--wait-for-tables"],
+            1,
+        ));
         result
             .cold
             .push(one(env, pid, &["--table-cache", &cache_flag], 1));
@@ -157,10 +163,18 @@ pub(super) fn bench(env: &Env) -> AttachBench {
 }
 
 fn seconds(runs: &[Result<Attach, String>]) -> Option<f64> {
+    median_of(runs, |a| a.seconds)
+}
+
+fn ready(runs: &[Result<Attach, String>]) -> Option<f64> {
+    median_of(runs, |a| a.ready)
+}
+
+fn median_of(runs: &[Result<Attach, String>], pick: impl Fn(&Attach) -> f64) -> Option<f64> {
     let ok: Vec<f64> = runs
         .iter()
         .filter_map(|r| r.as_ref().ok())
-        .map(|a| a.seconds)
+        .map(pick)
         .collect();
     median(&ok)
 }
@@ -199,9 +213,13 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
         s,
         "memtrace `--pid` on a real PyTorch process (tests/python/torch_cpu_leak.py: PyPI's torch \
          wheel and its CUDA dependencies, CPU path, {} executable objects mapped), seconds from \
-         memtrace's start to its \"tracing pid\" line; medians of the interleaved rounds. \
-         Baseline: `--table-cache off` (every table built, as before the cache). First attach: \
-         an empty cache directory; later attach: the same directory again. Tables prepared: \
+         memtrace's start to its \"tracing pid\" line (tracing starts once the cached tables \
+         are in; the others are built while it runs) and to every table in the kernel (its \
+         \"unwind tables ready\" line: whole stacks from there; stacks cut before are counted, \
+         `table_pending`); medians of the interleaved rounds. Baseline: \
+         `--table-cache off --wait-for-tables` (every table built before tracing, as before the \
+         cache). First attach: an empty cache directory; later attach: the same directory \
+         again. Tables prepared: \
          loaded from the cache or built, in parallel (`unwind.build_ms`); loaded into maps: \
          copied into the kernel (`unwind.load_ms`). The last column counts the report's sites \
          whose Python frames reach the script's lines (the same in every row: the stacks do \
@@ -211,9 +229,9 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
     );
     let _ = writeln!(
         s,
-        "| Attach | Seconds to tracing | vs baseline | Tables prepared (ms) | Loaded into maps (ms) | Cache hits / built | Sites reaching the script's lines |"
+        "| Attach | Seconds to tracing | vs baseline | Seconds to every table | Stacks cut while tables were built | Tables prepared (ms) | Loaded into maps (ms) | Cache hits / built | Sites reaching the script's lines |"
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let base = seconds(&bench.baseline);
     for (name, runs) in [
         ("baseline (`--table-cache off`)", &bench.baseline),
@@ -223,9 +241,11 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
         let errors: Vec<&String> = runs.iter().filter_map(|r| r.as_ref().err()).collect();
         let _ = writeln!(
             s,
-            "| {name} | {} | {} | {} | {} | {} / {} | {} |{}",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} / {} | {} |{}",
             seconds(runs).map_or("-".into(), |v| format!("{v:.2}")),
             fmt_ratio(seconds(runs), base),
+            ready(runs).map_or("-".into(), |v| format!("{v:.2}")),
+            figure(runs, "/stack_truncations_by_cause/table_pending"),
             figure(runs, "/unwind/build_ms"),
             figure(runs, "/unwind/load_ms"),
             figure(runs, "/unwind/cache/hits"),

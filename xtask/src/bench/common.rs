@@ -157,6 +157,10 @@ pub(crate) struct Attached {
     pub(crate) report: Option<PathBuf>,
     /// Seconds from the tracer's start to "attached".
     pub(crate) attach_s: f64,
+    /// Seconds from the tracer's start to every unwind table in the kernel
+    /// (memtrace's "unwind tables ready" when it built some while tracing;
+    /// else `attach_s`): the workloads run from here, on whole stacks.
+    pub(crate) ready_s: f64,
     /// memtrace's "N functions in M objects".
     pub(crate) summary: String,
 }
@@ -203,6 +207,7 @@ pub(crate) fn attach_with(
             proc: None,
             report: None,
             attach_s: 0.0,
+            ready_s: 0.0,
             summary: String::new(),
         }),
         Tracer::Memtrace { flags, variant } => {
@@ -220,6 +225,14 @@ pub(crate) fn attach_with(
                 l.contains("memtrace: tracing pid")
             })?;
             let attach_s = t0.elapsed().as_secs_f64();
+            let ready_s = if line.contains("unwind tables still building") {
+                proc.wait_line(Stream::Err, Duration::from_secs(300), |l| {
+                    l.contains("memtrace: unwind tables ready")
+                })?;
+                t0.elapsed().as_secs_f64()
+            } else {
+                attach_s
+            };
             let summary = line
                 .split_once("): ")
                 .map(|(_, rest)| rest.split(';').next().unwrap_or(rest).to_string())
@@ -228,6 +241,7 @@ pub(crate) fn attach_with(
                 proc: Some(proc),
                 report: Some(report),
                 attach_s,
+                ready_s,
                 summary,
             })
         }
@@ -244,6 +258,7 @@ pub(crate) fn attach_with(
                 proc: Some(proc),
                 report: None,
                 attach_s,
+                ready_s: attach_s,
                 summary: String::new(),
             })
         }
@@ -290,6 +305,7 @@ pub(crate) fn attach_with(
                 proc: Some(proc),
                 report: None,
                 attach_s,
+                ready_s: attach_s,
                 summary: String::new(),
             })
         }
