@@ -688,6 +688,14 @@ impl Probes {
         }
     }
 
+    /// A stack of process `pid` ended at `addr`: if that is an object whose
+    /// unwind table is still being built, it is built next.
+    pub fn promote_unwind(&self, pid: u32, addr: u64) {
+        if let Some(unwind) = self.unwind.as_ref() {
+            unwind.promote(pid, addr);
+        }
+    }
+
     /// Objects whose unwind tables are being built while tracing runs.
     pub fn unwind_pending(&self) -> usize {
         self.unwind.as_ref().map_or(0, |u| u.pending_count())

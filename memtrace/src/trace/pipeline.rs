@@ -273,6 +273,11 @@ impl Pipeline {
         let Some(ips) = probes.stack(id) else {
             return;
         };
+        // A stack cut at an object whose table is still being built ends
+        // in it: that table goes next.
+        if let Some(&outermost) = ips.last() {
+            probes.promote_unwind(pid, outermost);
+        }
         let process = self.spaces.entry(pid).or_default();
         if process.space.is_empty() {
             process.refresh(pid);

@@ -17,6 +17,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -113,6 +114,11 @@ pub struct UnwindSummary {
     /// report was made.
     #[serde(default)]
     pub pending: Vec<String>,
+    /// Times a deferred object was moved to the front of those still to
+    /// build because a stack had just ended at it (the hot stacks' objects
+    /// first).
+    #[serde(default)]
+    pub promoted: u64,
 }
 
 #[derive(Clone, Copy)]
@@ -137,6 +143,11 @@ struct Background {
     sender: mpsc::Sender<Arrived>,
     /// Objects sent off and not yet back, with their paths.
     waiting: HashMap<FileKey, PathBuf>,
+    /// Where each object sent off sits in its batch's queue.
+    queued: HashMap<FileKey, (crate::parallel::Queue, usize)>,
+    /// Objects moved to the front of their queue (see
+    /// [`UnwindTables::promote`]).
+    promoted: AtomicU64,
     /// When the first table was deferred (tracing starts right after).
     since: Instant,
 }
@@ -231,6 +242,7 @@ impl UnwindTables {
     pub fn summary(&self) -> UnwindSummary {
         let mut summary = self.summary.clone();
         if let Some(background) = &self.background {
+            summary.promoted = background.promoted.load(Ordering::Relaxed);
             summary.pending = background
                 .waiting
                 .values()
@@ -435,6 +447,8 @@ impl UnwindTables {
                 results,
                 sender,
                 waiting: HashMap::new(),
+                queued: HashMap::new(),
+                promoted: AtomicU64::new(0),
                 since: Instant::now(),
             }
         });
@@ -445,14 +459,20 @@ impl UnwindTables {
         }
         let sizes = crate::parallel::file_sizes(jobs.iter().map(|(_, _, open)| open.as_deref()));
         let order = crate::parallel::biggest_first(&sizes);
+        let keys: Vec<FileKey> = jobs.iter().map(|(key, _, _)| *key).collect();
         let cache = self.cache.clone();
         let spawned = crate::parallel::spawn(
             "memtrace-tables",
             jobs,
-            order,
+            &order,
             move |(key, path, open)| (*key, path.clone(), prepare(open.as_deref(), cache.as_ref())),
             background.sender.clone(),
         );
+        if let Ok(queue) = &spawned {
+            for (i, key) in keys.into_iter().enumerate() {
+                background.queued.insert(key, (queue.clone(), i));
+            }
+        }
         if let Err(err) = spawned {
             // No thread: the objects are left to frame pointers, named.
             for (key, path) in std::mem::take(&mut background.waiting) {
@@ -463,6 +483,33 @@ impl UnwindTables {
                 self.by_file.insert(key, FileTable::None);
             }
         }
+    }
+
+    /// Moves the object that process `pid` maps at `addr` to the front of
+    /// the tables still to build (a stack just ended there, waiting for
+    /// it: the objects on the hot stacks are built first). Whether it moved.
+    pub fn promote(&self, pid: u32, addr: u64) -> bool {
+        let Some(background) = self.background.as_ref() else {
+            return false;
+        };
+        if background.queued.is_empty() {
+            return false;
+        }
+        let Some(mapping) = self
+            .mappings_of
+            .get(&pid)
+            .and_then(|maps| maps.iter().find(|m| m.start <= addr && addr < m.end))
+        else {
+            return false;
+        };
+        let moved = background
+            .queued
+            .get(&(mapping.dev, mapping.inode))
+            .is_some_and(|(queue, i)| queue.promote(*i));
+        if moved {
+            background.promoted.fetch_add(1, Ordering::Relaxed);
+        }
+        moved
     }
 
     /// Objects whose tables are being built while tracing runs.
@@ -495,6 +542,8 @@ impl UnwindTables {
         let mut done = None;
         if let Some(background) = self.background.as_mut() {
             background.waiting.retain(|key, _| !keys.contains(key));
+            background.queued.retain(|key, _| !keys.contains(key));
+            self.summary.promoted = background.promoted.load(Ordering::Relaxed);
             if background.waiting.is_empty() {
                 let took = background.since.elapsed().as_millis() as u64;
                 self.summary.deferred_ms = Some(took);
