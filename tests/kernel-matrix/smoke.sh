@@ -126,7 +126,8 @@ check_depth0() {
 }
 
 # By pid: the fixture waits on a FIFO for its go line; memtrace attaches, says
-# it is tracing, the go line is sent; the trace ends when the fixture exits.
+# it is tracing (and, when it built tables while tracing, that they are
+# ready), the go line is sent; the trace ends when the fixture exits.
 check_pid() {
     gated pid && return
     rm -f "$WORK/go" "$WORK/pid.fix" "$WORK/pid.json"
@@ -147,6 +148,13 @@ check_pid() {
         sleep 1
         i=$((i + 1))
     done
+    # Tables not in the cache are built while tracing runs: wait for them.
+    if grep -q "still building" "$WORK/pid.err" 2>/dev/null; then
+        while ! grep -q "memtrace: unwind tables ready" "$WORK/pid.err" 2>/dev/null && kill -0 "$tracer" 2>/dev/null && [ $i -lt "$T" ]; do
+            sleep 1
+            i=$((i + 1))
+        done
+    fi
     echo >&3
     wait "$tracer"
     RC=$?
