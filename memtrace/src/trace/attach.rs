@@ -323,6 +323,7 @@ impl<'a> Trace<'a> {
         // Before the announcement: by pid, Python frames are read from the
         // first allocation traced.
         session.watch_python(&mut self.probes);
+        self.probes.start_unwind_builds();
         let building = match self.probes.unwind_pending() {
             0 => String::new(),
             n => format!(

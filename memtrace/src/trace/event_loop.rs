@@ -59,6 +59,8 @@ impl Trace<'_> {
         let show_status = std::io::stderr().is_terminal() && self.live.is_none();
         let mut status = StatusLine::new(show_status);
 
+        // Announced already; here too for a trace that starts without.
+        self.probes.start_unwind_builds();
         let mut first_event_logged = false;
         loop {
             if let (false, Some(at)) = (first_event_logged, self.session.pipeline.first_event_at) {

@@ -688,6 +688,13 @@ impl Probes {
         }
     }
 
+    /// Tracing has started: the unwind tables set aside are built now.
+    pub fn start_unwind_builds(&mut self) {
+        if let Some(unwind) = self.unwind.as_mut() {
+            unwind.start_builds();
+        }
+    }
+
     /// A stack of process `pid` ended at `addr`: if that is an object whose
     /// unwind table is still being built, it is built next.
     pub fn promote_unwind(&self, pid: u32, addr: u64) {

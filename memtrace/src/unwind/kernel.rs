@@ -86,7 +86,9 @@ pub struct UnwindSummary {
     pub kernel_bytes_used: u64,
     pub kernel_bytes_reserved: u64,
     /// Milliseconds spent preparing tables (loaded from the cache or built,
-    /// in parallel), wall clock.
+    /// in parallel), wall clock, in the event loop's way (before tracing, or
+    /// for objects mapped later when tables are not deferred); the tables
+    /// built while tracing runs are timed by `deferred_ms`.
     pub build_ms: u64,
     /// Milliseconds spent copying tables into the kernel's maps.
     #[serde(default)]
@@ -107,7 +109,8 @@ pub struct UnwindSummary {
     #[serde(default)]
     pub deferred: u64,
     /// Milliseconds from tracing start to the last deferred table in the
-    /// kernel; `None` while some are still being built or none were.
+    /// kernel (their build starts with tracing, so that the attach has the
+    /// cores); `None` while some are still being built or none were.
     #[serde(default)]
     pub deferred_ms: Option<u64>,
     /// Deferred objects whose tables were still being built when this
@@ -148,9 +151,17 @@ struct Background {
     /// Objects moved to the front of their queue (see
     /// [`UnwindTables::promote`]).
     promoted: AtomicU64,
-    /// When the first table was deferred (tracing starts right after).
+    /// When tracing started (the builds were let go).
     since: Instant,
+    /// Objects set aside until tracing starts.
+    held: Vec<Job>,
+    /// Whether tracing has started ([`UnwindTables::start_builds`]).
+    started: bool,
 }
+
+/// An object to build: its key, its path as mapped, and as memtrace opens
+/// it (`None`: outside the target's root).
+type Job = (FileKey, PathBuf, Option<PathBuf>);
 
 /// Kernel bytes a packed table takes (whole 4 KiB chunks of rows, rules and
 /// page index).
@@ -383,7 +394,7 @@ impl UnwindTables {
     /// kernel in the order mapped. With [`Self::defer_builds`], only the
     /// cached ones: the rest are sent to the background thread.
     fn prepare_new(&mut self, mappings: &[Mapping], open_path: &dyn Fn(&Path) -> Option<PathBuf>) {
-        let mut new: Vec<(FileKey, PathBuf, Option<PathBuf>)> = Vec::new();
+        let mut new: Vec<Job> = Vec::new();
         for mapping in mappings.iter().filter(|m| m.executable && m.is_file()) {
             let key = (mapping.dev, mapping.inode);
             if let (Some(path), false) = (&mapping.path, mapping.deleted) {
@@ -439,8 +450,10 @@ impl UnwindTables {
     }
 
     /// Sends objects off to be built on a thread of their own (the biggest
-    /// first); [`Self::take_ready`] takes them as they are done.
-    fn build_in_background(&mut self, jobs: Vec<(FileKey, PathBuf, Option<PathBuf>)>) {
+    /// first) once tracing has started ([`Self::start_builds`]): until then
+    /// they wait, so that the attach has the cores. [`Self::take_ready`]
+    /// takes them as they are done.
+    fn build_in_background(&mut self, jobs: Vec<Job>) {
         let background = self.background.get_or_insert_with(|| {
             let (sender, results) = mpsc::channel();
             Background {
@@ -450,12 +463,44 @@ impl UnwindTables {
                 queued: HashMap::new(),
                 promoted: AtomicU64::new(0),
                 since: Instant::now(),
+                held: Vec::new(),
+                started: false,
             }
         });
         self.summary.deferred += jobs.len() as u64;
         self.summary.deferred_ms = None;
         for (key, path, _) in &jobs {
             background.waiting.insert(*key, path.clone());
+        }
+        if background.started {
+            self.spawn_builds(jobs);
+        } else {
+            background.held.extend(jobs);
+        }
+    }
+
+    /// Tracing has started: the objects set aside to build while it runs
+    /// are sent off now, and later ones at once.
+    pub fn start_builds(&mut self) {
+        let Some(background) = self.background.as_mut() else {
+            return;
+        };
+        if background.started {
+            return;
+        }
+        background.started = true;
+        background.since = Instant::now();
+        let jobs = std::mem::take(&mut background.held);
+        self.spawn_builds(jobs);
+    }
+
+    /// Starts the thread that builds `jobs`' tables.
+    fn spawn_builds(&mut self, jobs: Vec<Job>) {
+        let Some(background) = self.background.as_mut() else {
+            return;
+        };
+        if jobs.is_empty() {
+            return;
         }
         let sizes = crate::parallel::file_sizes(jobs.iter().map(|(_, _, open)| open.as_deref()));
         let order = crate::parallel::biggest_first(&sizes);
@@ -468,19 +513,24 @@ impl UnwindTables {
             move |(key, path, open)| (*key, path.clone(), prepare(open.as_deref(), cache.as_ref())),
             background.sender.clone(),
         );
-        if let Ok(queue) = &spawned {
-            for (i, key) in keys.into_iter().enumerate() {
-                background.queued.insert(key, (queue.clone(), i));
+        match spawned {
+            Ok(queue) => {
+                for (i, key) in keys.into_iter().enumerate() {
+                    background.queued.insert(key, (queue.clone(), i));
+                }
             }
-        }
-        if let Err(err) = spawned {
-            // No thread: the objects are left to frame pointers, named.
-            for (key, path) in std::mem::take(&mut background.waiting) {
-                self.summary.without_cfi.push(format!(
-                    "{}: cannot start the thread that builds tables: {err}",
-                    path.display()
-                ));
-                self.by_file.insert(key, FileTable::None);
+            Err(err) => {
+                // No thread: the objects are left to frame pointers, named.
+                for key in keys {
+                    let Some(path) = background.waiting.remove(&key) else {
+                        continue;
+                    };
+                    self.summary.without_cfi.push(format!(
+                        "{}: cannot start the thread that builds tables: {err}",
+                        path.display()
+                    ));
+                    self.by_file.insert(key, FileTable::None);
+                }
             }
         }
     }
@@ -547,7 +597,6 @@ impl UnwindTables {
             if background.waiting.is_empty() {
                 let took = background.since.elapsed().as_millis() as u64;
                 self.summary.deferred_ms = Some(took);
-                self.summary.build_ms += took;
                 done = Some((self.summary.deferred, took));
             }
         }
