@@ -177,10 +177,29 @@ impl TableCache {
         if !meta.is_dir() || meta.uid() != euid() || meta.mode() & WRITABLE_BY_OTHERS != 0 {
             return Err(Refused::Unsafe(shown));
         }
-        Ok(TableCache {
+        let cache = TableCache {
             dir: dir.to_path_buf(),
             max_bytes,
-        })
+        };
+        cache.remove_orphans();
+        Ok(cache)
+    }
+
+    /// Removes the temporary files of writers that are gone (a memtrace
+    /// that exited while a table was being written: see [`Self::store`]).
+    fn remove_orphans(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in entries.filter_map(Result::ok) {
+            let name = entry.file_name();
+            let Some(pid) = name.to_str().and_then(writer_pid) else {
+                continue;
+            };
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
 
     #[cfg(test)]
@@ -279,6 +298,17 @@ impl TableCache {
         }
         evicted
     }
+}
+
+/// The process that writes temporary file `name`
+/// (`.KEY.PID.THREAD.tmp`), if it is one.
+fn writer_pid(name: &str) -> Option<u32> {
+    let inner = name.strip_prefix('.')?.strip_suffix(".tmp")?;
+    let mut parts = inner.rsplitn(3, '.');
+    let _thread = parts.next()?;
+    let pid = parts.next()?.parse().ok()?;
+    parts.next()?;
+    Some(pid)
 }
 
 fn euid() -> u32 {
@@ -517,6 +547,26 @@ mod tests {
         let parent = tempfile::tempdir().expect("tempdir");
         let cache = TableCache::open(&parent.path().join("unwind"), max_bytes).expect("opens");
         (parent, cache)
+    }
+
+    #[test]
+    fn temporary_files_of_writers_that_are_gone_are_removed_on_open() {
+        let parent = tempfile::tempdir().expect("tempdir");
+        let dir = parent.path().join("unwind");
+        drop(TableCache::open(&dir, DEFAULT_MIB << 20).expect("opens"));
+        // Above any pid_max: no such process.
+        let gone = dir.join(".b-0a.4294967295.ThreadId(2).tmp");
+        let alive = dir.join(format!(".b-0b.{}.ThreadId(1).tmp", std::process::id()));
+        let other = dir.join(".notes.tmp");
+        for path in [&gone, &alive, &other] {
+            std::fs::write(path, b"x").expect("writes");
+        }
+        drop(TableCache::open(&dir, DEFAULT_MIB << 20).expect("opens again"));
+        assert!(!gone.exists(), "its writer is gone");
+        assert!(alive.exists(), "its writer runs");
+        assert!(other.exists(), "not a table being written");
+        assert_eq!(writer_pid(".b-0a.17.ThreadId(3).tmp"), Some(17));
+        assert_eq!(writer_pid("b-0a.table"), None);
     }
 
     #[test]
