@@ -547,6 +547,30 @@ mod tests {
     }
 
     #[test]
+    fn tables_built_while_tracing_get_a_line_saying_whether_all_are_in() {
+        let mut report = fixture::report();
+        let mut unwind = crate::unwind::kernel::UnwindSummary {
+            mode: "dwarf".into(),
+            deferred: 3,
+            pending: vec!["/usr/lib/libbig.so".into()],
+            ..Default::default()
+        };
+        report.unwind = Some(unwind.clone());
+        assert!(
+            render(&report).contains("3 objects, 1 still being built: /usr/lib/libbig.so"),
+            "{}",
+            render(&report)
+        );
+        unwind.pending.clear();
+        unwind.deferred_ms = Some(812);
+        report.unwind = Some(unwind.clone());
+        assert!(render(&report).contains("3 objects, all in 812 ms after tracing started"));
+        unwind.deferred = 0;
+        report.unwind = Some(unwind);
+        assert!(!render(&report).contains("built while tracing"));
+    }
+
+    #[test]
     fn the_push_outcome_is_one_line() {
         let mut report = fixture::report();
         assert!(!render(&report).contains("pushed to"));
