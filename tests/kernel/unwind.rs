@@ -419,24 +419,31 @@ fn a_second_attach_loads_every_table_from_the_cache_and_still_finds_the_chain() 
     let _ = std::fs::remove_dir_all(&cache);
 }
 
+/// `unwind_chain chain` waiting for its go line, and memtrace attached to
+/// it by pid without the table cache (every table built after tracing
+/// starts), with `extra` flags; `whole`: waits for the tables to be ready.
+fn chain_without_cache(extra: &[&str], whole: bool) -> (Fixture, Tracer) {
+    let target = Fixture::start("unwind_chain", &["chain", "30", "30"]);
+    let pid = target.pid.to_string();
+    let mut command = std::process::Command::new(crate::support::MEMTRACE);
+    command
+        .args(["--pid", pid.as_str(), "--format", "json", "--top", "500"])
+        .args(["--table-cache", "off"])
+        .args(extra);
+    let tracer = if whole {
+        Tracer::attach_command(command)
+    } else {
+        Tracer::attach_tracing(command)
+    };
+    (target, tracer)
+}
+
 #[test]
 fn tables_built_while_tracing_give_the_whole_chain_once_ready() {
     if !privileged() {
         return;
     }
-    // No cache: every table is built after tracing starts.
-    let mut target = Fixture::start("unwind_chain", &["chain", "30", "30"]);
-    let pid = target.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        pid.as_str(),
-        "--format",
-        "json",
-        "--top",
-        "500",
-        "--table-cache",
-        "off",
-    ]);
+    let (mut target, tracer) = chain_without_cache(&[], true);
     assert!(
         tracer.stderr_text.contains("unwind tables still building")
             && tracer.stderr_text.contains("unwind tables ready"),
@@ -460,17 +467,7 @@ fn tables_built_while_tracing_give_the_whole_chain_once_ready() {
     assert_eq!(report["stack_truncations_by_cause"]["table_pending"], 0);
 
     // --wait-for-tables: every table before tracing, none deferred.
-    let mut target = Fixture::start("unwind_chain", &["chain", "30", "30"]);
-    let pid = target.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        pid.as_str(),
-        "--format",
-        "json",
-        "--table-cache",
-        "off",
-        "--wait-for-tables",
-    ]);
+    let (mut target, tracer) = chain_without_cache(&["--wait-for-tables"], true);
     assert!(
         !tracer.stderr_text.contains("still building"),
         "{}",
@@ -491,20 +488,7 @@ fn stacks_cut_while_tables_are_built_are_counted_and_end_in_their_object() {
     // The chain runs at once, racing the tables: however the race goes,
     // every block is found, and each one whose stack stops short of main
     // ended at an object still without its table (counted).
-    let mut target = Fixture::start("unwind_chain", &["chain", "30", "30"]);
-    let pid = target.pid.to_string();
-    let mut command = std::process::Command::new(crate::support::MEMTRACE);
-    command.args([
-        "--pid",
-        pid.as_str(),
-        "--format",
-        "json",
-        "--top",
-        "500",
-        "--table-cache",
-        "off",
-    ]);
-    let mut tracer = Tracer::attach_tracing(command);
+    let (mut target, mut tracer) = chain_without_cache(&[], false);
     target.go();
     if tracer.stderr_text.contains("still building") {
         tracer.wait_for_stderr("unwind tables ready");
