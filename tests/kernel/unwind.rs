@@ -135,6 +135,56 @@ fn library_loaded_after_attach_gets_its_table() {
 }
 
 #[test]
+fn library_loaded_after_attach_is_built_while_tracing_when_the_rest_was_cached() {
+    if !privileged() {
+        return;
+    }
+    let cache = std::env::temp_dir().join(format!("memtrace-dlopen-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let dir = cache.display().to_string();
+    let mut target = Fixture::start("late_dlopen", &["30", "30"]);
+    let pid = target.pid.to_string();
+    let args = [
+        "--pid",
+        pid.as_str(),
+        "--format",
+        "json",
+        "--top",
+        "100",
+        "--table-cache",
+        dir.as_str(),
+    ];
+    // A first attach caches the objects mapped before the dlopen, and
+    // detaches...
+    let first = Tracer::attach(&args);
+    first.signal(libc::SIGINT);
+    let first = first.report().0;
+    assert!(first["unwind"]["deferred"].as_u64().unwrap_or(0) >= 2);
+    // ... so the second loads every table before tracing (none deferred):
+    // the libraries dlopen'ed while it traces are built then.
+    let mut tracer = Tracer::attach(&args);
+    assert!(
+        !tracer.stderr_text.contains("still building"),
+        "{}",
+        tracer.stderr_text
+    );
+    target.send_line();
+    target.expect_line("loaded");
+    tracer.wait_for_stderr("libcudart.so.12");
+    tracer.wait_for_stderr("unwind tables ready");
+    target.send_line();
+    target.expect_line("done");
+    tracer.signal(libc::SIGINT);
+    let report = tracer.report().0;
+    let unwind = &report["unwind"];
+    assert!(unwind["deferred"].as_u64().unwrap_or(0) >= 1, "{unwind}");
+    assert_eq!(unwind["pending"], serde_json::json!([]), "{unwind}");
+    assert!(unwind["deferred_ms"].is_u64(), "{unwind}");
+    assert_eq!(site_totals(&report, "late_leak"), (4 * 1048576, 4));
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+#[test]
 fn deep_recursion_is_cut_at_the_depth_and_counted() {
     if !privileged() {
         return;

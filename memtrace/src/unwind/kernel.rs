@@ -108,9 +108,10 @@ pub struct UnwindSummary {
     /// meanwhile were cut and counted, `stack_truncated_table_pending`).
     #[serde(default)]
     pub deferred: u64,
-    /// Milliseconds from tracing start to the last deferred table in the
-    /// kernel (their build starts with tracing, so that the attach has the
-    /// cores); `None` while some are still being built or none were.
+    /// Milliseconds from tracing start (for objects mapped later: from when
+    /// they were found, all others being in) to the last deferred table in
+    /// the kernel (their build starts with tracing, so that the attach has
+    /// the cores); `None` while some are still being built or none were.
     #[serde(default)]
     pub deferred_ms: Option<u64>,
     /// Deferred objects whose tables were still being built when this
@@ -155,8 +156,6 @@ struct Background {
     since: Instant,
     /// Objects set aside until tracing starts.
     held: Vec<Job>,
-    /// Whether tracing has started ([`UnwindTables::start_builds`]).
-    started: bool,
 }
 
 /// An object to build: its key, its path as mapped, and as memtrace opens
@@ -195,6 +194,9 @@ pub struct UnwindTables {
     mappings_of: HashMap<u32, Vec<Mapping>>,
     /// Whether tables not in the cache are built while tracing runs.
     defer: bool,
+    /// Whether tracing has started ([`UnwindTables::start_builds`]):
+    /// deferred objects are then sent off at once.
+    tracing: bool,
     background: Option<Background>,
     free_slots: Vec<u32>,
     /// The generation of the last process list written.
@@ -235,6 +237,7 @@ impl UnwindTables {
             slot_of: HashMap::new(),
             mappings_of: HashMap::new(),
             defer: false,
+            tracing: false,
             background: None,
             free_slots: (0..capacity.processes).rev().collect(),
             generation: 0,
@@ -464,7 +467,6 @@ impl UnwindTables {
                 promoted: AtomicU64::new(0),
                 since: Instant::now(),
                 held: Vec::new(),
-                started: false,
             }
         });
         self.summary.deferred += jobs.len() as u64;
@@ -472,7 +474,11 @@ impl UnwindTables {
         for (key, path, _) in &jobs {
             background.waiting.insert(*key, path.clone());
         }
-        if background.started {
+        if self.tracing {
+            if background.waiting.len() == jobs.len() {
+                // The first objects deferred since the last were all in.
+                background.since = Instant::now();
+            }
             self.spawn_builds(jobs);
         } else {
             background.held.extend(jobs);
@@ -482,13 +488,12 @@ impl UnwindTables {
     /// Tracing has started: the objects set aside to build while it runs
     /// are sent off now, and later ones at once.
     pub fn start_builds(&mut self) {
+        if std::mem::replace(&mut self.tracing, true) {
+            return;
+        }
         let Some(background) = self.background.as_mut() else {
             return;
         };
-        if background.started {
-            return;
-        }
-        background.started = true;
         background.since = Instant::now();
         let jobs = std::mem::take(&mut background.held);
         self.spawn_builds(jobs);
