@@ -176,7 +176,7 @@ pub struct WalkReplay {
     /// and its value matters only if a later frame uses it.
     bp_pending: u32,
     bp_addr: u64,
-    /// [`seal`] of everything above and the words: an entry torn by two
+    /// [`seal_header`] of everything above and the words: an entry torn by two
     /// walks (a preempted program on a preemptible kernel) fails it.
     seal: u64,
     addrs: [u64; REPLAY_WORDS],
@@ -242,7 +242,7 @@ pub struct Walk {
     /// The thread walking: a walk that finds another thread's here was
     /// preempted by that thread's walk on this CPU and must not write on.
     tid: u32,
-    /// [`seal`] of the words read so far.
+    /// Sum of the [`word_seal`]s of the words read so far.
     seal: u64,
     /// The registers the walk started from.
     start_pc: u64,
@@ -668,8 +668,9 @@ impl Walk {
         log.values[i] = self.bp;
         log.count = n.wrapping_add(pending);
         let mask = 0u64.wrapping_sub(u64::from(pending));
-        let sealed = seal(seal(self.seal, log.bp_addr), self.bp);
-        self.seal = (sealed & mask) | (self.seal & !mask);
+        self.seal = self
+            .seal
+            .wrapping_add(word_seal(n, log.bp_addr, self.bp) & mask);
         log.unreplayable |= (log.bp_addr & 7) as u32 & pending;
     }
 
@@ -696,35 +697,52 @@ impl Walk {
         let i = (n as usize) & (REPLAY_WORDS - 1);
         log.addrs[i] = addr;
         log.values[i] = value;
-        self.seal = seal(seal(self.seal, addr), value);
+        self.seal = self.seal.wrapping_add(word_seal(n, addr, value));
         log.unreplayable |= (addr & 7) as u32;
     }
 }
 
-/// One step of the seal hash.
+/// The sum of a walk's [`word_seal`]s before its first word.
+const WORDS_SEAL_BASIS: u64 = 0x243F_6A88_85A3_08D3;
+
+/// Mixes one word of a seal (a multiply and an xor-shift).
 #[inline(always)]
-fn seal(state: u64, word: u64) -> u64 {
-    let mixed = (state ^ word).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    mixed ^ (mixed >> 31)
+fn mix(word: u64) -> u64 {
+    let mixed = word.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    mixed ^ (mixed >> 29)
 }
 
-/// The seal of a replay entry's fields besides its words.
+/// Logged word `i`'s share of a seal. The shares are summed, not chained:
+/// a replay's check multiplies each word once, independently of the others,
+/// instead of waiting on one multiply per word in a row.
+#[inline(always)]
+fn word_seal(i: u32, addr: u64, value: u64) -> u64 {
+    mix((addr ^ u64::from(i)).wrapping_mul(0xC2B2_AE3D_27D4_EB4F) ^ value)
+}
+
+/// The seal of a replay entry: its words' sum (`words`) and every other
+/// field, each multiplied by a constant of its own and summed, then mixed.
 #[inline(always)]
 fn seal_header(words: u64, entry: &WalkReplay, key: i32, stop: u32) -> u64 {
-    let mut state = seal(words, entry.pc);
-    state = seal(state, entry.sp);
-    state = seal(state, entry.bp);
-    state = seal(state, entry.lo);
-    state = seal(
-        state,
-        (u64::from(entry.generation) << 32) | u64::from(entry.tgid),
-    );
-    state = seal(state, (u64::from(stop) << 32) | u64::from(key as u32));
-    state = seal(state, u64::from(entry.uses_bp));
-    seal(
-        state,
-        (u64::from(entry.bytes) << 32) | u64::from(entry.count),
-    )
+    let fields = entry
+        .pc
+        .wrapping_mul(0xFF51_AFD7_ED55_8CCD)
+        .wrapping_add(entry.sp.wrapping_mul(0xC4CE_B9FE_1A85_EC53))
+        .wrapping_add(entry.bp.wrapping_mul(0x1656_67B1_9E37_79F9))
+        .wrapping_add(entry.lo.wrapping_mul(0x27D4_EB2F_1656_67C5))
+        .wrapping_add(
+            ((u64::from(entry.generation) << 32) | u64::from(entry.tgid))
+                .wrapping_mul(0x85EB_CA77_C2B2_AE63),
+        )
+        .wrapping_add(
+            ((u64::from(stop) << 32) | u64::from(key as u32)).wrapping_mul(0x9FB2_1C65_1E98_DF25),
+        )
+        .wrapping_add(
+            ((u64::from(entry.bytes) << 32) | u64::from(entry.count))
+                .wrapping_mul(0xD6E8_FEB8_6659_FD93),
+        )
+        .wrapping_add(u64::from(entry.uses_bp).wrapping_mul(0xA076_1D64_78BD_642F));
+    mix(words ^ fields)
 }
 
 /// Where a walk from `pc` and `sp` is remembered: by both, since one
@@ -735,46 +753,15 @@ fn replay_index(pc: u64, sp: u64) -> u32 {
     ((pc ^ sp.rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 59) as u32 % REPLAY_ENTRIES
 }
 
-/// The state of a replay check ([`replay_word`]) or of a remembered walk's
-/// span ([`span_word`]), shared with their `bpf_loop` callbacks.
+/// The span of a remembered walk's words, widened by [`span_word`] (a
+/// `bpf_loop` callback) word by word.
 #[repr(C)]
 pub struct ReplayState {
     /// The `WALK_REPLAYS` element.
     index: u32,
-    mismatch: u32,
-    /// The span's start (a check: the copy's first address).
+    _pad: u32,
     lo: u64,
     hi: u64,
-    seal: u64,
-}
-
-/// `bpf_loop` callback: compares logged word `i` with the stack now. Its
-/// state is on [`memtrace_walk_replay`]'s stack (the hottest loop of a
-/// replayed walk: one map look-up per word fewer), which the stack budget
-/// allows there.
-#[inline(always)]
-extern "C" fn replay_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: `ctx` is the `ReplayState` on `replayed`'s stack, alive during
-    // the synchronous bpf_loop call.
-    let check = unsafe { &mut *(ctx as *mut ReplayState) };
-    let (Some(entry), Some(span)) = (WALK_REPLAYS.get(check.index), REPLAY_SPANS.get(0)) else {
-        check.mismatch = 1;
-        return 1;
-    };
-    let (Some(&addr), Some(&value)) = (entry.addrs.get(i as usize), entry.values.get(i as usize))
-    else {
-        check.mismatch = 1;
-        return 1;
-    };
-    check.seal = seal(seal(check.seal, addr), value);
-    let word = (addr.wrapping_sub(check.lo) >> 3) as usize;
-    match span.words.get(word) {
-        Some(&now) if now == value => 0,
-        _ => {
-            check.mismatch = 1;
-            1
-        }
-    }
 }
 
 /// The answer of the remembered walk from these registers, if every stack
@@ -806,13 +793,9 @@ fn replayed(
     let span = unsafe { &mut *span };
     let seq = span.seq.wrapping_add(1);
     span.seq = seq;
-    let mut check = ReplayState {
-        index,
-        mismatch: 0,
-        lo,
-        hi: 0,
-        seal: 0x243F_6A88_85A3_08D3,
-    };
+    let mut words_seal = WORDS_SEAL_BASIS;
+    // Any bit set: a word differs now (compared without a branch per word).
+    let mut changed = 0u64;
     if count > 0 {
         let bytes = opaque(entry.bytes);
         if bytes == 0 || bytes > REPLAY_SPAN {
@@ -830,14 +813,27 @@ fn replayed(
         if failed != 0 {
             return None;
         }
-        loop_with::<{ REPLAY_WORDS as u32 }>(
-            count.min(REPLAY_WORDS as u32),
-            replay_word,
-            &mut check as *mut ReplayState as *mut core::ffi::c_void,
-        );
+        let rounds = opaque(count.min(REPLAY_WORDS as u32));
+        let mut i = 0u32;
+        while i < REPLAY_WORDS as u32 {
+            if i >= rounds {
+                break;
+            }
+            let at = (i as usize) & (REPLAY_WORDS - 1);
+            let (addr, value) = (entry.addrs[at], entry.values[at]);
+            words_seal = words_seal.wrapping_add(word_seal(i, addr, value));
+            let word = (addr.wrapping_sub(lo) >> 3) as usize;
+            match span.words.get(word) {
+                Some(&now) => changed |= now ^ value,
+                None => {
+                    changed = 1;
+                    break;
+                }
+            }
+            i += 1;
+        }
     }
-    let (mismatch, checked) = (check.mismatch, check.seal);
-    if mismatch != 0 || span.seq != seq || seal_header(checked, entry, key, stop) != sealed {
+    if changed != 0 || span.seq != seq || seal_header(words_seal, entry, key, stop) != sealed {
         return None;
     }
     Some((key, stop))
@@ -1172,7 +1168,8 @@ fn begin_walk(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> Result<u64, i
     let Some(state) = WALK_STATE.get_ptr_mut(0) else {
         return Err(-EAGAIN);
     };
-    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
     let slot = match process_slot(tgid) {
         Some(slot) => slot,
         None => {
@@ -1195,15 +1192,14 @@ fn begin_walk(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> Result<u64, i
             generation,
             replay: 0,
             tgid,
-            tid: 0,
-            seal: 0x243F_6A88_85A3_08D3,
+            tid: pid_tgid as u32,
+            seal: WORDS_SEAL_BASIS,
             start_pc: pc,
             start_sp: sp,
             start_bp: bp,
             lr,
             lr_live,
         };
-        (*state).tid = bpf_get_current_pid_tgid() as u32;
     }
     #[cfg(not(feature = "tailcall"))]
     let replayed = memtrace_walk_replay(started);
@@ -1494,10 +1490,9 @@ fn remember(walk: &Walk, key: i32, started: u64) {
         unsafe {
             *span = ReplayState {
                 index: replay,
-                mismatch: 0,
+                _pad: 0,
                 lo: u64::MAX,
                 hi: 0,
-                seal: 0,
             };
         }
         run_loop::<{ REPLAY_WORDS as u32 }>(logged, span_word);

@@ -268,6 +268,9 @@ pub fn test_kernels(args: TestArgs) -> Result<()> {
     }
     require_root("test-kernels")?;
     ensure_host_tools()?;
+    // The image holds the fixtures: a fresh machine has not their build's
+    // packages unless `cargo xtask test` ran first.
+    crate::setup::ensure(crate::setup::Need::Fixtures)?;
     let started = Instant::now();
     let specs: Vec<KernelSpec> = if args.kernels.is_empty() {
         KERNELS.to_vec()
