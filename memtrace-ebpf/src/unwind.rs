@@ -753,15 +753,47 @@ fn replay_index(pc: u64, sp: u64) -> u32 {
     ((pc ^ sp.rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 59) as u32 % REPLAY_ENTRIES
 }
 
-/// The span of a remembered walk's words, widened by [`span_word`] (a
-/// `bpf_loop` callback) word by word.
+/// The state of a replay check ([`replay_word`]) or of a remembered walk's
+/// span ([`span_word`]), shared with their `bpf_loop` callbacks.
 #[repr(C)]
 pub struct ReplayState {
     /// The `WALK_REPLAYS` element.
     index: u32,
-    _pad: u32,
+    mismatch: u32,
+    /// The span's start (a check: the copy's first address).
     lo: u64,
     hi: u64,
+    /// A check: the sum of the [`word_seal`]s of the words compared so far.
+    seal: u64,
+}
+
+/// `bpf_loop` callback: compares logged word `i` with the stack now. Its
+/// state is on [`memtrace_walk_replay`]'s stack (the hottest loop of a
+/// replayed walk: one map look-up per word fewer), which the stack budget
+/// allows there.
+#[inline(always)]
+extern "C" fn replay_word(i: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: `ctx` is the `ReplayState` on `replayed`'s stack, alive during
+    // the synchronous bpf_loop call.
+    let check = unsafe { &mut *(ctx as *mut ReplayState) };
+    let (Some(entry), Some(span)) = (WALK_REPLAYS.get(check.index), REPLAY_SPANS.get(0)) else {
+        check.mismatch = 1;
+        return 1;
+    };
+    let (Some(&addr), Some(&value)) = (entry.addrs.get(i as usize), entry.values.get(i as usize))
+    else {
+        check.mismatch = 1;
+        return 1;
+    };
+    check.seal = check.seal.wrapping_add(word_seal(i as u32, addr, value));
+    let word = (addr.wrapping_sub(check.lo) >> 3) as usize;
+    match span.words.get(word) {
+        Some(&now) if now == value => 0,
+        _ => {
+            check.mismatch = 1;
+            1
+        }
+    }
 }
 
 /// The answer of the remembered walk from these registers, if every stack
@@ -793,9 +825,13 @@ fn replayed(
     let span = unsafe { &mut *span };
     let seq = span.seq.wrapping_add(1);
     span.seq = seq;
-    let mut words_seal = WORDS_SEAL_BASIS;
-    // Any bit set: a word differs now (compared without a branch per word).
-    let mut changed = 0u64;
+    let mut check = ReplayState {
+        index,
+        mismatch: 0,
+        lo,
+        hi: 0,
+        seal: WORDS_SEAL_BASIS,
+    };
     if count > 0 {
         let bytes = opaque(entry.bytes);
         if bytes == 0 || bytes > REPLAY_SPAN {
@@ -813,27 +849,14 @@ fn replayed(
         if failed != 0 {
             return None;
         }
-        let rounds = opaque(count.min(REPLAY_WORDS as u32));
-        let mut i = 0u32;
-        while i < REPLAY_WORDS as u32 {
-            if i >= rounds {
-                break;
-            }
-            let at = (i as usize) & (REPLAY_WORDS - 1);
-            let (addr, value) = (entry.addrs[at], entry.values[at]);
-            words_seal = words_seal.wrapping_add(word_seal(i, addr, value));
-            let word = (addr.wrapping_sub(lo) >> 3) as usize;
-            match span.words.get(word) {
-                Some(&now) => changed |= now ^ value,
-                None => {
-                    changed = 1;
-                    break;
-                }
-            }
-            i += 1;
-        }
+        loop_with::<{ REPLAY_WORDS as u32 }>(
+            count.min(REPLAY_WORDS as u32),
+            replay_word,
+            &mut check as *mut ReplayState as *mut core::ffi::c_void,
+        );
     }
-    if changed != 0 || span.seq != seq || seal_header(words_seal, entry, key, stop) != sealed {
+    let (mismatch, checked) = (check.mismatch, check.seal);
+    if mismatch != 0 || span.seq != seq || seal_header(checked, entry, key, stop) != sealed {
         return None;
     }
     Some((key, stop))
@@ -928,11 +951,16 @@ fn step(walk: &mut Walk, log: &mut WalkReplay) -> u32 {
             .wrapping_add((i64::from(row.cfa_offset8) * 8) as u64)
             .wrapping_add(extra)
     } else if kind == RowKind::Signal as u8 {
-        let (Some(bp), Some(sp), Some(pc)) = (
-            read_u64(walk.sp + SIGCTX_FP),
-            walk.read(log, walk.sp + SIGCTX_SP),
-            walk.read(log, walk.sp + SIGCTX_PC),
-        ) else {
+        // One read at a time, each failure returned at once: 5.10's verifier
+        // refuses a read of a stack slot that some path did not write, and
+        // LLVM merged the failures of a tuple of reads into such a read.
+        let Some(bp) = read_u64(walk.sp + SIGCTX_FP) else {
+            return FAULT;
+        };
+        let Some(sp) = walk.read(log, walk.sp + SIGCTX_SP) else {
+            return FAULT;
+        };
+        let Some(pc) = walk.read(log, walk.sp + SIGCTX_PC) else {
             return FAULT;
         };
         #[cfg(bpf_target_arch = "aarch64")]
@@ -1168,8 +1196,7 @@ fn begin_walk(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> Result<u64, i
     let Some(state) = WALK_STATE.get_ptr_mut(0) else {
         return Err(-EAGAIN);
     };
-    let pid_tgid = bpf_get_current_pid_tgid();
-    let tgid = (pid_tgid >> 32) as u32;
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     let slot = match process_slot(tgid) {
         Some(slot) => slot,
         None => {
@@ -1192,7 +1219,7 @@ fn begin_walk(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> Result<u64, i
             generation,
             replay: 0,
             tgid,
-            tid: pid_tgid as u32,
+            tid: 0,
             seal: WORDS_SEAL_BASIS,
             start_pc: pc,
             start_sp: sp,
@@ -1200,6 +1227,7 @@ fn begin_walk(pc: u64, sp: u64, bp: u64, lr: u64, lr_live: u64) -> Result<u64, i
             lr,
             lr_live,
         };
+        (*state).tid = bpf_get_current_pid_tgid() as u32;
     }
     #[cfg(not(feature = "tailcall"))]
     let replayed = memtrace_walk_replay(started);
@@ -1490,9 +1518,10 @@ fn remember(walk: &Walk, key: i32, started: u64) {
         unsafe {
             *span = ReplayState {
                 index: replay,
-                _pad: 0,
+                mismatch: 0,
                 lo: u64::MAX,
                 hi: 0,
+                seal: 0,
             };
         }
         run_loop::<{ REPLAY_WORDS as u32 }>(logged, span_word);

@@ -278,6 +278,32 @@ impl Tracer {
         }
     }
 
+    /// Waits for every line of `after`, then for `needle` in what memtrace
+    /// wrote after the last of them (not an earlier line of the same text).
+    pub fn wait_for_stderr_after(&mut self, after: &[&str], needle: &str) {
+        for marker in after {
+            self.wait_for_stderr(marker);
+        }
+        let from = after
+            .iter()
+            .filter_map(|marker| self.stderr_text.find(marker).map(|at| at + marker.len()))
+            .max()
+            .unwrap_or(0);
+        let Some(stderr) = self.stderr.as_mut() else {
+            panic!("stderr already consumed");
+        };
+        let mut byte = [0u8; 1];
+        while !self.stderr_text[from..].contains(needle) {
+            match stderr.read(&mut byte) {
+                Ok(1) => self.stderr_text.push(byte[0] as char),
+                _ => panic!(
+                    "memtrace stderr ended before {needle:?} after {after:?}: {}",
+                    self.stderr_text
+                ),
+            }
+        }
+    }
+
     pub fn signal(&self, signal: i32) {
         // SAFETY: kill with a valid pid of our own child and a valid signal.
         unsafe { libc::kill(self.child.id() as i32, signal) };

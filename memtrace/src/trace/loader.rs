@@ -63,7 +63,7 @@ const FORKS: &str = "task_new";
 const USDT: &str = "usdt_fire";
 /// The tail-called programs of the `tailcall` and `compat` objects, at
 /// their index in `TAIL_PROGS` (`memtrace-ebpf/src/tail.rs`).
-const TAIL_PROGRAMS: [&str; 2] = ["tail_walk", "tail_python"];
+pub const TAIL_PROGRAMS: [&str; 2] = ["tail_walk", "tail_python"];
 
 /// Load-time settings of the eBPF programs.
 #[derive(Clone, Copy, Debug)]

@@ -123,6 +123,8 @@ pub(crate) struct Report {
     pub lost: u64,
     /// Non-zero lost_by_cause entries.
     pub(crate) causes: Vec<(String, u64)>,
+    /// `bpf_programs` (with `--bpf-stats`): (program, runs, run_ns).
+    pub(crate) programs: Vec<(String, u64, u64)>,
 }
 
 impl Report {
@@ -142,11 +144,27 @@ impl Report {
                     .collect()
             })
             .unwrap_or_default();
+        let programs = json["bpf_programs"]
+            .as_array()
+            .map(|programs| {
+                programs
+                    .iter()
+                    .map(|p| {
+                        (
+                            p["program"].as_str().unwrap_or("?").to_string(),
+                            num(&p["runs"]),
+                            num(&p["run_ns"]),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         Ok(Report {
             allocs: num(&events["allocs"]),
             frees: num(&events["frees"]),
             lost: num(&events["lost"]),
             causes,
+            programs,
         })
     }
 }

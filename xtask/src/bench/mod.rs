@@ -29,6 +29,7 @@ mod common;
 mod deep;
 mod ending;
 mod inference;
+mod kernel_time;
 mod memory;
 mod pairs;
 mod peers;

@@ -11,6 +11,7 @@ use super::common::{
     fmt_ns, fmt_ratio, lost_summary, median, memtrace_flags, memtrace_object, min, one_line,
     traced_run, Env, Report, Tracer, MEMLEAK_RETRIES, TARGET_LOOP_S,
 };
+use super::kernel_time;
 
 pub(super) struct PairConfig {
     pub(super) name: &'static str,
@@ -26,6 +27,7 @@ pub(super) struct PairConfig {
 
 pub(super) struct PairsResult {
     configs: Vec<PairConfig>,
+    kernel_time: Vec<kernel_time::ConfigTime>,
 }
 
 impl PairsResult {
@@ -132,7 +134,16 @@ pub(super) fn bench(
             }
         }
     }
-    PairsResult { configs }
+    let kernel_time = kernel_time::measure(env, |name| {
+        configs
+            .iter()
+            .find(|c| c.name == name && !c.samples.is_empty())
+            .map(|c| c.pairs)
+    });
+    PairsResult {
+        configs,
+        kernel_time,
+    }
 }
 
 /// Runs every configuration `env.pair_rounds` times, interleaved, on a
@@ -303,5 +314,7 @@ pub(super) fn render(p: &PairsResult, s: &mut String) {
             one_line(first)
         );
     }
+    let _ = writeln!(s);
+    kernel_time::render(&p.kernel_time, placed, s);
     let _ = writeln!(s);
 }
