@@ -263,19 +263,7 @@ impl Tracer {
 
     /// Reads memtrace's stderr until it contains `needle`.
     pub fn wait_for_stderr(&mut self, needle: &str) {
-        let Some(stderr) = self.stderr.as_mut() else {
-            panic!("stderr already consumed");
-        };
-        let mut byte = [0u8; 1];
-        while !self.stderr_text.contains(needle) {
-            match stderr.read(&mut byte) {
-                Ok(1) => self.stderr_text.push(byte[0] as char),
-                _ => panic!(
-                    "memtrace stderr ended before {needle:?}: {}",
-                    self.stderr_text
-                ),
-            }
-        }
+        self.read_stderr_until(0, needle, &[]);
     }
 
     /// Waits for every line of `after`, then for `needle` in what memtrace
@@ -289,6 +277,11 @@ impl Tracer {
             .filter_map(|marker| self.stderr_text.find(marker).map(|at| at + marker.len()))
             .max()
             .unwrap_or(0);
+        self.read_stderr_until(from, needle, after);
+    }
+
+    /// Reads memtrace's stderr until `needle` is in it from byte `from` on.
+    fn read_stderr_until(&mut self, from: usize, needle: &str, after: &[&str]) {
         let Some(stderr) = self.stderr.as_mut() else {
             panic!("stderr already consumed");
         };
@@ -297,7 +290,7 @@ impl Tracer {
             match stderr.read(&mut byte) {
                 Ok(1) => self.stderr_text.push(byte[0] as char),
                 _ => panic!(
-                    "memtrace stderr ended before {needle:?} after {after:?}: {}",
+                    "memtrace stderr ended before {needle:?} (after {after:?}): {}",
                     self.stderr_text
                 ),
             }
