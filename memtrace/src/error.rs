@@ -1,5 +1,6 @@
 //! The failures a user sees, each with its documented exit code:
-//! 1 runtime failure, 2 bad input or usage, 4 insufficient privilege.
+//! 1 runtime failure, 2 bad input or usage, 4 insufficient privilege, 5
+//! the leak check failed a `--fail-on` gate.
 
 use std::process::ExitCode;
 
@@ -14,6 +15,8 @@ pub struct Failure {
 pub const EXIT_RUNTIME: u8 = 1;
 pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_PERMISSION: u8 = 4;
+/// The leak check found bytes in a `--fail-on` category.
+pub const EXIT_LEAKS: u8 = 5;
 
 impl Failure {
     pub fn usage(message: impl Into<String>) -> Self {

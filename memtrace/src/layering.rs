@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 /// top-level module.
 const FLOORS: &[&[&str]] = &[
     &[
-        "arch", "error", "duration", "event", "stats", "btf", "signals", "parallel",
+        "arch", "error", "duration", "event", "stats", "btf", "signals", "parallel", "reach",
     ],
     &["kernel", "target"],
     &["probe"],

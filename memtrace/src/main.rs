@@ -22,6 +22,7 @@ mod output;
 mod parallel;
 mod probe;
 mod prometheus;
+mod reach;
 mod push;
 mod record;
 mod report;
@@ -106,6 +107,8 @@ fn run_trace(args: trace::TraceArgs) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(trace::run(args))?;
+    if runtime.block_on(trace::run(args))? {
+        return Ok(ExitCode::from(error::EXIT_LEAKS));
+    }
     Ok(ExitCode::SUCCESS)
 }

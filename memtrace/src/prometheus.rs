@@ -67,6 +67,37 @@ pub fn render(report: &Report) -> String {
         out.sample("memtrace_live_blocks", &labels, t.live_count);
     }
 
+    if let Some(check) = report.leak_check.as_ref().filter(|c| c.ran) {
+        out.family(
+            "memtrace_leak_check_bytes",
+            "gauge",
+            "Live bytes by the latest leak check's category (valgrind's: definitely_lost, indirectly_lost, possibly_lost, still_reachable).",
+        );
+        let categories = [
+            ("definitely_lost", check.split.definitely_lost),
+            ("indirectly_lost", check.split.indirectly_lost),
+            ("possibly_lost", check.split.possibly_lost),
+            ("still_reachable", check.split.still_reachable),
+        ];
+        for (name, amount) in categories {
+            out.sample("memtrace_leak_check_bytes", &[("category", name)], amount.bytes);
+        }
+        out.family(
+            "memtrace_leak_check_blocks",
+            "gauge",
+            "Live blocks by the latest leak check's category.",
+        );
+        for (name, amount) in categories {
+            out.sample("memtrace_leak_check_blocks", &[("category", name)], amount.blocks);
+        }
+        out.family(
+            "memtrace_leak_check_pause_seconds",
+            "gauge",
+            "How long the latest leak check held the target stopped.",
+        );
+        out.sample_f64("memtrace_leak_check_pause_seconds", check.pause_ms / 1000.0);
+    }
+
     out.family(
         "memtrace_site_live_bytes",
         "gauge",

@@ -525,6 +525,8 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         reconciliation,
         processes,
         attach_failures,
+        leak_check: None,
+        leak_gates: &[],
     };
     let mut report = report::build(input, &mut symbols);
     report.notes.extend(symbols.notes());

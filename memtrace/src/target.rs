@@ -10,7 +10,9 @@ pub mod container;
 pub mod files;
 pub mod maps;
 pub mod pod;
+pub mod roots;
 pub mod select;
+pub mod stop;
 pub mod tls;
 
 use std::ffi::{CString, OsString};
@@ -171,6 +173,9 @@ pub enum ChildEvent {
     /// in place; it stays stopped until the sender is answered (or dropped).
     Exiting {
         pid: u32,
+        /// Its exiting thread's registers (`NT_PRSTATUS` words), for the
+        /// leak check's roots.
+        registers: Option<Vec<u64>>,
         ack: std::sync::mpsc::Sender<()>,
     },
     /// With fork following: `parent` forked `child`, which is held before its
@@ -383,6 +388,7 @@ fn supervise(
             if events
                 .send(ChildEvent::Exiting {
                     pid: who as u32,
+                    registers: stop::registers(who),
                     ack,
                 })
                 .is_ok()

@@ -394,6 +394,8 @@ fn trace_with_python(path: &Path) -> Report {
         reconciliation: None,
         processes: Vec::new(),
         attach_failures: Vec::new(),
+        leak_check: None,
+        leak_gates: &[],
     };
     let mut symbolizer =
         crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
@@ -579,6 +581,8 @@ impl Traced<'_> {
             reconciliation: None,
             processes: Vec::new(),
             attach_failures: Vec::new(),
+            leak_check: None,
+            leak_gates: &[],
         };
         let mut symbolizer =
             crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));

@@ -30,6 +30,8 @@ struct SiteAcc {
     pids: BTreeSet<u32>,
     /// (seconds since start, size) of each live block, for pattern detection.
     blocks: Vec<(f64, u64)>,
+    /// The leak check's split of its blocks.
+    leak: LeakSplit,
 }
 
 /// A site judged: its key, blocks, trend, pattern, whether the allocator
@@ -125,6 +127,13 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
         processes,
         attach_failures: input.attach_failures,
         python: input.stacks.python.interpreters().cloned().collect(),
+        leak_check: input.leak_check.map(|(check, _)| {
+            let mut check = check.clone();
+            if check.ran {
+                check.failed_gates = super::leak::failed_gates(input.leak_gates, &tally.leak);
+            }
+            check
+        }),
     }
 }
 
@@ -166,6 +175,8 @@ struct Tally {
     per_process: BTreeMap<u32, (u64, u64)>,
     /// Live blocks made in the window's last second (bytes, count).
     young: (u64, u64),
+    /// The leak check's split of the blocks not set aside (for `--fail-on`).
+    leak: LeakSplit,
 }
 
 /// One pass over the live table: totals, processes, what is set aside, and
@@ -184,10 +195,12 @@ fn tally_blocks(input: &ReportInput<'_>, symbols: &HashMap<FileAddr, SymInfo>) -
     };
     let seconds = |ts: u64| ts.saturating_sub(input.started_ns) as f64 / 1e9;
     let mut tally = Tally::default();
-    for (pid, _, addr, block) in input.table.blocks() {
+    let verdicts = input.leak_check.map(|(_, verdicts)| verdicts);
+    for (pid, domain, addr, block) in input.table.blocks() {
         let Some(entry) = spec(block.spec) else {
             continue;
         };
+        let verdict = verdicts.and_then(|v| v.get(pid, domain, addr));
         let held = tally.per_process.entry(pid).or_insert((0, 0));
         held.0 += block.size;
         held.1 += 1;
@@ -202,6 +215,9 @@ fn tally_blocks(input: &ReportInput<'_>, symbols: &HashMap<FileAddr, SymInfo>) -
             slot.0 += block.size;
             slot.1 += 1;
             continue;
+        }
+        if let Some(category) = verdict {
+            tally.leak.add(category, block.size);
         }
         let age_ns = input.now_ns.saturating_sub(block.ts_ns);
         if age_ns < min_age_ns {
@@ -233,6 +249,9 @@ fn tally_blocks(input: &ReportInput<'_>, symbols: &HashMap<FileAddr, SymInfo>) -
         site.threads.insert(block.tid);
         site.pids.insert(pid);
         site.blocks.push((seconds(block.ts_ns), block.size));
+        if let Some(category) = verdict {
+            site.leak.add(category, block.size);
+        }
     }
     tally
 }
@@ -271,8 +290,22 @@ fn judge_sites(
             (key, acc, verdict, pattern, internal, accumulation)
         })
         .collect();
+    let checked = input.leak_check.is_some_and(|(check, _)| check.ran);
     judged.sort_by(|a, b| {
-        suspicion_rank(a.2.trend, a.2.growth_bytes_per_s, a.5, a.1.live_bytes, a.4)
+        // After a leak check, proven leaks first: definitely lost bytes,
+        // then indirectly, then possibly lost.
+        let proven = |acc: &SiteAcc| {
+            if checked {
+                (
+                    std::cmp::Reverse(acc.leak.definitely_lost.bytes),
+                    std::cmp::Reverse(acc.leak.indirectly_lost.bytes),
+                    std::cmp::Reverse(acc.leak.possibly_lost.bytes),
+                )
+            } else {
+                Default::default()
+            }
+        };
+        proven(&a.1).cmp(&proven(&b.1)).then_with(|| suspicion_rank(a.2.trend, a.2.growth_bytes_per_s, a.5, a.1.live_bytes, a.4)
             .cmp(&suspicion_rank(
                 b.2.trend,
                 b.2.growth_bytes_per_s,
@@ -281,7 +314,7 @@ fn judge_sites(
                 b.4,
             ))
             .then(b.1.live_count.cmp(&a.1.live_count))
-            .then(a.0.cmp(&b.0))
+            .then(a.0.cmp(&b.0)))
     });
     judged.truncate(input.settings.top);
     judged
@@ -376,6 +409,10 @@ fn site_reports(
                             .map(|&(t_s, bytes)| ((t_s * 1000.0) as u64, bytes as u64))
                             .collect()
                     }),
+                    leak_check: input
+                        .leak_check
+                        .filter(|(check, _)| check.ran)
+                        .map(|_| acc.leak),
                 }
             },
         )

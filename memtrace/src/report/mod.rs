@@ -5,8 +5,10 @@
 
 mod build;
 pub mod device_cache;
+pub mod leak;
 
 pub use build::build;
+pub use leak::{LeakCheck, LeakSplit, LeakVerdicts};
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -88,6 +90,11 @@ pub struct Report {
     /// OpenTelemetry Collector so far (the same counters); absent without.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub otlp: Option<PushStats>,
+    /// With `--leak-check` (and by default in launch mode): which live
+    /// blocks nothing points to any more, in valgrind's four categories;
+    /// absent when no check was asked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leak_check: Option<LeakCheck>,
 }
 
 /// The reports pushed to a profile store (`--pyroscope`) or a Collector
@@ -323,6 +330,10 @@ pub struct Site {
     /// series the trend is judged on; bounded, coarser over long traces).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub history: Vec<(u64, u64)>,
+    /// The leak check's split of the site's blocks (blocks made after the
+    /// check are in none); absent when no check ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leak_check: Option<LeakSplit>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -374,6 +385,10 @@ pub struct ReportInput<'a> {
     /// are added with what the table says.
     pub processes: Vec<ProcessInfo>,
     pub attach_failures: Vec<String>,
+    /// The latest leak check and its verdicts, when one was asked.
+    pub leak_check: Option<(&'a LeakCheck, &'a LeakVerdicts)>,
+    /// `--fail-on`: the categories that fail the run.
+    pub leak_gates: &'a [leak::LeakGate],
 }
 
 /// Kernel counters that mean events were lost.

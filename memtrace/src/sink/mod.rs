@@ -217,6 +217,7 @@ pub(crate) mod fixture {
             stack_note: None,
             frames: Vec::new(),
             history: vec![(1000, bytes / 2), (2000, bytes)],
+            leak_check: None,
         }
     }
 
@@ -256,6 +257,7 @@ pub(crate) mod fixture {
             push: None,
             otlp: None,
             python: Vec::new(),
+            leak_check: None,
             processes: Vec::new(),
             attach_failures: Vec::new(),
             target: TargetInfo {

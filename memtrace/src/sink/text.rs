@@ -176,6 +176,11 @@ impl Sink for TextSink {
                 failed.function, failed.code, failed.count
             )?;
         }
+        if let Some(check) = &report.leak_check {
+            for line in leak_summary_lines(check) {
+                writeln!(out, "{line}")?;
+            }
+        }
         writeln!(out)?;
         for (rank, site) in report.sites.iter().enumerate() {
             writeln!(
@@ -210,6 +215,9 @@ impl Sink for TextSink {
                 writeln!(out, "    in process {}", pids.join(","))?;
             }
             writeln!(out, "    {}", judgment(site))?;
+            if let Some(split) = &site.leak_check {
+                writeln!(out, "    {}", site_leak_words(split))?;
+            }
             if let Some(note) = &site.stack_note {
                 writeln!(out, "    ({note})")?;
             }
@@ -222,6 +230,102 @@ impl Sink for TextSink {
         }
         Ok(())
     }
+}
+
+/// Groups digits by thousands, as valgrind prints its figures.
+fn thousands(value: u64) -> String {
+    let digits = value.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The leak check's summary, in valgrind's words.
+fn leak_summary_lines(check: &crate::report::LeakCheck) -> Vec<String> {
+    use crate::report::leak::CheckPoint;
+    let when = match check.when {
+        Some(CheckPoint::Exit) => "at exit",
+        Some(CheckPoint::End) => "at the end",
+        Some(CheckPoint::Interval) => "at this interval",
+        None => "",
+    };
+    if !check.ran {
+        return vec![format!(
+            "leak check {when}: not run: {}",
+            check.reason.as_deref().unwrap_or("no reason given")
+        )];
+    }
+    let amount = |a: crate::report::leak::Amount| {
+        format!("{} bytes in {} blocks", thousands(a.bytes), thousands(a.blocks))
+    };
+    let split = &check.split;
+    let mut lines = vec![
+        format!(
+            "leak check {when}: {} thread(s) of {} process(es) stopped {:.1} ms, {} scanned",
+            check.threads,
+            check.processes,
+            check.pause_ms,
+            human_bytes(check.scanned_bytes)
+        ),
+        format!("   definitely lost: {}", amount(split.definitely_lost)),
+        format!("   indirectly lost: {}", amount(split.indirectly_lost)),
+        format!("     possibly lost: {}", amount(split.possibly_lost)),
+        format!("   still reachable: {}", amount(split.still_reachable)),
+    ];
+    for (heuristic, reached) in &check.reachable_via_heuristic {
+        lines.push(format!(
+            "                      of which reachable via heuristic {heuristic}: {}",
+            amount(*reached)
+        ));
+    }
+    if check.not_judged.blocks > 0 {
+        lines.push(format!(
+            "        not judged: {} (mappings and handles are roots, not blocks)",
+            amount(check.not_judged)
+        ));
+    }
+    if let Some(reason) = &check.reason {
+        lines.push(format!("   note: {reason}"));
+    }
+    if !check.failed_gates.is_empty() {
+        lines.push(format!(
+            "   FAILED --fail-on {} (exit 5)",
+            check.failed_gates.join(",")
+        ));
+    }
+    lines
+}
+
+/// A site's blocks as the leak check split them, in words.
+fn site_leak_words(split: &crate::report::LeakSplit) -> String {
+    if split.lost_bytes() == 0 {
+        if split.still_reachable.blocks > 0 {
+            return "leak check: all still reachable (something still points to every block)"
+                .to_string();
+        }
+        return "leak check: none of its blocks were judged (made after the check)".to_string();
+    }
+    let mut parts = Vec::new();
+    for (name, amount) in [
+        ("definitely lost", split.definitely_lost),
+        ("indirectly lost", split.indirectly_lost),
+        ("possibly lost", split.possibly_lost),
+        ("still reachable", split.still_reachable),
+    ] {
+        if amount.blocks > 0 {
+            parts.push(format!(
+                "{name} {} in {} blocks",
+                human_bytes(amount.bytes),
+                amount.blocks
+            ));
+        }
+    }
+    format!("leak check: {}", parts.join(", "))
 }
 
 /// The site's trend and leak pattern in words.

@@ -10,7 +10,10 @@ pub struct Mapping {
     pub start: u64,
     pub end: u64,
     pub readable: bool,
+    pub writable: bool,
     pub executable: bool,
+    /// Mapped shared (`s` in the permissions), not private.
+    pub shared: bool,
     pub file_offset: u64,
     /// Device of the backing file (`major << 20 | minor`, as the kernel packs it).
     pub dev: u64,
@@ -53,7 +56,9 @@ fn parse_line(line: &str) -> Option<Mapping> {
         start: u64::from_str_radix(start, 16).ok()?,
         end: u64::from_str_radix(end, 16).ok()?,
         readable: perms.as_bytes().first() == Some(&b'r'),
+        writable: perms.as_bytes().get(1) == Some(&b'w'),
         executable: perms.as_bytes().get(2) == Some(&b'x'),
+        shared: perms.as_bytes().get(3) == Some(&b's'),
         file_offset: u64::from_str_radix(offset, 16).ok()?,
         dev: parse_dev(dev)?,
         inode: inode.parse().ok()?,

@@ -179,6 +179,30 @@ pub struct TraceArgs {
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub warmup: Duration,
 
+    /// Prove leaks: stop the target briefly (every thread, with ptrace; no
+    /// signal is sent), scan its memory for pointers and split the live
+    /// blocks into valgrind's categories (definitely, indirectly, possibly
+    /// lost, still reachable), at the final report and at each `--interval`
+    /// report. In launch mode (`-- CMD`) the check runs at the command's
+    /// exit by default.
+    #[arg(long, conflicts_with = "no_leak_check")]
+    pub leak_check: bool,
+
+    /// Launch mode: no leak check at the command's exit.
+    #[arg(long)]
+    pub no_leak_check: bool,
+
+    /// Exit with code 5 when the leak check finds bytes in these
+    /// categories, after `--suppress` (comma-separated); implies
+    /// `--leak-check`.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "CATEGORIES")]
+    pub fail_on: Vec<crate::report::leak::LeakGate>,
+
+    /// The longest one leak check may hold the target stopped; what a cut
+    /// scan did not reach is not judged (counted as `skipped_bytes`).
+    #[arg(long, value_parser = parse_duration, default_value = "10s", value_name = "DUR")]
+    pub leak_check_max_pause: Duration,
+
     /// Record the event stream (and what is needed to symbolize it) to FILE,
     /// for `memtrace report FILE` later, offline.
     #[arg(long, value_name = "FILE")]

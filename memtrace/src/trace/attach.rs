@@ -275,6 +275,7 @@ impl<'a> Trace<'a> {
             memory_last: read_memory(pid),
             notes: Vec::new(),
             python: python::PythonWatch::default(),
+            leak: Default::default(),
         };
         let mut trace = Trace {
             args,

@@ -19,6 +19,7 @@ use super::event_loop::DRAIN_EVERY;
 use super::loader::{self, DetachStage, Probes};
 use super::session::{monotonic_ns, Session};
 use super::Trace;
+use crate::report::leak::CheckPoint;
 
 /// At the end of a trace, releases are still watched this long after the
 /// allocation probes are detached (and again after the reallocation probes),
@@ -32,13 +33,17 @@ const DETACH_GRACE: Duration = Duration::from_millis(50);
 const WINDOW_SETTLE: Duration = Duration::from_millis(50);
 
 impl Trace<'_> {
-    /// Ends the trace and writes the final report.
-    pub async fn end(mut self) -> anyhow::Result<()> {
+    /// Ends the trace and writes the final report; true when a `--fail-on`
+    /// gate of the leak check failed.
+    pub async fn end(mut self) -> anyhow::Result<bool> {
         // The terminal is given back before the final report is written.
         self.live = None;
         let session = &mut self.session;
         let probes = &mut self.probes;
         let ring = &mut self.ring;
+        // By pid, the last check sees the processes as they are now, while
+        // the table still follows them.
+        session.leak_check_live(ring.get_mut(), probes, CheckPoint::End);
         session.ended = Some((Instant::now(), monotonic_ns()));
         let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
         // The window closes in one step: the programs stop recording
@@ -92,12 +97,24 @@ impl Trace<'_> {
             let _ = tx.send(Arc::new(crate::prometheus::render(&report)));
         }
         written?;
+        let failed_gates = report
+            .leak_check
+            .as_ref()
+            .map(|check| check.failed_gates.clone())
+            .unwrap_or_default();
+        if !failed_gates.is_empty() {
+            eprintln!(
+                "memtrace: leak check failed --fail-on: {} (exit {})",
+                failed_gates.join(", "),
+                crate::error::EXIT_LEAKS
+            );
+        }
         if closed && !detach_first {
             // Nothing is recorded any more: the probes only need to go.
             let detaching = probes.detach();
             let _ = tokio::task::spawn_blocking(move || detaching.close_at_once()).await;
         }
-        Ok(())
+        Ok(!failed_gates.is_empty())
     }
 }
 

@@ -201,6 +201,13 @@ impl Trace<'_> {
             .pipeline
             .drain(self.ring.get_mut(), &self.probes);
         self.session.snapshot(&self.probes);
+        if self.args.interval.is_some() {
+            self.session.leak_check_live(
+                self.ring.get_mut(),
+                &self.probes,
+                crate::report::leak::CheckPoint::Interval,
+            );
+        }
         if let Some(view) = self.live.as_mut() {
             let mut report = self.session.report(&self.probes, &self.discovery);
             report.interim = true;
@@ -222,13 +229,18 @@ impl Trace<'_> {
         let pid = self.pid;
         let session = &mut self.session;
         match event {
-            ChildEvent::Exiting { pid: exiting, ack } => {
+            ChildEvent::Exiting {
+                pid: exiting,
+                registers,
+                ack,
+            } => {
                 // A process of the command is stopped just before exit:
                 // read its mappings and the events so far while they
-                // still exist.
+                // still exist, and judge its blocks (the leak check).
                 session.pipeline.refresh_space_now(exiting);
                 session.pipeline.drain(self.ring.get_mut(), &self.probes);
                 session.follow_execs(&mut self.probes);
+                session.leak_check_exiting(exiting, registers, self.ring.get_mut(), &self.probes);
                 if exiting == pid {
                     if let Some(memory) = super::session::read_memory(pid) {
                         session.memory_last = Some(memory);

@@ -30,6 +30,7 @@ mod event_loop;
 mod family;
 mod held;
 mod kernel_support;
+mod leak_check;
 pub mod loader;
 mod pipeline;
 mod plan;
@@ -56,8 +57,9 @@ use loader::Probes;
 pub use session::monotonic_ns;
 use session::Session;
 
-/// Runs `memtrace [--pid PID | --name NAME | -- CMD]`.
-pub async fn run(args: TraceArgs) -> anyhow::Result<()> {
+/// Runs `memtrace [--pid PID | --name NAME | -- CMD]`; true when the
+/// leak check failed a `--fail-on` gate.
+pub async fn run(args: TraceArgs) -> anyhow::Result<bool> {
     let plan = plan::Plan::from_args(&args)?;
     let mut trace = Trace::attach(&args, plan).await?;
     trace.event_loop().await?;

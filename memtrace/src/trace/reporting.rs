@@ -78,6 +78,12 @@ impl Session<'_> {
             reconciliation,
             processes: self.family.processes(),
             attach_failures: probes.attach_failures.clone(),
+            leak_check: self
+                .leak
+                .summary
+                .as_ref()
+                .map(|summary| (summary, &self.leak.verdicts)),
+            leak_gates: &self.args.fail_on,
         };
         let mut report = report::build(input, &mut self.symbolizer);
         report.unwind = probes.unwind.as_ref().map(|unwind| unwind.summary());

@@ -38,6 +38,8 @@ pub struct Session<'a> {
     pub family: Family,
     pub notes: Vec<String>,
     pub python: python::PythonWatch,
+    /// The latest leak check (`--leak-check`, launch mode's at exit).
+    pub leak: super::leak_check::LeakState,
 }
 
 impl Session<'_> {

@@ -1,0 +1,274 @@
+//! The leak check in the report: its summary ([`LeakCheck`], the JSON
+//! contract `leak_check`), the verdict of each judged block
+//! ([`LeakVerdicts`], which the builder splits per site) and the
+//! `--fail-on` gate ([`LeakGate`]).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::probe::catalog::Domain;
+use crate::reach::Category;
+
+/// Bytes and blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Amount {
+    pub bytes: u64,
+    pub blocks: u64,
+}
+
+impl Amount {
+    pub fn add(&mut self, bytes: u64) {
+        self.bytes += bytes;
+        self.blocks += 1;
+    }
+
+    pub fn merge(&mut self, other: Amount) {
+        self.bytes += other.bytes;
+        self.blocks += other.blocks;
+    }
+}
+
+/// Blocks and bytes in each of valgrind's four categories.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeakSplit {
+    pub definitely_lost: Amount,
+    pub indirectly_lost: Amount,
+    pub possibly_lost: Amount,
+    pub still_reachable: Amount,
+}
+
+impl LeakSplit {
+    pub fn add(&mut self, category: Category, bytes: u64) {
+        self.slot(category).add(bytes);
+    }
+
+    pub fn slot(&mut self, category: Category) -> &mut Amount {
+        match category {
+            Category::DefinitelyLost => &mut self.definitely_lost,
+            Category::IndirectlyLost => &mut self.indirectly_lost,
+            Category::PossiblyLost => &mut self.possibly_lost,
+            Category::StillReachable => &mut self.still_reachable,
+        }
+    }
+
+    pub fn get(&self, category: Category) -> Amount {
+        match category {
+            Category::DefinitelyLost => self.definitely_lost,
+            Category::IndirectlyLost => self.indirectly_lost,
+            Category::PossiblyLost => self.possibly_lost,
+            Category::StillReachable => self.still_reachable,
+        }
+    }
+
+    pub fn merge(&mut self, other: &LeakSplit) {
+        for category in Category::ALL {
+            self.slot(category).merge(other.get(category));
+        }
+    }
+
+    /// Bytes in some lost category (definitely, indirectly or possibly).
+    pub fn lost_bytes(&self) -> u64 {
+        self.definitely_lost.bytes + self.indirectly_lost.bytes + self.possibly_lost.bytes
+    }
+}
+
+/// When a check ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckPoint {
+    /// Launch mode: the command about to exit, its memory intact.
+    Exit,
+    /// The final report of a trace by pid.
+    End,
+    /// An `--interval` report.
+    Interval,
+}
+
+/// The leak check's summary (`leak_check` in the JSON report; a contract:
+/// add keys, never rename them).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LeakCheck {
+    /// False when the check could not run: `reason` says why, and nothing
+    /// is judged (the four categories are then zero).
+    pub ran: bool,
+    pub reason: Option<String>,
+    pub when: Option<CheckPoint>,
+    #[serde(flatten)]
+    pub split: LeakSplit,
+    /// Still reachable only through an interior pointer that one of
+    /// valgrind's heuristics accepts, by heuristic (included in
+    /// `still_reachable`).
+    pub reachable_via_heuristic: BTreeMap<String, Amount>,
+    /// Live blocks not judged: mappings (`mmap`, roots as in valgrind),
+    /// handles, and with a scan cut by `--leak-check-max-pause` the blocks
+    /// it did not prove reachable.
+    pub not_judged: Amount,
+    /// How long the target was stopped, in ms (all processes together).
+    pub pause_ms: f64,
+    /// Bytes of the target's memory scanned for pointers.
+    pub scanned_bytes: u64,
+    /// Bytes that could not be read (unmapped meanwhile): read as zeros.
+    pub unreadable_bytes: u64,
+    /// Bytes left unscanned because the pause reached `--leak-check-max-pause`.
+    pub skipped_bytes: u64,
+    /// Threads stopped and read.
+    pub threads: u64,
+    /// Processes checked.
+    pub processes: u64,
+    /// Whether the table held every block of the process since its start
+    /// (launch mode): then the allocator's heaps are not roots.
+    pub complete_table: bool,
+    /// The `--fail-on` categories this check failed, after `--suppress`.
+    pub failed_gates: Vec<String>,
+}
+
+impl LeakCheck {
+    /// A check that could not run, and why (one line).
+    pub fn not_run(when: CheckPoint, reason: impl Into<String>) -> Self {
+        LeakCheck {
+            ran: false,
+            reason: Some(reason.into()),
+            when: Some(when),
+            ..LeakCheck::default()
+        }
+    }
+}
+
+/// The verdict of each judged block, by (process, domain, address),
+/// sorted for lookup (compact: millions of blocks).
+#[derive(Clone, Debug, Default)]
+pub struct LeakVerdicts {
+    entries: Vec<((u32, Domain, u64), Category)>,
+}
+
+impl LeakVerdicts {
+    pub fn new(mut entries: Vec<((u32, Domain, u64), Category)>) -> Self {
+        entries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        LeakVerdicts { entries }
+    }
+
+    pub fn get(&self, pid: u32, domain: Domain, addr: u64) -> Option<Category> {
+        let key = (pid, domain, addr);
+        self.entries
+            .binary_search_by(|e| e.0.cmp(&key))
+            .ok()
+            .map(|i| self.entries[i].1)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// The entries, for adding more.
+    pub fn into_entries(self) -> Vec<((u32, Domain, u64), Category)> {
+        self.entries
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// A category `--fail-on` can gate on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LeakGate {
+    DefinitelyLost,
+    IndirectlyLost,
+    PossiblyLost,
+    StillReachable,
+}
+
+impl LeakGate {
+    pub fn category(self) -> Category {
+        match self {
+            LeakGate::DefinitelyLost => Category::DefinitelyLost,
+            LeakGate::IndirectlyLost => Category::IndirectlyLost,
+            LeakGate::PossiblyLost => Category::PossiblyLost,
+            LeakGate::StillReachable => Category::StillReachable,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        category_name(self.category())
+    }
+}
+
+/// A category's name as valgrind writes it, hyphenated (`definitely-lost`).
+pub fn category_name(category: Category) -> &'static str {
+    match category {
+        Category::DefinitelyLost => "definitely-lost",
+        Category::IndirectlyLost => "indirectly-lost",
+        Category::PossiblyLost => "possibly-lost",
+        Category::StillReachable => "still-reachable",
+    }
+}
+
+/// The gates failed by `split` (the blocks left after `--suppress`).
+pub fn failed_gates(gates: &[LeakGate], split: &LeakSplit) -> Vec<String> {
+    gates
+        .iter()
+        .filter(|gate| split.get(gate.category()).bytes > 0)
+        .map(|gate| gate.name().to_string())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts_are_found_by_key() {
+        let verdicts = LeakVerdicts::new(vec![
+            ((2, Domain::Heap, 0x20), Category::StillReachable),
+            ((1, Domain::Heap, 0x30), Category::DefinitelyLost),
+            ((1, Domain::CudaMemory, 0x30), Category::IndirectlyLost),
+        ]);
+        assert_eq!(
+            verdicts.get(1, Domain::Heap, 0x30),
+            Some(Category::DefinitelyLost)
+        );
+        assert_eq!(
+            verdicts.get(1, Domain::CudaMemory, 0x30),
+            Some(Category::IndirectlyLost)
+        );
+        assert_eq!(verdicts.get(1, Domain::Heap, 0x20), None);
+        assert_eq!(verdicts.into_entries().len(), 3);
+    }
+
+    #[test]
+    fn gates_fail_on_bytes_in_their_category() {
+        let mut split = LeakSplit::default();
+        split.add(Category::PossiblyLost, 10);
+        let gates = [LeakGate::DefinitelyLost, LeakGate::PossiblyLost];
+        assert_eq!(failed_gates(&gates, &split), vec!["possibly-lost"]);
+        assert!(failed_gates(&[LeakGate::StillReachable], &split).is_empty());
+        assert_eq!(split.lost_bytes(), 10);
+    }
+
+    #[test]
+    fn the_summary_serializes_the_contract_keys() {
+        let mut check = LeakCheck {
+            ran: true,
+            when: Some(CheckPoint::Exit),
+            ..LeakCheck::default()
+        };
+        check.split.add(Category::DefinitelyLost, 100);
+        let json = serde_json::to_value(&check).expect("serializes");
+        assert_eq!(json["definitely_lost"]["bytes"], 100);
+        assert_eq!(json["definitely_lost"]["blocks"], 1);
+        for key in [
+            "indirectly_lost",
+            "possibly_lost",
+            "still_reachable",
+            "pause_ms",
+            "scanned_bytes",
+            "threads",
+        ] {
+            assert!(json.get(key).is_some(), "{key}");
+        }
+        assert_eq!(json["when"], "exit");
+        let back: LeakCheck = serde_json::from_value(json).expect("reads back");
+        assert_eq!(back, check);
+    }
+}

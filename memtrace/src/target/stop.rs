@@ -1,0 +1,398 @@
+//! Stopping a live process for the leak check, and reading it while it is
+//! stopped: every thread is seized and interrupted (`PTRACE_SEIZE` +
+//! `PTRACE_INTERRUPT`: no SIGSTOP is sent, so neither the process nor its
+//! parent sees a stop), the thread list is read again until no new thread
+//! appears (a thread born meanwhile is caught), each thread's registers
+//! are read (`PTRACE_GETREGSET NT_PRSTATUS`), and [`Stopped`] resumes them
+//! all when it drops (`PTRACE_DETACH`, re-injecting any signal that arrived
+//! during the stop).
+//!
+//! Every request is made from the thread that seized: ptrace binds a
+//! tracee to one tracer thread. If memtrace dies mid-check, the kernel
+//! detaches the tracees and they run on (no group stop is pending, since no
+//! SIGSTOP was sent). A thread in a blocking system call returns to it after
+//! the stop (the kernel restarts it, or returns EINTR where the call cannot
+//! be restarted, as for any ptrace stop).
+
+use std::time::{Duration, Instant};
+
+/// Why a process could not be stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum StopError {
+    #[error("pid {pid} is already traced by pid {tracer} (a debugger or strace): it cannot be stopped for the check")]
+    Traced { pid: u32, tracer: u32 },
+    #[error("pid {0} exited")]
+    Gone(u32),
+    #[error("cannot stop pid {pid}: {message}")]
+    Other { pid: u32, message: String },
+}
+
+/// One stopped thread.
+#[derive(Clone, Debug)]
+pub struct StoppedThread {
+    /// Its stack pointer.
+    pub sp: u64,
+    /// Every general-purpose register (and the thread pointer), as words.
+    pub registers: Vec<u64>,
+}
+
+/// A process with every thread stopped; resumed on drop.
+pub struct Stopped {
+    pub pid: u32,
+    pub threads: Vec<StoppedThread>,
+    /// Seized threads and the signal to give back to each on detach.
+    seized: Vec<(libc::pid_t, i32)>,
+    /// How long stopping took.
+    pub stop_time: Duration,
+}
+
+/// The stack pointer's index among the words of `NT_PRSTATUS`
+/// (`user_regs_struct.rsp` on x86-64, `user_pt_regs.sp` on arm64).
+#[cfg(target_arch = "x86_64")]
+const SP_INDEX: usize = 19;
+#[cfg(target_arch = "aarch64")]
+const SP_INDEX: usize = 31;
+
+/// The stack pointer among register words read with `NT_PRSTATUS`.
+pub fn stack_pointer(registers: &[u64]) -> u64 {
+    registers.get(SP_INDEX).copied().unwrap_or(0)
+}
+
+/// Words of the register set read (larger than either architecture's).
+const REGISTER_WORDS: usize = 64;
+
+impl Stopped {
+    /// Stops every thread of `pid`; gives up (resuming what it stopped)
+    /// after `timeout` (a thread that never reaches a stop: uninterruptible
+    /// sleep on a hung file system).
+    pub fn stop(pid: u32, timeout: Duration) -> Result<Stopped, StopError> {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let mut stopped = Stopped {
+            pid,
+            threads: Vec::new(),
+            seized: Vec::new(),
+            stop_time: Duration::ZERO,
+        };
+        loop {
+            let tids = list_threads(pid).ok_or(StopError::Gone(pid))?;
+            let new: Vec<libc::pid_t> = tids
+                .into_iter()
+                .filter(|tid| !stopped.seized.iter().any(|(t, _)| t == tid))
+                .collect();
+            if new.is_empty() {
+                break;
+            }
+            for tid in new {
+                match seize(tid) {
+                    Ok(()) => {}
+                    // It exited between the listing and the seize.
+                    Err(libc::ESRCH) => continue,
+                    Err(libc::EPERM) => {
+                        if let Some(tracer) = tracer_of(pid, tid) {
+                            return Err(StopError::Traced { pid, tracer });
+                        }
+                        return Err(StopError::Other {
+                            pid,
+                            message: "permission denied (needs CAP_SYS_PTRACE)".to_string(),
+                        });
+                    }
+                    Err(errno) => {
+                        return Err(StopError::Other {
+                            pid,
+                            message: std::io::Error::from_raw_os_error(errno).to_string(),
+                        })
+                    }
+                }
+                match wait_stopped(tid, deadline) {
+                    Waited::Stopped(signal) => stopped.seized.push((tid, signal)),
+                    Waited::Exited => {}
+                    Waited::TimedOut => {
+                        stopped.seized.push((tid, 0));
+                        return Err(StopError::Other {
+                            pid,
+                            message: format!(
+                                "thread {tid} did not stop within {} ms",
+                                timeout.as_millis()
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        if stopped.seized.is_empty() {
+            return Err(StopError::Gone(pid));
+        }
+        for &(tid, _) in &stopped.seized {
+            if let Some(registers) = registers(tid) {
+                stopped.threads.push(StoppedThread {
+                    sp: stack_pointer(&registers),
+                    registers,
+                });
+            }
+        }
+        stopped.stop_time = started.elapsed();
+        Ok(stopped)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        for &(tid, signal) in &self.seized {
+            // SAFETY: detaching our own stopped tracee; the signal to
+            // deliver is passed as data.
+            unsafe {
+                libc::ptrace(
+                    libc::PTRACE_DETACH,
+                    tid,
+                    std::ptr::null_mut::<libc::c_void>(),
+                    signal as usize as *mut libc::c_void,
+                )
+            };
+        }
+    }
+}
+
+/// The thread ids of `pid` (`/proc/PID/task`).
+fn list_threads(pid: u32) -> Option<Vec<libc::pid_t>> {
+    let dir = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    Some(
+        dir.filter_map(Result::ok)
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .collect(),
+    )
+}
+
+/// `PTRACE_SEIZE` + `PTRACE_INTERRUPT`; the errno on failure.
+fn seize(tid: libc::pid_t) -> Result<(), i32> {
+    // SAFETY: PTRACE_SEIZE with no options; no memory is passed.
+    let seized = unsafe {
+        libc::ptrace(
+            libc::PTRACE_SEIZE,
+            tid,
+            std::ptr::null_mut::<libc::c_void>(),
+            std::ptr::null_mut::<libc::c_void>(),
+        )
+    };
+    if seized != 0 {
+        return Err(errno());
+    }
+    // SAFETY: PTRACE_INTERRUPT on the tracee just seized; no memory passed.
+    let interrupted = unsafe {
+        libc::ptrace(
+            libc::PTRACE_INTERRUPT,
+            tid,
+            std::ptr::null_mut::<libc::c_void>(),
+            std::ptr::null_mut::<libc::c_void>(),
+        )
+    };
+    if interrupted != 0 {
+        let err = errno();
+        // SAFETY: undoing the seize of our own tracee.
+        unsafe {
+            libc::ptrace(
+                libc::PTRACE_DETACH,
+                tid,
+                std::ptr::null_mut::<libc::c_void>(),
+                std::ptr::null_mut::<libc::c_void>(),
+            )
+        };
+        return Err(err);
+    }
+    Ok(())
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+enum Waited {
+    /// Stopped; the signal it stopped for, to give back (0: our interrupt).
+    Stopped(i32),
+    Exited,
+    TimedOut,
+}
+
+/// Waits for a seized thread's stop.
+fn wait_stopped(tid: libc::pid_t, deadline: Instant) -> Waited {
+    let mut pause = Duration::from_micros(20);
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on our own tracee with a valid status pointer.
+        let who = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
+        if who == tid {
+            if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+                return Waited::Exited;
+            }
+            if libc::WIFSTOPPED(status) {
+                let event = (status >> 16) & 0xff;
+                let signal = if event == libc::PTRACE_EVENT_STOP {
+                    0
+                } else {
+                    libc::WSTOPSIG(status)
+                };
+                return Waited::Stopped(signal);
+            }
+        } else if who < 0 && errno() != libc::EINTR {
+            return Waited::Exited;
+        }
+        if Instant::now() >= deadline {
+            return Waited::TimedOut;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
+    }
+}
+
+/// The register words of a stopped tracee (`NT_PRSTATUS`).
+pub fn registers(tid: libc::pid_t) -> Option<Vec<u64>> {
+    let mut words = vec![0u64; REGISTER_WORDS];
+    let mut iov = libc::iovec {
+        iov_base: words.as_mut_ptr().cast(),
+        iov_len: std::mem::size_of_val(words.as_slice()),
+    };
+    // SAFETY: PTRACE_GETREGSET on our stopped tracee; the kernel writes
+    // at most `iov_len` bytes into `words` and shrinks `iov_len` to what it
+    // wrote.
+    let read = unsafe {
+        libc::ptrace(
+            libc::PTRACE_GETREGSET,
+            tid,
+            1usize as *mut libc::c_void, // NT_PRSTATUS
+            (&mut iov as *mut libc::iovec).cast::<libc::c_void>(),
+        )
+    };
+    if read != 0 {
+        return None;
+    }
+    words.truncate(iov.iov_len / 8);
+    Some(words)
+}
+
+/// The tracer of a thread of `pid` (`TracerPid:` in its status), if any.
+fn tracer_of(pid: u32, tid: libc::pid_t) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).ok()?;
+    parse_tracer(&status)
+}
+
+/// `TracerPid:` of a `/proc/.../status` text, when non-zero.
+pub fn parse_tracer(status: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&t| t != 0)
+}
+
+/// Reads another process's memory (`process_vm_readv`) while it is stopped:
+/// holes (pages unmapped or unreadable) read as zeros, counted.
+pub struct ProcessMemory {
+    pub pid: u32,
+    /// Bytes that could not be read (zeros given instead).
+    pub unreadable: u64,
+    /// Whether the process was gone at some read (every read failed with ESRCH).
+    pub gone: bool,
+    /// Past this instant nothing more is read (`--leak-check-max-pause`).
+    deadline: Option<Instant>,
+    /// Bytes not read because the deadline had passed.
+    pub skipped: u64,
+}
+
+impl ProcessMemory {
+    pub fn new(pid: u32) -> Self {
+        ProcessMemory {
+            pid,
+            unreadable: 0,
+            gone: false,
+            deadline: None,
+            skipped: 0,
+        }
+    }
+
+    /// Reads nothing more after `deadline`: the rest is counted as skipped.
+    pub fn with_deadline(mut self, deadline: Instant) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// Reads `buf.len()` bytes at `addr`; returns how many were really read.
+    fn read_some(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+        let local = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        let remote = libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: buf.len(),
+        };
+        // SAFETY: `local` describes `buf`, writable for its length; the
+        // remote range is only read by the kernel, which checks it.
+        let n = unsafe { libc::process_vm_readv(self.pid as i32, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            if errno() == libc::ESRCH {
+                self.gone = true;
+            }
+            return 0;
+        }
+        n as usize
+    }
+}
+
+const PAGE: u64 = 4096;
+
+impl crate::reach::Memory for ProcessMemory {
+    fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            self.skipped += buf.len() as u64;
+            buf.fill(0);
+            return 0;
+        }
+        let mut done = 0usize;
+        while done < buf.len() && !self.gone {
+            let at = addr + done as u64;
+            let n = self.read_some(at, &mut buf[done..]);
+            if n > 0 {
+                done += n;
+                continue;
+            }
+            // A hole: skip to the next page, zero-filled.
+            let next = ((at / PAGE) + 1) * PAGE;
+            let skip = ((next - at) as usize).min(buf.len() - done);
+            buf[done..done + skip].fill(0);
+            self.unreadable += skip as u64;
+            done += skip;
+        }
+        if self.gone {
+            buf[done..].fill(0);
+            return 0;
+        }
+        done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_tracer_pid() {
+        assert_eq!(parse_tracer("Name:\tx\nTracerPid:\t4242\n"), Some(4242));
+        assert_eq!(parse_tracer("TracerPid:\t0\n"), None);
+        assert_eq!(parse_tracer("garbage"), None);
+    }
+
+    #[test]
+    fn reads_its_own_memory_and_counts_holes() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
+        let mut memory = ProcessMemory::new(std::process::id());
+        let mut buf = vec![0u8; data.len()];
+        let n = crate::reach::Memory::read(&mut memory, data.as_ptr() as u64, &mut buf);
+        assert_eq!(n, data.len());
+        assert_eq!(buf, data);
+        // Page 0 is never mapped: read as zeros, counted.
+        let mut low = vec![1u8; 8192];
+        crate::reach::Memory::read(&mut memory, 0, &mut low);
+        assert!(low.iter().all(|&b| b == 0));
+        assert_eq!(memory.unreadable, 8192);
+    }
+}

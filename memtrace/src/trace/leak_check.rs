@@ -1,0 +1,414 @@
+//! When the leak check runs and how its result joins the report.
+//!
+//! By pid (`--leak-check`): at the final report and at each `--interval`
+//! report, every traced process is stopped ([`crate::target::stop`]), the
+//! events made before the stop are drained into the live table (so the
+//! table is exactly the memory's state), each process is judged, and the
+//! threads resume. In launch mode the check runs by default when the
+//! command is about to exit (its memory intact, its exiting thread's
+//! registers read by the supervisor), as valgrind and LeakSanitizer do.
+//!
+//! A judgement: the nodes are the process's live blocks in the table (host
+//! blocks are scanned when reached, device blocks never; mappings and
+//! handles are not judged: mappings are roots, as in valgrind); the roots
+//! come from [`crate::target::roots`]; [`crate::reach`] splits the blocks.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use aya::maps::{MapData, RingBuf};
+
+use super::loader::Probes;
+use super::session::Session;
+use crate::probe::catalog::{Allocator, Domain, Memory};
+use crate::probe::SpecEntry;
+use crate::reach::{self, Category, Node};
+use crate::report::leak::{Amount, CheckPoint, LeakCheck, LeakSplit, LeakVerdicts};
+use crate::report::LOST_CAUSES;
+use crate::stacks::StackStore;
+use crate::table::LiveTable;
+use crate::target::roots::{self, RootOptions};
+use crate::target::stop::{ProcessMemory, Stopped, StoppedThread};
+
+/// How long a thread may take to reach its stop before the check gives up.
+const STOP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The latest check: its summary and the verdict of each block judged.
+#[derive(Default)]
+pub struct LeakState {
+    pub summary: Option<LeakCheck>,
+    pub verdicts: LeakVerdicts,
+}
+
+/// One process judged.
+#[derive(Default)]
+struct Judgement {
+    split: LeakSplit,
+    heuristics: BTreeMap<String, Amount>,
+    not_judged: Amount,
+    scanned: u64,
+    unreadable: u64,
+    skipped: u64,
+    verdicts: Vec<((u32, Domain, u64), Category)>,
+}
+
+/// What the judge needs besides the process.
+struct JudgeInput<'a> {
+    table: &'a LiveTable,
+    specs: &'a [SpecEntry],
+    stacks: &'a StackStore,
+    /// The table holds every block since the process began.
+    complete: bool,
+    deadline: Instant,
+}
+
+/// File names of GPU/NPU runtime and driver libraries, whose own memory
+/// never keeps a device block reachable (a real driver records every
+/// allocation's address in its tables).
+fn runtime_name(name: &str) -> bool {
+    const PREFIXES: &[&str] = &[
+        "libcuda.so",
+        "libcudart.so",
+        "libnvidia-",
+        "libnvcuvid",
+        "libascendcl.so",
+        "libascend_hal.so",
+        "libruntime.so",
+        "libacl_",
+        "libhccl",
+    ];
+    PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+fn file_name(path: &Path) -> &str {
+    path.file_name().and_then(|n| n.to_str()).unwrap_or("")
+}
+
+/// Whether memory of `memory` kind is judged, and whether it is scanned.
+fn node_kind(entry: &SpecEntry) -> Option<bool> {
+    if entry.allocator == Allocator::Mmap {
+        return None;
+    }
+    match entry.memory {
+        Memory::Host | Memory::Pinned => Some(true),
+        Memory::Device | Memory::Managed => Some(false),
+        Memory::Handle => None,
+    }
+}
+
+/// Judges one stopped process.
+fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Judgement {
+    let mut judgement = Judgement::default();
+    // The runtime libraries: by name, and every object defining a device
+    // allocator memtrace probes.
+    let device_modules: Vec<&str> = input
+        .specs
+        .iter()
+        .filter(|s| matches!(s.memory, Memory::Device | Memory::Managed | Memory::Pinned))
+        .filter_map(|s| s.module)
+        .map(|m| file_name(Path::new(m)))
+        .collect();
+    let runtime_library =
+        |path: &Path| runtime_name(file_name(path)) || device_modules.contains(&file_name(path));
+    let mut nodes = Vec::new();
+    let mut keys = Vec::new();
+    for (owner, domain, addr, block) in input.table.blocks() {
+        if owner != pid {
+            continue;
+        }
+        let Some(entry) = input.specs.get(usize::from(block.spec)) else {
+            continue;
+        };
+        let Some(scan) = node_kind(entry) else {
+            judgement.not_judged.add(block.size);
+            continue;
+        };
+        let runtime_owned = scan
+            && match block.stack() {
+                crate::event::StackRef::Id(id) => input
+                    .stacks
+                    .get(id)
+                    .and_then(|frames| frames.first())
+                    .and_then(|frame| frame.file.as_ref())
+                    .is_some_and(|file| runtime_library(&file.module)),
+                _ => false,
+            };
+        nodes.push(Node {
+            start: addr,
+            size: block.size,
+            scan,
+            runtime_owned,
+        });
+        keys.push(((pid, domain, addr), block.size));
+    }
+    let Ok(mappings) = crate::target::maps::read_raw(pid) else {
+        return judgement;
+    };
+    let scanned_ranges: Vec<(u64, u64)> = nodes
+        .iter()
+        .filter(|n| n.scan)
+        .map(|n| (n.start, n.start.saturating_add(n.size)))
+        .collect();
+    let stack_pointers: Vec<u64> = threads.iter().map(|t| t.sp).collect();
+    let roots = roots::roots(
+        &mappings,
+        &RootOptions {
+            stack_pointers: &stack_pointers,
+            complete: input.complete,
+            nodes: &scanned_ranges,
+            runtime_library: &runtime_library,
+        },
+    );
+    let registers: Vec<u64> = threads
+        .iter()
+        .flat_map(|t| t.registers.iter().copied())
+        .collect();
+    let vtable = roots::vtable_predicate(&mappings);
+    let mut memory = ProcessMemory::new(pid).with_deadline(input.deadline);
+    let outcome = reach::classify(
+        &reach::Input {
+            nodes: &nodes,
+            roots: &roots,
+            registers: &registers,
+            vtable: &vtable,
+        },
+        &mut memory,
+    );
+    judgement.scanned = outcome.scanned_bytes;
+    judgement.unreadable = memory.unreadable;
+    judgement.skipped = memory.skipped;
+    let cut = memory.skipped > 0;
+    for ((key, size), verdict) in keys.into_iter().zip(outcome.verdicts) {
+        // A scan cut short proves only what it reached.
+        if cut && verdict.category != Category::StillReachable {
+            judgement.not_judged.add(size);
+            continue;
+        }
+        judgement.split.add(verdict.category, size);
+        if let Some(heuristic) = verdict.heuristic {
+            judgement
+                .heuristics
+                .entry(heuristic.name().to_string())
+                .or_default()
+                .add(size);
+        }
+        judgement.verdicts.push((key, verdict.category));
+    }
+    judgement
+}
+
+impl LeakState {
+    /// Starts a new check's result (by pid: each check replaces the last).
+    fn begin(&mut self, when: CheckPoint) -> &mut LeakCheck {
+        self.verdicts = LeakVerdicts::default();
+        self.summary.insert(LeakCheck {
+            ran: true,
+            when: Some(when),
+            ..LeakCheck::default()
+        })
+    }
+
+    /// Adds one process's judgement to the current result.
+    fn add(&mut self, judgement: Judgement, threads: usize) {
+        let Some(summary) = self.summary.as_mut() else {
+            return;
+        };
+        summary.split.merge(&judgement.split);
+        for (name, amount) in judgement.heuristics {
+            summary.reachable_via_heuristic.entry(name).or_default().merge(amount);
+        }
+        summary.not_judged.merge(judgement.not_judged);
+        summary.scanned_bytes += judgement.scanned;
+        summary.unreadable_bytes += judgement.unreadable;
+        summary.skipped_bytes += judgement.skipped;
+        summary.threads += threads as u64;
+        summary.processes += 1;
+        let mut entries = std::mem::take(&mut self.verdicts).into_entries();
+        entries.extend(judgement.verdicts);
+        self.verdicts = LeakVerdicts::new(entries);
+    }
+}
+
+/// Events lost so far, all causes.
+fn lost(probes: &Probes) -> u64 {
+    let counters = probes.counters();
+    LOST_CAUSES
+        .iter()
+        .map(|c| counters.get(*c).copied().unwrap_or(0))
+        .sum()
+}
+
+impl Session<'_> {
+    /// Whether leak checks were asked for (`--leak-check`, `--fail-on`, or
+    /// launch mode without `--no-leak-check`).
+    pub fn leak_check_enabled(&self) -> bool {
+        let args = self.args;
+        if args.no_leak_check {
+            return false;
+        }
+        args.leak_check || !args.fail_on.is_empty() || !args.command.is_empty()
+    }
+
+    /// Whether the table holds every block `pid` ever made and kept: the
+    /// launched command itself, traced from its first instruction, with
+    /// nothing sampled, filtered or lost.
+    fn table_complete(&self, pid: u32, probes: &Probes) -> bool {
+        let args = self.args;
+        !args.command.is_empty()
+            && pid == self.target.pid
+            && args.sample_rate == 1
+            && args.min_size == 0
+            && args.max_size.is_none()
+            && (args.allocators.is_empty() || args.allocators.iter().any(|a| a == "libc"))
+            && lost(probes) == 0
+            && self.pipeline.table().counts().table_full == 0
+    }
+
+    /// By pid: stops every traced process, brings the table up to the
+    /// stop, judges, resumes; the result replaces the last check's.
+    pub fn leak_check_live(
+        &mut self,
+        ring: &mut RingBuf<MapData>,
+        probes: &Probes,
+        when: CheckPoint,
+    ) {
+        if !self.leak_check_enabled() {
+            return;
+        }
+        if !self.args.command.is_empty() {
+            // The supervisor holds the command with ptrace: its check is
+            // the one at exit.
+            return;
+        }
+        let started = Instant::now();
+        let mut stopped = Vec::new();
+        let mut refusal = None;
+        for pid in self.family.running().collect::<Vec<_>>() {
+            match Stopped::stop(pid, STOP_TIMEOUT) {
+                Ok(process) => stopped.push(process),
+                Err(err) => {
+                    let line = err.to_string();
+                    if refusal.is_none() {
+                        eprintln!("memtrace: leak check skipped: {line}");
+                    }
+                    refusal.get_or_insert(line);
+                }
+            }
+        }
+        if stopped.is_empty() {
+            let reason = refusal.unwrap_or_else(|| "no traced process is running".to_string());
+            self.leak.summary = Some(LeakCheck::not_run(when, reason));
+            self.leak.verdicts = LeakVerdicts::default();
+            return;
+        }
+        // Every event made before the stop, and what the kernel holds.
+        self.pipeline.drain_all(ring, probes);
+        let lost = lost(probes);
+        if lost > 0 || self.pipeline.table().counts().table_full > 0 {
+            drop(stopped);
+            let reason = if lost > 0 {
+                format!("{lost} events were lost: the live table is not exact, so nothing is judged")
+            } else {
+                "the live table reached --max-live: blocks are missing, so nothing is judged"
+                    .to_string()
+            };
+            self.leak.summary = Some(LeakCheck::not_run(when, reason));
+            self.leak.verdicts = LeakVerdicts::default();
+            return;
+        }
+        let deadline = started + self.args.leak_check_max_pause;
+        self.leak.begin(when);
+        for process in &stopped {
+            let complete = self.table_complete(process.pid, probes);
+            let judgement = judge(
+                process.pid,
+                &process.threads,
+                &JudgeInput {
+                    table: self.pipeline.table(),
+                    specs: probes.specs(),
+                    stacks: self.pipeline.stacks(),
+                    complete,
+                    deadline,
+                },
+            );
+            self.leak.add(judgement, process.threads.len());
+        }
+        let stopped_count = stopped.len();
+        drop(stopped);
+        self.finish_check(started, stopped_count, refusal);
+    }
+
+    /// Launch mode: `pid` is stopped just before it exits (its exiting
+    /// thread's registers given); judges it, its memory intact.
+    pub fn leak_check_exiting(
+        &mut self,
+        pid: u32,
+        registers: Option<Vec<u64>>,
+        ring: &mut RingBuf<MapData>,
+        probes: &Probes,
+    ) {
+        if !self.leak_check_enabled() || self.args.command.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        self.pipeline.drain_all(ring, probes);
+        let lost = lost(probes);
+        if lost > 0 {
+            self.leak.summary = Some(LeakCheck::not_run(
+                CheckPoint::Exit,
+                format!("{lost} events were lost: the live table is not exact, so nothing is judged"),
+            ));
+            return;
+        }
+        if self.leak.summary.as_ref().is_none_or(|s| !s.ran) {
+            self.leak.begin(CheckPoint::Exit);
+        }
+        let threads: Vec<StoppedThread> = registers
+            .map(|registers| StoppedThread {
+                sp: crate::target::stop::stack_pointer(&registers),
+                registers,
+            })
+            .into_iter()
+            .collect();
+        let complete = self.table_complete(pid, probes);
+        if let Some(summary) = self.leak.summary.as_mut() {
+            summary.complete_table |= complete;
+        }
+        let judgement = judge(
+            pid,
+            &threads,
+            &JudgeInput {
+                table: self.pipeline.table(),
+                specs: probes.specs(),
+                stacks: self.pipeline.stacks(),
+                complete,
+                deadline: started + self.args.leak_check_max_pause,
+            },
+        );
+        // The other threads are already gone: only the exiting one counts.
+        self.leak.add(judgement, 1);
+        self.finish_check(started, 1, None);
+    }
+
+    /// Records the pause and says what a cut scan left out.
+    fn finish_check(&mut self, started: Instant, processes: usize, refusal: Option<String>) {
+        let pause = started.elapsed();
+        if let Some(summary) = self.leak.summary.as_mut() {
+            summary.pause_ms += pause.as_secs_f64() * 1000.0;
+            if summary.skipped_bytes > 0 {
+                summary.reason = Some(format!(
+                    "the scan reached --leak-check-max-pause ({} ms): {} bytes were not scanned, so blocks not proven reachable are not judged",
+                    self.args.leak_check_max_pause.as_millis(),
+                    summary.skipped_bytes
+                ));
+            } else if let Some(refusal) = refusal {
+                summary.reason = Some(format!("some processes were not checked: {refusal}"));
+            }
+        }
+        log::info!(
+            "leak check: {processes} process(es) stopped for {:.1} ms",
+            pause.as_secs_f64() * 1000.0
+        );
+    }
+}
