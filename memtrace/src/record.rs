@@ -23,11 +23,14 @@ use crate::analysis::history::History;
 use crate::analysis::Suppressions;
 use crate::error::Failure;
 use crate::interp::python::resolve::PyFrame;
-use crate::probe::catalog::Allocator;
+use crate::probe::catalog::{Allocator, Domain};
 use crate::probe::maps::{AddressSpace, FileAddr};
 use crate::probe::SpecEntry;
+use crate::reach::Category;
 use crate::report::device_cache::{self, UsdtTags};
-use crate::report::{self, ProcessInfo, Reconciliation, Report, Settings, TargetInfo};
+use crate::report::{
+    self, LeakCheck, LeakVerdicts, ProcessInfo, Reconciliation, Report, Settings, TargetInfo,
+};
 use crate::stacks::{RawFrame, StackStore};
 use crate::symbolize::{SymInfo, Symbolize};
 use crate::table::LiveTable;
@@ -74,6 +77,13 @@ struct Footer {
     /// The live report's `usdt` (the objects whose USDT probes were traced).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     usdt: Vec<serde_json::Value>,
+    /// The last leak check (absent: none asked, or an older record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    leak_check: Option<LeakCheck>,
+    /// Its verdicts: (pid, domain, address, category as in
+    /// [`Category::ALL`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    leak_verdicts: Vec<(u32, Domain, u64, u8)>,
 }
 
 /// Writes a record file as the trace goes.
@@ -230,6 +240,7 @@ impl Recorder {
         report: &Report,
         ended_ns: u64,
         thread_names: &HashMap<u32, String>,
+        leak_verdicts: Option<&LeakVerdicts>,
         symbolizer: &mut dyn Symbolize,
     ) -> Result<(), Failure> {
         self.symbols(symbolizer);
@@ -265,6 +276,22 @@ impl Recorder {
                 .map(|cache| cache.allocators.clone())
                 .unwrap_or_default(),
             usdt: report.usdt.clone(),
+            leak_check: report.leak_check.clone(),
+            leak_verdicts: leak_verdicts
+                .map(|verdicts| {
+                    verdicts
+                        .entries()
+                        .iter()
+                        .map(|&((pid, domain, addr), category)| {
+                            let code = Category::ALL
+                                .iter()
+                                .position(|c| *c == category)
+                                .unwrap_or(0);
+                            (pid, domain, addr, code as u8)
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
         }));
         let flushed = self.out.flush();
         match self.failed.take() {
@@ -423,6 +450,20 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         .as_ref()
         .map(|f| (f.device_allocators.clone(), f.usdt.clone()))
         .unwrap_or_default();
+    let leak_check = footer.as_ref().and_then(|f| f.leak_check.clone());
+    let leak_verdicts = LeakVerdicts::new(
+        footer
+            .as_ref()
+            .map(|f| {
+                f.leak_verdicts
+                    .iter()
+                    .filter_map(|&(pid, domain, addr, code)| {
+                        Some(((pid, domain, addr), *Category::ALL.get(usize::from(code))?))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+    );
     let (
         duration_ms,
         ended_ns,
@@ -452,6 +493,8 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
             python: _,
             device_allocators: _,
             usdt: _,
+            leak_check: _,
+            leak_verdicts: _,
         }) => {
             notes.extend(recorded);
             let thread_names: HashMap<u32, String> = thread_names.into_iter().collect();
@@ -525,7 +568,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         reconciliation,
         processes,
         attach_failures,
-        leak_check: None,
+        leak_check: leak_check.as_ref().map(|check| (check, &leak_verdicts)),
         leak_gates: &[],
     };
     let mut report = report::build(input, &mut symbols);

@@ -150,20 +150,34 @@ fn header(state: &State, width: u16) -> Vec<Line<'static>> {
             String::new()
         }
     )));
+    let leak = h.leak.as_ref().map(|(words, lost)| {
+        Line::from(Span::styled(
+            words.clone(),
+            if *lost {
+                Style::new().fg(Color::Red)
+            } else {
+                Style::new().fg(Color::Green)
+            },
+        ))
+    });
     if width < NARROW {
         let figures = first.split_off(2);
         let mut figures_line: Vec<Span<'static>> = figures;
         if let Some(lead) = figures_line.first_mut() {
             lead.content = lead.content.trim_start().to_string().into();
         }
-        return vec![
+        let mut lines = vec![
             Line::from(first),
             Line::from(figures_line),
             Line::from(second),
             Line::from(third),
         ];
+        lines.extend(leak);
+        return lines;
     }
-    vec![Line::from(first), Line::from(second), Line::from(third)]
+    let mut lines = vec![Line::from(first), Line::from(second), Line::from(third)];
+    lines.extend(leak);
+    lines
 }
 
 fn trend_style(trend: Trend) -> Style {

@@ -84,6 +84,8 @@ pub struct Header {
     pub notes: usize,
     /// Reports received so far (one per interval).
     pub refreshes: u64,
+    /// The latest leak check in a few words, and whether it found lost bytes.
+    pub leak: Option<(String, bool)>,
 }
 
 /// What a key asks of the caller.
@@ -378,7 +380,32 @@ fn header_of(report: &Report, previous: &Header) -> Header {
             .map(|r| (r.vm_rss_now, r.rss_anon_growth)),
         notes: report.notes.len(),
         refreshes: previous.refreshes + 1,
+        leak: report.leak_check.as_ref().map(leak_words),
     }
+}
+
+/// The latest leak check for the header.
+fn leak_words(check: &crate::report::LeakCheck) -> (String, bool) {
+    if !check.ran {
+        return (
+            format!(
+                "leak check not run: {}",
+                check.reason.as_deref().unwrap_or("no reason given")
+            ),
+            false,
+        );
+    }
+    let s = &check.split;
+    let words = format!(
+        "leak check: definitely lost {} ({}), indirectly {}, possibly {}, reachable {}; paused {:.1} ms",
+        crate::sink::human_bytes(s.definitely_lost.bytes),
+        s.definitely_lost.blocks,
+        crate::sink::human_bytes(s.indirectly_lost.bytes),
+        crate::sink::human_bytes(s.possibly_lost.bytes),
+        crate::sink::human_bytes(s.still_reachable.bytes),
+        check.pause_ms
+    );
+    (words, s.lost_bytes() > 0)
 }
 
 fn rows_of(report: &Report, names: Names) -> Vec<Row> {

@@ -401,7 +401,7 @@ fn trace_with_python(path: &Path) -> Report {
         crate::symbolize::BlazeSymbolizer::new(Box::new(|p| Some(p.to_path_buf())));
     let live = report::build(input, &mut symbolizer);
     recorder
-        .finish(&live, ended_ns, &thread_names, &mut symbolizer)
+        .finish(&live, ended_ns, &thread_names, None, &mut symbolizer)
         .expect("finishes");
     live
 }
@@ -589,7 +589,7 @@ impl Traced<'_> {
         let mut live = report::build(input, &mut symbolizer);
         amend(&mut live, &self.table);
         recorder
-            .finish(&live, ended_ns, &thread_names, &mut symbolizer)
+            .finish(&live, ended_ns, &thread_names, None, &mut symbolizer)
             .expect("finishes");
         live
     }

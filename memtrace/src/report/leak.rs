@@ -156,17 +156,14 @@ impl LeakVerdicts {
             .map(|i| self.entries[i].1)
     }
 
-    pub fn len(&self) -> usize {
-        self.entries.len()
+    /// The entries, sorted by key.
+    pub fn entries(&self) -> &[((u32, Domain, u64), Category)] {
+        &self.entries
     }
 
     /// The entries, for adding more.
     pub fn into_entries(self) -> Vec<((u32, Domain, u64), Category)> {
         self.entries
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
     }
 }
 

@@ -121,8 +121,13 @@ pub fn page(report: &Report, names: Names) -> std::io::Result<String> {
         report.events.allocs,
         report.events.frees
     );
-    out.push_str("<nav><a href=\"#summary\">Summary</a><a href=\"#charts\">Live bytes over time</a><a href=\"#flame\">Flame graph</a><a href=\"#sites\">Sites</a></nav>");
+    out.push_str("<nav><a href=\"#summary\">Summary</a>");
+    if report.leak_check.is_some() {
+        out.push_str("<a href=\"#leak-check\">Leak check</a>");
+    }
+    out.push_str("<a href=\"#charts\">Live bytes over time</a><a href=\"#flame\">Flame graph</a><a href=\"#sites\">Sites</a></nav>");
     summary(&mut out, report);
+    leak_check_section(&mut out, report);
     charts(&mut out, report, names);
     flame(&mut out, report);
     sites_section(&mut out, report);
@@ -191,6 +196,82 @@ fn kv_table(out: &mut String, id: &str, caption: &str, rows: &[(String, String)]
         );
     }
     out.push_str("</table>");
+}
+
+/// The leak check: valgrind's four lines, and the sites holding lost bytes.
+fn leak_check_section(out: &mut String, report: &Report) {
+    let Some(check) = &report.leak_check else {
+        return;
+    };
+    out.push_str("<section id=\"leak-check\"><h2>Leak check</h2>");
+    if !check.ran {
+        let _ = write!(
+            out,
+            "<p class=\"note\">The leak check did not run: {}</p></section>",
+            escape(check.reason.as_deref().unwrap_or("no reason given"))
+        );
+        return;
+    }
+    let amount = |a: crate::report::leak::Amount| format!("{} ({} bytes) in {} blocks", human_bytes(a.bytes), a.bytes, a.blocks);
+    let split = &check.split;
+    let mut rows = vec![
+        ("definitely lost".to_string(), amount(split.definitely_lost)),
+        ("indirectly lost".to_string(), amount(split.indirectly_lost)),
+        ("possibly lost".to_string(), amount(split.possibly_lost)),
+        ("still reachable".to_string(), amount(split.still_reachable)),
+        (
+            "pause".to_string(),
+            format!(
+                "{:.1} ms: {} thread(s) of {} process(es), {} scanned",
+                check.pause_ms,
+                check.threads,
+                check.processes,
+                human_bytes(check.scanned_bytes)
+            ),
+        ),
+    ];
+    for (heuristic, reached) in &check.reachable_via_heuristic {
+        rows.push((format!("reachable via {heuristic}"), amount(*reached)));
+    }
+    if let Some(reason) = &check.reason {
+        rows.push(("note".to_string(), reason.clone()));
+    }
+    if !check.failed_gates.is_empty() {
+        rows.push(("--fail-on".to_string(), format!("FAILED: {}", check.failed_gates.join(", "))));
+    }
+    kv_table(out, "leak-summary", "What nothing points to any more (valgrind's categories)", &rows);
+    out.push_str(
+        "<table class=\"grid\" id=\"leak-sites\"><thead><tr><th>#</th><th>top frame</th>\
+         <th>definitely lost</th><th>indirectly lost</th><th>possibly lost</th><th>still reachable</th>\
+         </tr></thead><tbody>",
+    );
+    for (rank, site) in report.sites.iter().enumerate() {
+        let Some(split) = &site.leak_check else {
+            continue;
+        };
+        let cell = |a: crate::report::leak::Amount| {
+            if a.blocks == 0 {
+                String::new()
+            } else {
+                format!("{} in {}", human_bytes(a.bytes), a.blocks)
+            }
+        };
+        let frame = site
+            .frames
+            .first()
+            .map_or_else(|| "[no stack]".to_string(), frame_name);
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            rank + 1,
+            escape(&frame),
+            cell(split.definitely_lost),
+            cell(split.indirectly_lost),
+            cell(split.possibly_lost),
+            cell(split.still_reachable),
+        );
+    }
+    out.push_str("</tbody></table></section>");
 }
 
 fn summary(out: &mut String, report: &Report) {

@@ -287,7 +287,7 @@ impl Builder {
     /// allocator first.
     /// `bytes` and `count` are the site's figures as the profile shows them
     /// (scaled when sampled, see [`super::site_live`]).
-    fn sample(&mut self, site: &Site, bytes: u64, count: u64) {
+    fn sample(&mut self, site: &Site, bytes: u64, count: u64, leak: bool) {
         let mut location_id = Vec::with_capacity(site.frames.len() + 2);
         for frame in &site.frames {
             location_id.push(self.frame(frame));
@@ -304,9 +304,23 @@ impl Builder {
             self.label("allocator", site.allocator.name()),
             self.label("memory", site.memory.name()),
         ];
+        let mut value = vec![saturate(bytes), saturate(count)];
+        if leak {
+            // The leak check's split, as sample types of their own.
+            let split = site.leak_check.unwrap_or_default();
+            value.extend(
+                [
+                    split.definitely_lost,
+                    split.indirectly_lost,
+                    split.possibly_lost,
+                    split.still_reachable,
+                ]
+                .map(|amount| saturate(amount.bytes)),
+            );
+        }
         self.profile.sample.push(proto::Sample {
             location_id,
-            value: vec![saturate(bytes), saturate(count)],
+            value,
             label,
         });
     }
@@ -335,6 +349,18 @@ pub(crate) fn profile(report: &Report) -> proto::Profile {
     let objects = b.value_type("inuse_objects", "count");
     b.profile.default_sample_type = space.r#type;
     b.profile.sample_type = vec![space.clone(), objects];
+    let leak = report.leak_check.as_ref().is_some_and(|check| check.ran);
+    if leak {
+        for kind in [
+            "definitely_lost_space",
+            "indirectly_lost_space",
+            "possibly_lost_space",
+            "still_reachable_space",
+        ] {
+            let value_type = b.value_type(kind, "bytes");
+            b.profile.sample_type.push(value_type);
+        }
+    }
     b.profile.period_type = Some(space);
     // The sampling period, for the record: the values are already scaled by
     // it (pprof does not scale them itself).
@@ -352,7 +378,7 @@ pub(crate) fn profile(report: &Report) -> proto::Profile {
     }
     for site in &report.sites {
         let (bytes, count) = site_live(report, site);
-        b.sample(site, bytes, count);
+        b.sample(site, bytes, count, leak);
     }
     let comment = format!(
         "memtrace: live allocations of pid {} ({}) {}{}",

@@ -81,6 +81,7 @@ impl Trace<'_> {
                 &report,
                 ended_ns,
                 session.pipeline.thread_names(),
+                Some(&session.leak.verdicts),
                 &mut session.symbolizer,
             )?;
         }

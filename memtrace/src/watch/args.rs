@@ -139,6 +139,12 @@ pub struct WatchArgs {
     #[arg(long, default_value_t = 20)]
     pub top: usize,
 
+    /// End each episode with a leak check (the tracer's `--leak-check`):
+    /// the target is stopped for a moment and the episode says which of the
+    /// blocks it saw nothing points to any more.
+    #[arg(long)]
+    pub leak_check: bool,
+
     /// Keep each episode's recorded trace (trace.jsonl) after rendering.
     #[arg(long)]
     pub keep_traces: bool,

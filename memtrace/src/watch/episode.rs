@@ -226,6 +226,10 @@ pub struct Summary {
     /// report's `otlp`, the same fields).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub otlp: Option<Value>,
+    /// With `--leak-check`: the tracer's check at the episode's end (its
+    /// report's `leak_check`: the four categories, pause, scanned bytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leak_check: Option<Value>,
 }
 
 /// Whether a report site's memory is what `family`/`metric` measures.
@@ -435,6 +439,15 @@ pub fn finish(run: &Running, input: Finish<'_>) -> Result<Summary, WatchError> {
         explain(&input.why, input.family, &input.change, &found, traced_ms);
     let push = report.as_ref().and_then(|r| r.get("push")).cloned();
     let otlp = report.as_ref().and_then(|r| r.get("otlp")).cloned();
+    let leak_check = report.as_ref().and_then(|r| r.get("leak_check")).cloned();
+    if let Some(check) = &leak_check {
+        if check["ran"] == Value::Bool(false) {
+            notes.push(format!(
+                "the leak check did not run: {}",
+                check["reason"].as_str().unwrap_or("no reason given")
+            ));
+        }
+    }
     for pushed in [&push, &otlp].into_iter().flatten() {
         let lost = pushed["failed"].as_u64().unwrap_or(0) + pushed["dropped"].as_u64().unwrap_or(0);
         if lost > 0 {
@@ -464,6 +477,7 @@ pub fn finish(run: &Running, input: Finish<'_>) -> Result<Summary, WatchError> {
         notes,
         push,
         otlp,
+        leak_check,
     };
     crate::watch::state::write_json(&run.dir.join(EPISODE_JSON), &summary)?;
     Ok(summary)

@@ -67,6 +67,9 @@ impl Watcher {
         crate::push::OtlpConfig::from_args(&args.push)
             .map_err(|e| WatchError::Usage(e.to_string()))?;
         let mut tracer_args = args.push.as_tracer_args();
+        if args.leak_check {
+            tracer_args.push("--leak-check".to_string());
+        }
         tracer_args.append(&mut args.tracer_args);
         args.tracer_args = tracer_args;
         if args.interval.is_zero() || args.window.is_zero() {
