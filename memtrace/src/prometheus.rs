@@ -80,7 +80,11 @@ pub fn render(report: &Report) -> String {
             ("still_reachable", check.split.still_reachable),
         ];
         for (name, amount) in categories {
-            out.sample("memtrace_leak_check_bytes", &[("category", name)], amount.bytes);
+            out.sample(
+                "memtrace_leak_check_bytes",
+                &[("category", name)],
+                amount.bytes,
+            );
         }
         out.family(
             "memtrace_leak_check_blocks",
@@ -88,7 +92,11 @@ pub fn render(report: &Report) -> String {
             "Live blocks by the latest leak check's category.",
         );
         for (name, amount) in categories {
-            out.sample("memtrace_leak_check_blocks", &[("category", name)], amount.blocks);
+            out.sample(
+                "memtrace_leak_check_blocks",
+                &[("category", name)],
+                amount.blocks,
+            );
         }
         out.family(
             "memtrace_leak_check_pause_seconds",

@@ -305,16 +305,18 @@ fn judge_sites(
                 Default::default()
             }
         };
-        proven(&a.1).cmp(&proven(&b.1)).then_with(|| suspicion_rank(a.2.trend, a.2.growth_bytes_per_s, a.5, a.1.live_bytes, a.4)
-            .cmp(&suspicion_rank(
-                b.2.trend,
-                b.2.growth_bytes_per_s,
-                b.5,
-                b.1.live_bytes,
-                b.4,
-            ))
-            .then(b.1.live_count.cmp(&a.1.live_count))
-            .then(a.0.cmp(&b.0)))
+        proven(&a.1).cmp(&proven(&b.1)).then_with(|| {
+            suspicion_rank(a.2.trend, a.2.growth_bytes_per_s, a.5, a.1.live_bytes, a.4)
+                .cmp(&suspicion_rank(
+                    b.2.trend,
+                    b.2.growth_bytes_per_s,
+                    b.5,
+                    b.1.live_bytes,
+                    b.4,
+                ))
+                .then(b.1.live_count.cmp(&a.1.live_count))
+                .then(a.0.cmp(&b.0))
+        })
     });
     judged.truncate(input.settings.top);
     judged

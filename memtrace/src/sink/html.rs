@@ -212,7 +212,14 @@ fn leak_check_section(out: &mut String, report: &Report) {
         );
         return;
     }
-    let amount = |a: crate::report::leak::Amount| format!("{} ({} bytes) in {} blocks", human_bytes(a.bytes), a.bytes, a.blocks);
+    let amount = |a: crate::report::leak::Amount| {
+        format!(
+            "{} ({} bytes) in {} blocks",
+            human_bytes(a.bytes),
+            a.bytes,
+            a.blocks
+        )
+    };
     let split = &check.split;
     let mut rows = vec![
         ("definitely lost".to_string(), amount(split.definitely_lost)),
@@ -237,9 +244,17 @@ fn leak_check_section(out: &mut String, report: &Report) {
         rows.push(("note".to_string(), reason.clone()));
     }
     if !check.failed_gates.is_empty() {
-        rows.push(("--fail-on".to_string(), format!("FAILED: {}", check.failed_gates.join(", "))));
+        rows.push((
+            "--fail-on".to_string(),
+            format!("FAILED: {}", check.failed_gates.join(", ")),
+        ));
     }
-    kv_table(out, "leak-summary", "What nothing points to any more (valgrind's categories)", &rows);
+    kv_table(
+        out,
+        "leak-summary",
+        "What nothing points to any more (valgrind's categories)",
+        &rows,
+    );
     out.push_str(
         "<table class=\"grid\" id=\"leak-sites\"><thead><tr><th>#</th><th>top frame</th>\
          <th>definitely lost</th><th>indirectly lost</th><th>possibly lost</th><th>still reachable</th>\

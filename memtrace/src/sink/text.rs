@@ -261,7 +261,11 @@ fn leak_summary_lines(check: &crate::report::LeakCheck) -> Vec<String> {
         )];
     }
     let amount = |a: crate::report::leak::Amount| {
-        format!("{} bytes in {} blocks", thousands(a.bytes), thousands(a.blocks))
+        format!(
+            "{} bytes in {} blocks",
+            thousands(a.bytes),
+            thousands(a.blocks)
+        )
     };
     let split = &check.split;
     let mut lines = vec![

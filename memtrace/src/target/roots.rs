@@ -42,7 +42,9 @@ const RED_ZONE: u64 = 0;
 /// that reading could disturb (GPU apertures).
 fn never_read(mapping: &Mapping) -> bool {
     match mapping.path.as_deref().and_then(Path::to_str) {
-        Some(p) if p.starts_with('[') => !matches!(p, "[heap]" | "[stack]") && !p.starts_with("[anon"),
+        Some(p) if p.starts_with('[') => {
+            !matches!(p, "[heap]" | "[stack]") && !p.starts_with("[anon")
+        }
         Some(p) if p.starts_with("/dev/") => !(p == "/dev/zero" || p.starts_with("/dev/shm/")),
         _ => false,
     }
@@ -222,7 +224,9 @@ mod tests {
         let nodes = [(0x7f00_0020_0010, 0x7f00_0020_0100)];
         let got = regions(true, &[], &nodes);
         assert!(!got.iter().any(|r| r.0 >= 0x0100_0000 && r.0 < 0x0110_0000));
-        assert!(!got.iter().any(|r| r.0 >= 0x7f00_0020_0000 && r.0 < 0x7f00_0030_0000));
+        assert!(!got
+            .iter()
+            .any(|r| r.0 >= 0x7f00_0020_0000 && r.0 < 0x7f00_0030_0000));
         // Anonymous memory without a block stays a root; the whole stack
         // when no thread's pointer is known.
         assert!(got.contains(&(0x7f00_0000_0000, 0x7f00_0010_0000, false)));

@@ -216,7 +216,11 @@ impl LeakState {
         };
         summary.split.merge(&judgement.split);
         for (name, amount) in judgement.heuristics {
-            summary.reachable_via_heuristic.entry(name).or_default().merge(amount);
+            summary
+                .reachable_via_heuristic
+                .entry(name)
+                .or_default()
+                .merge(amount);
         }
         summary.not_judged.merge(judgement.not_judged);
         summary.scanned_bytes += judgement.scanned;
@@ -308,7 +312,9 @@ impl Session<'_> {
         if lost > 0 || self.pipeline.table().counts().table_full > 0 {
             drop(stopped);
             let reason = if lost > 0 {
-                format!("{lost} events were lost: the live table is not exact, so nothing is judged")
+                format!(
+                    "{lost} events were lost: the live table is not exact, so nothing is judged"
+                )
             } else {
                 "the live table reached --max-live: blocks are missing, so nothing is judged"
                     .to_string()
@@ -357,7 +363,9 @@ impl Session<'_> {
         if lost > 0 {
             self.leak.summary = Some(LeakCheck::not_run(
                 CheckPoint::Exit,
-                format!("{lost} events were lost: the live table is not exact, so nothing is judged"),
+                format!(
+                    "{lost} events were lost: the live table is not exact, so nothing is judged"
+                ),
             ));
             return;
         }

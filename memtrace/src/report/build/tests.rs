@@ -325,5 +325,3 @@ fn unmatched_frees_under_a_size_filter_get_a_note_not_a_warning() {
     let plain = build_with(Settings::default());
     assert!(plain.notes.iter().all(|n| !n.contains("unmatched")));
 }
-leak_check: None,
-leak_gates: &[],
