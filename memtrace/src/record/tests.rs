@@ -109,6 +109,20 @@ fn record_text() -> String {
             python: Vec::new(),
             device_allocators: Vec::new(),
             usdt: Vec::new(),
+            leak_check: Some(crate::report::LeakCheck {
+                ran: true,
+                when: Some(crate::report::leak::CheckPoint::End),
+                split: crate::report::LeakSplit {
+                    definitely_lost: crate::report::leak::Amount {
+                        bytes: 64,
+                        blocks: 1,
+                    },
+                    ..Default::default()
+                },
+                ..Default::default()
+            }),
+            // The live block, definitely lost (Category::ALL[0]).
+            leak_verdicts: vec![(7, crate::probe::catalog::Domain::Heap, 0x1000, 0)],
         }),
     ];
     let mut text = String::new();
@@ -161,6 +175,13 @@ fn a_whole_record_replays_with_its_footer() {
         (frame.symbol.as_deref(), frame.file.as_deref(), frame.line),
         (Some("leak"), Some("leaky.c"), Some(7))
     );
+    // The leak check is replayed, its verdict split per site.
+    let check = report.leak_check.as_ref().expect("the check is kept");
+    assert!(check.ran);
+    assert_eq!(check.split.definitely_lost.bytes, 64);
+    let split = report.sites[0].leak_check.expect("the site's split");
+    assert_eq!(split.definitely_lost.blocks, 1);
+    assert_eq!(split.still_reachable.blocks, 0);
     // Its one live block was made in the trace's last second.
     assert_eq!(report.notes.len(), 2, "{:?}", report.notes);
     assert!(report.notes[1].starts_with("1 live block(s) (64 bytes) were made"));

@@ -167,6 +167,14 @@ impl LeakVerdicts {
     }
 }
 
+/// The latest check of a trace: its summary and the verdict of each block
+/// judged.
+#[derive(Clone, Debug, Default)]
+pub struct LeakState {
+    pub summary: Option<LeakCheck>,
+    pub verdicts: LeakVerdicts,
+}
+
 /// A category `--fail-on` can gate on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LeakGate {

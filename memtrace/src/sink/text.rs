@@ -828,4 +828,63 @@ mod tests {
         assert!(python_line(&old)
             .ends_with("not read: frames of Python 3.7 are not read (3.8 to 3.13 are)"));
     }
+
+    #[test]
+    fn the_leak_check_reads_like_valgrind_and_splits_each_site() {
+        use crate::reach::Category;
+        use crate::report::leak::{CheckPoint, LeakCheck};
+        let mut report = fixture::report();
+        let mut check = LeakCheck {
+            ran: true,
+            when: Some(CheckPoint::Exit),
+            threads: 2,
+            processes: 1,
+            failed_gates: vec!["definitely-lost".into()],
+            ..LeakCheck::default()
+        };
+        for _ in 0..100 {
+            check.split.add(Category::DefinitelyLost, 256);
+        }
+        check.split.add(Category::StillReachable, 1_234_567);
+        report.leak_check = Some(check);
+        let mut lost = crate::report::LeakSplit::default();
+        lost.add(Category::DefinitelyLost, 300);
+        report.sites[1].leak_check = Some(lost);
+        let mut held = crate::report::LeakSplit::default();
+        held.add(Category::StillReachable, 4096);
+        report.sites[0].leak_check = Some(held);
+        let text = render(&report);
+        assert!(
+            text.contains("   definitely lost: 25,600 bytes in 100 blocks"),
+            "{text}"
+        );
+        assert!(
+            text.contains("   still reachable: 1,234,567 bytes in 1 blocks"),
+            "{text}"
+        );
+        assert!(
+            text.contains("     possibly lost: 0 bytes in 0 blocks"),
+            "{text}"
+        );
+        assert!(text.contains("leak check at exit: 2 thread(s)"), "{text}");
+        assert!(
+            text.contains("FAILED --fail-on definitely-lost (exit 5)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("leak check: definitely lost 300 B in 1 blocks"),
+            "{text}"
+        );
+        assert!(text.contains("leak check: all still reachable"), "{text}");
+        report.leak_check = Some(LeakCheck::not_run(
+            CheckPoint::End,
+            "pid 9 is already traced by pid 10",
+        ));
+        let text = render(&report);
+        assert!(
+            text.contains("leak check at the end: not run: pid 9 is already traced by pid 10"),
+            "{text}"
+        );
+        assert!(!text.contains("definitely lost:"), "{text}");
+    }
 }

@@ -24,7 +24,7 @@ use super::session::Session;
 use crate::probe::catalog::{Allocator, Domain, Memory};
 use crate::probe::SpecEntry;
 use crate::reach::{self, Category, Node};
-use crate::report::leak::{Amount, CheckPoint, LeakCheck, LeakSplit, LeakVerdicts};
+use crate::report::leak::{Amount, CheckPoint, LeakCheck, LeakSplit, LeakState, LeakVerdicts};
 use crate::report::LOST_CAUSES;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
@@ -33,13 +33,6 @@ use crate::target::stop::{ProcessMemory, Stopped, StoppedThread};
 
 /// How long a thread may take to reach its stop before the check gives up.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The latest check: its summary and the verdict of each block judged.
-#[derive(Default)]
-pub struct LeakState {
-    pub summary: Option<LeakCheck>,
-    pub verdicts: LeakVerdicts,
-}
 
 /// One process judged.
 #[derive(Default)]
@@ -198,40 +191,38 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Judgeme
     judgement
 }
 
-impl LeakState {
-    /// Starts a new check's result (by pid: each check replaces the last).
-    fn begin(&mut self, when: CheckPoint) -> &mut LeakCheck {
-        self.verdicts = LeakVerdicts::default();
-        self.summary.insert(LeakCheck {
-            ran: true,
-            when: Some(when),
-            ..LeakCheck::default()
-        })
-    }
+/// Starts a new check's result (by pid: each check replaces the last).
+fn begin(state: &mut LeakState, when: CheckPoint) {
+    state.verdicts = LeakVerdicts::default();
+    state.summary = Some(LeakCheck {
+        ran: true,
+        when: Some(when),
+        ..LeakCheck::default()
+    });
+}
 
-    /// Adds one process's judgement to the current result.
-    fn add(&mut self, judgement: Judgement, threads: usize) {
-        let Some(summary) = self.summary.as_mut() else {
-            return;
-        };
-        summary.split.merge(&judgement.split);
-        for (name, amount) in judgement.heuristics {
-            summary
-                .reachable_via_heuristic
-                .entry(name)
-                .or_default()
-                .merge(amount);
-        }
-        summary.not_judged.merge(judgement.not_judged);
-        summary.scanned_bytes += judgement.scanned;
-        summary.unreadable_bytes += judgement.unreadable;
-        summary.skipped_bytes += judgement.skipped;
-        summary.threads += threads as u64;
-        summary.processes += 1;
-        let mut entries = std::mem::take(&mut self.verdicts).into_entries();
-        entries.extend(judgement.verdicts);
-        self.verdicts = LeakVerdicts::new(entries);
+/// Adds one process's judgement to the current result.
+fn add(state: &mut LeakState, judgement: Judgement, threads: usize) {
+    let Some(summary) = state.summary.as_mut() else {
+        return;
+    };
+    summary.split.merge(&judgement.split);
+    for (name, amount) in judgement.heuristics {
+        summary
+            .reachable_via_heuristic
+            .entry(name)
+            .or_default()
+            .merge(amount);
     }
+    summary.not_judged.merge(judgement.not_judged);
+    summary.scanned_bytes += judgement.scanned;
+    summary.unreadable_bytes += judgement.unreadable;
+    summary.skipped_bytes += judgement.skipped;
+    summary.threads += threads as u64;
+    summary.processes += 1;
+    let mut entries = std::mem::take(&mut state.verdicts).into_entries();
+    entries.extend(judgement.verdicts);
+    state.verdicts = LeakVerdicts::new(entries);
 }
 
 /// Events lost so far, all causes.
@@ -324,7 +315,7 @@ impl Session<'_> {
             return;
         }
         let deadline = started + self.args.leak_check_max_pause;
-        self.leak.begin(when);
+        begin(&mut self.leak, when);
         for process in &stopped {
             let complete = self.table_complete(process.pid, probes);
             let judgement = judge(
@@ -338,7 +329,7 @@ impl Session<'_> {
                     deadline,
                 },
             );
-            self.leak.add(judgement, process.threads.len());
+            add(&mut self.leak, judgement, process.threads.len());
         }
         let stopped_count = stopped.len();
         drop(stopped);
@@ -370,7 +361,7 @@ impl Session<'_> {
             return;
         }
         if self.leak.summary.as_ref().is_none_or(|s| !s.ran) {
-            self.leak.begin(CheckPoint::Exit);
+            begin(&mut self.leak, CheckPoint::Exit);
         }
         let threads: Vec<StoppedThread> = registers
             .map(|registers| StoppedThread {
@@ -395,7 +386,7 @@ impl Session<'_> {
             },
         );
         // The other threads are already gone: only the exiting one counts.
-        self.leak.add(judgement, 1);
+        add(&mut self.leak, judgement, 1);
         self.finish_check(started, 1, None);
     }
 

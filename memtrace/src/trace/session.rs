@@ -39,7 +39,7 @@ pub struct Session<'a> {
     pub notes: Vec<String>,
     pub python: python::PythonWatch,
     /// The latest leak check (`--leak-check`, launch mode's at exit).
-    pub leak: super::leak_check::LeakState,
+    pub leak: crate::report::leak::LeakState,
 }
 
 impl Session<'_> {

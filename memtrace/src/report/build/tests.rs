@@ -325,3 +325,84 @@ fn unmatched_frees_under_a_size_filter_get_a_note_not_a_warning() {
     let plain = build_with(Settings::default());
     assert!(plain.notes.iter().all(|n| !n.contains("unmatched")));
 }
+
+#[test]
+fn a_leak_check_splits_each_site_ranks_lost_sites_first_and_gates() {
+    use crate::reach::Category;
+    use crate::report::leak::{CheckPoint, LeakGate};
+    let specs = specs();
+    let mut table = LiveTable::new(1000);
+    // A big cache (stack 1, reachable), a small leak (stack 2, lost), a
+    // device block (stack 3) indirectly lost, and one block made after the
+    // check (no verdict).
+    table.apply(&alloc(0, 0x1000, 1 << 20, 1, 0), Domain::Heap);
+    table.apply(&alloc(0, 0x200, 10, 2, 0), Domain::Heap);
+    table.apply(&alloc(0, 0x300, 10, 2, 0), Domain::Heap);
+    table.apply(&alloc(1, 0x200, 4096, 3, 0), Domain::CudaMemory);
+    table.apply(&alloc(0, 0x400, 7, 1, 0), Domain::Heap);
+    let space = AddressSpace::new(parse("1000-9000 r-xp 00000000 fe:01 5 /bin/app\n"));
+    let mut stacks = StackStore::default();
+    stacks.insert(1, &[0x1100], &space);
+    stacks.insert(2, &[0x1500], &space);
+    stacks.insert(3, &[0x1600], &space);
+    let names = HashMap::new();
+    let verdicts = LeakVerdicts::new(vec![
+        ((1, Domain::Heap, 0x1000), Category::StillReachable),
+        ((1, Domain::Heap, 0x200), Category::DefinitelyLost),
+        ((1, Domain::Heap, 0x300), Category::PossiblyLost),
+        ((1, Domain::CudaMemory, 0x200), Category::IndirectlyLost),
+    ]);
+    let check = LeakCheck {
+        ran: true,
+        when: Some(CheckPoint::End),
+        ..LeakCheck::default()
+    };
+    let gates = [LeakGate::DefinitelyLost, LeakGate::StillReachable];
+    let report = build(
+        ReportInput {
+            settings: Settings {
+                stack_depth: 2,
+                top: 10,
+                sample_rate: 1,
+                ..Settings::default()
+            },
+            leak_check: Some((&check, &verdicts)),
+            leak_gates: &gates,
+            ..input(&table, &specs, &stacks, &names)
+        },
+        &mut FakeSymbols,
+    );
+    // The site with definitely lost bytes first, though the cache is bigger.
+    let first = report.sites[0].leak_check.expect("split");
+    assert_eq!(first.definitely_lost.bytes, 10);
+    assert_eq!(first.possibly_lost.bytes, 10);
+    assert_eq!(
+        report.sites[1]
+            .leak_check
+            .expect("split")
+            .indirectly_lost
+            .bytes,
+        4096
+    );
+    let cache = report
+        .sites
+        .iter()
+        .find(|s| s.live_bytes == (1 << 20) + 7)
+        .and_then(|s| s.leak_check)
+        .expect("the cache's split");
+    // The block made after the check is in no category.
+    assert_eq!(cache.still_reachable.blocks, 1);
+    assert_eq!(cache.lost_bytes(), 0);
+    let summary = report.leak_check.expect("summary");
+    assert_eq!(
+        summary.failed_gates,
+        vec!["definitely-lost", "still-reachable"]
+    );
+}
+
+#[test]
+fn no_leak_check_means_no_split() {
+    let report = sample();
+    assert!(report.leak_check.is_none());
+    assert!(report.sites.iter().all(|s| s.leak_check.is_none()));
+}
