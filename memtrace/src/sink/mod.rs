@@ -95,6 +95,18 @@ pub fn scaling_note(report: &Report) -> Option<String> {
 }
 
 /// Human-readable byte count (binary units).
+/// A probed function's name as a person reads it: C++ names demangled
+/// (`_Znwm` -> `operator new(unsigned long)`), others as they are.
+pub fn function_name(name: &str) -> String {
+    if !name.starts_with("_Z") {
+        return name.to_string();
+    }
+    cpp_demangle::Symbol::new(name)
+        .ok()
+        .and_then(|symbol| symbol.demangle().ok())
+        .unwrap_or_else(|| name.to_string())
+}
+
 pub fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = bytes as f64;
@@ -343,6 +355,14 @@ pub(crate) mod fixture {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn allocator_functions_read_demangled() {
+        assert_eq!(function_name("_Znwm"), "operator new(unsigned long)");
+        assert_eq!(function_name("_ZdlPvm"), "operator delete(void*, unsigned long)");
+        assert_eq!(function_name("malloc"), "malloc");
+        assert_eq!(function_name("_Zbroken"), "_Zbroken");
+    }
 
     #[test]
     fn bytes_are_human() {

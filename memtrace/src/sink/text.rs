@@ -192,7 +192,11 @@ impl Sink for TextSink {
                 site.live_count,
                 site.allocator.name(),
                 site.memory.name(),
-                site.functions.join(","),
+                site.functions
+                    .iter()
+                    .map(|f| super::function_name(f))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 site.oldest_age_ms as f64 / 1000.0,
                 site.threads
                     .iter()
