@@ -359,7 +359,10 @@ mod tests {
     #[test]
     fn allocator_functions_read_demangled() {
         assert_eq!(function_name("_Znwm"), "operator new(unsigned long)");
-        assert_eq!(function_name("_ZdlPvm"), "operator delete(void*, unsigned long)");
+        assert_eq!(
+            function_name("_ZdlPvm"),
+            "operator delete(void*, unsigned long)"
+        );
         assert_eq!(function_name("malloc"), "malloc");
         assert_eq!(function_name("_Zbroken"), "_Zbroken");
     }

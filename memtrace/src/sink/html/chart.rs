@@ -68,11 +68,18 @@ pub fn reduce(points: &[(u64, u64)], max: usize) -> Vec<(u64, u64)> {
     out
 }
 
-/// Seconds as a short axis label (`45s`, `12m`, `3.5h`).
-fn time_label(ms: u64) -> String {
+/// Seconds as a short axis label (`45s`, `12m`, `3.5h`), with the
+/// decimals the axis's span needs for its ticks to differ (`0.5s`, `1.5s`
+/// on a 2 s trace).
+fn time_label(ms: u64, span_ms: u64) -> String {
     let s = ms as f64 / 1000.0;
     if s < 120.0 {
-        format!("{s:.0}s")
+        let decimals = match span_ms {
+            0..2_000 => 2,
+            2_000..20_000 => 1,
+            _ => 0,
+        };
+        format!("{s:.decimals$}s")
     } else if s < 7200.0 {
         format!("{:.0}m", s / 60.0)
     } else {
@@ -133,15 +140,22 @@ pub fn svg(title: &str, lines: &[Line<'_>]) -> String {
             escape(&human_bytes(v))
         );
     }
+    let mut last_label = String::new();
     for i in 0..=4 {
         let t = t0 + (span_t * f64::from(i) / 4.0) as u64;
+        let label = time_label(t, t1.saturating_sub(t0));
+        // A label equal to the last one says nothing new.
+        if label == last_label {
+            continue;
+        }
         let _ = write!(
             out,
             "<text x=\"{:.1}\" y=\"{}\" class=\"cx\">{}</text>",
             x(t),
             H - BOTTOM + 16.0,
-            time_label(t)
+            label
         );
+        last_label = label;
     }
     for (i, line) in lines.iter().enumerate() {
         let colour = PALETTE[i % PALETTE.len()];
@@ -173,6 +187,31 @@ pub fn svg(title: &str, lines: &[Line<'_>]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn time_ticks_of_short_traces_differ() {
+        let labels: Vec<String> = (0..=4).map(|i| time_label(i * 500, 2000)).collect();
+        assert_eq!(labels, ["0.0s", "0.5s", "1.0s", "1.5s", "2.0s"]);
+        assert_eq!(time_label(1250, 1500), "1.25s");
+        assert_eq!(time_label(45_000, 60_000), "45s");
+        assert_eq!(time_label(600_000, 3_600_000), "10m");
+        let points = [(1000, 10), (1500, 20), (2000, 30), (2500, 40), (3000, 50)];
+        let chart = svg(
+            "t",
+            &[Line {
+                label: "x",
+                points: points.to_vec(),
+            }],
+        );
+        let ticks: Vec<&str> = chart
+            .split("class=\"cx\">")
+            .skip(1)
+            .filter_map(|rest| rest.split('<').next())
+            .collect();
+        let mut unique = ticks.clone();
+        unique.dedup();
+        assert_eq!(ticks, unique, "{chart}");
+    }
 
     #[test]
     fn reduce_keeps_spikes_and_the_last_point() {
