@@ -38,4 +38,9 @@ pub struct Frame {
     pub line: Option<u32>,
     /// Offset of the return address in `module`.
     pub offset: Option<String>,
+    /// Functions inlined at this address, innermost first (the address lies
+    /// in the first, which is inlined into the next, ..., inlined into
+    /// `symbol`); absent when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inlined: Vec<crate::symbolize::InlinedCall>,
 }

@@ -229,6 +229,7 @@ impl Recorder {
                 file: info.file,
                 line: info.line,
                 unreadable,
+                inlined: info.inlined,
             });
         }
     }
@@ -419,12 +420,18 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
                 file,
                 line,
                 unreadable,
+                inlined,
             } => symbols.sym(
                 FileAddr {
                     module,
                     file_offset: offset,
                 },
-                (!unreadable).then_some(SymInfo { symbol, file, line }),
+                (!unreadable).then_some(SymInfo {
+                    symbol,
+                    file,
+                    line,
+                    inlined,
+                }),
             ),
             Item::Snapshot { t_s } => history.record(&table, &specs, &stacks, t_s),
             Item::End { ended_ns } => table.close(ended_ns),

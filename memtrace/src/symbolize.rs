@@ -28,6 +28,21 @@ pub struct SymInfo {
     pub symbol: Option<String>,
     pub file: Option<String>,
     pub line: Option<u32>,
+    /// Functions inlined at this address (from DWARF), innermost first:
+    /// the address lies in the first, inlined into the next, ..., inlined
+    /// into `symbol` (whose `file`/`line` is then the outermost call).
+    pub inlined: Vec<InlinedCall>,
+}
+
+/// One inlined function at an address, and where in it the address (or the
+/// next inner inlined call) lies.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InlinedCall {
+    pub symbol: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub line: Option<u32>,
 }
 
 /// Turns normalized addresses into symbols.
@@ -187,6 +202,21 @@ fn sym_info(result: Symbolized<'_>) -> SymInfo {
                 .as_ref()
                 .map(|info| info.file.to_string_lossy().into_owned()),
             line: sym.code_info.as_ref().and_then(|info| info.line),
+            // blazesym lists them outermost first, each with the location
+            // of the next inner call (the last: the address itself).
+            inlined: sym
+                .inlined
+                .iter()
+                .rev()
+                .map(|call| InlinedCall {
+                    symbol: call.name.to_string(),
+                    file: call
+                        .code_info
+                        .as_ref()
+                        .map(|info| info.file.to_string_lossy().into_owned()),
+                    line: call.code_info.as_ref().and_then(|info| info.line),
+                })
+                .collect(),
         },
         Symbolized::Unknown(_) => SymInfo::default(),
     }

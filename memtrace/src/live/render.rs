@@ -511,6 +511,7 @@ mod tests {
             file: Some("/srv/app/cache.py".into()),
             line: Some(41),
             offset: None,
+            inlined: Vec::new(),
         };
         report.sites[0].frames.insert(0, python);
         let mut state = State::default();

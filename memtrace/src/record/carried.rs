@@ -142,6 +142,7 @@ mod tests {
             symbol: Some("leak_a".into()),
             file: Some("leak.c".into()),
             line: Some(12),
+            inlined: Vec::new(),
         };
         // This test binary is a readable file here: a recorded object is
         // still not looked up in it.

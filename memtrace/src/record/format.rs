@@ -101,6 +101,10 @@ pub enum Line<T, F> {
         line: Option<u32>,
         #[serde(default, skip_serializing_if = "is_false")]
         unreadable: bool,
+        /// Functions inlined there, innermost first (absent: none, or an
+        /// older record).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        inlined: Vec<crate::symbolize::InlinedCall>,
     },
     /// An interval snapshot was taken at `t_s` seconds.
     Snapshot { t_s: f64 },
@@ -158,6 +162,7 @@ pub enum Item<T, F> {
         file: Option<String>,
         line: Option<u32>,
         unreadable: bool,
+        inlined: Vec<crate::symbolize::InlinedCall>,
     },
     Snapshot {
         t_s: f64,
@@ -286,6 +291,7 @@ impl Reader {
                 file,
                 line,
                 unreadable,
+                inlined,
             } => {
                 let Some(module) = self.objects.get(&object).cloned() else {
                     return Err(Stop::Truncated(format!(
@@ -299,6 +305,7 @@ impl Reader {
                     file,
                     line,
                     unreadable,
+                    inlined,
                 }
             }
             Line::Snapshot { t_s } => Item::Snapshot { t_s },
@@ -545,6 +552,11 @@ mod tests {
                 file: Some("malloc.c".into()),
                 line: Some(3021),
                 unreadable: false,
+                inlined: vec![crate::symbolize::InlinedCall {
+                    symbol: "tcache_get".into(),
+                    file: Some("malloc.c".into()),
+                    line: Some(3190),
+                }],
             },
             Line::Sym {
                 object: 4,
@@ -553,6 +565,7 @@ mod tests {
                 file: None,
                 line: None,
                 unreadable: true,
+                inlined: Vec::new(),
             },
         ];
         let texts: Vec<String> = lines
@@ -563,7 +576,7 @@ mod tests {
             texts,
             [
                 r#"{"type":"object","id":4,"path":"/usr/lib/libc.so.6","build_id":"93ac61ec"}"#,
-                r#"{"type":"sym","object":4,"offset":42,"symbol":"malloc","file":"malloc.c","line":3021}"#,
+                r#"{"type":"sym","object":4,"offset":42,"symbol":"malloc","file":"malloc.c","line":3021,"inlined":[{"symbol":"tcache_get","file":"malloc.c","line":3190}]}"#,
                 r#"{"type":"sym","object":4,"offset":43,"unreadable":true}"#,
             ]
         );
@@ -585,6 +598,7 @@ mod tests {
             file,
             line,
             unreadable,
+            inlined,
         })) = read
         else {
             panic!("sym: {read:?}");
@@ -597,6 +611,8 @@ mod tests {
             (symbol.as_deref(), file.as_deref(), line),
             (Some("malloc"), Some("malloc.c"), Some(3021))
         );
+        assert_eq!(inlined.len(), 1);
+        assert_eq!(inlined[0].symbol, "tcache_get");
         let read: Read = reader.line(4, &texts[2]);
         assert!(
             matches!(

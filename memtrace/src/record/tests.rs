@@ -87,6 +87,7 @@ fn record_text() -> String {
             file: Some("leaky.c".into()),
             line: Some(7),
             unreadable: false,
+            inlined: Vec::new(),
         },
         Line::Footer(Footer {
             duration_ms: 900,

@@ -743,6 +743,7 @@ fn site_frames(
                             file: info.and_then(|i| i.file.clone()),
                             line: info.and_then(|i| i.line),
                             offset: frame.file.as_ref().map(|f| format!("{:#x}", f.file_offset)),
+                            inlined: info.map(|i| i.inlined.clone()).unwrap_or_default(),
                         }
                     })
                     .collect(),

@@ -144,7 +144,7 @@ pub struct LeakVerdicts {
 
 impl LeakVerdicts {
     pub fn new(mut entries: Vec<((u32, Domain, u64), Category)>) -> Self {
-        entries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        entries.sort_unstable_by_key(|e| e.0);
         LeakVerdicts { entries }
     }
 

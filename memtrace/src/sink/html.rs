@@ -912,6 +912,7 @@ mod tests {
             file: Some("/srv/app/cache.py".into()),
             line: Some(41),
             offset: None,
+            inlined: Vec::new(),
         };
         // Same fields but the kind: two frames, not one shared.
         let lookalike = Frame {
@@ -974,6 +975,7 @@ mod tests {
                             line: Some(u32::try_from(id % 900 + 1).unwrap_or(1)),
                             offset: Some(format!("0x{:x}", depth * 0x1000 + id)),
                             kind: crate::report::FrameKind::Native,
+                            inlined: Vec::new(),
                         }
                     })
                     .collect();

@@ -205,6 +205,7 @@ pub(crate) mod fixture {
             file: line.map(|_| "app.c".to_string()),
             line,
             offset: Some(offset.into()),
+            inlined: Vec::new(),
         }
     }
 

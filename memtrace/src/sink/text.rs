@@ -226,6 +226,9 @@ impl Sink for TextSink {
                 writeln!(out, "    ({note})")?;
             }
             for (depth, frame) in site.frames.iter().enumerate() {
+                for call in &frame.inlined {
+                    writeln!(out, "       {}", inlined_line(call, self.names))?;
+                }
                 writeln!(out, "    {depth:>2} {}", frame_line(frame, self.names))?;
             }
         }
@@ -241,7 +244,7 @@ fn thousands(value: u64) -> String {
     let digits = value.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -534,6 +537,20 @@ fn python_line(found: &crate::interp::python::Interpreter) -> String {
         "python: pid {} CPython {} ({object}): {how}",
         found.pid, found.version
     )
+}
+
+/// A function inlined at a frame's address, above that frame (as perf and
+/// heaptrack show them).
+fn inlined_line(call: &crate::symbolize::InlinedCall, names: Names) -> String {
+    let name = match names {
+        Names::Full => call.symbol.clone(),
+        Names::Short => crate::symbolize::short::short(&call.symbol, NAME_WIDTH),
+    };
+    let mut line = format!("(inlined) {name}");
+    if let (Some(file), Some(number)) = (&call.file, call.line) {
+        line.push_str(&format!(" at {file}:{number}"));
+    }
+    line
 }
 
 fn frame_line(frame: &Frame, names: Names) -> String {
@@ -890,5 +907,28 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("definitely lost:"), "{text}");
+    }
+
+    #[test]
+    fn inlined_functions_are_shown_above_their_frame() {
+        let mut report = fixture::report();
+        report.sites[0].frames[0].inlined = vec![crate::symbolize::InlinedCall {
+            symbol: "std::vector<int, std::allocator<int> >::_M_realloc_insert(int&&)".into(),
+            file: Some("vector.tcc".into()),
+            line: Some(449),
+        }];
+        let text = render(&report);
+        let inlined = text
+            .lines()
+            .position(|l| {
+                l.contains("(inlined) std::vector<…>::_M_realloc_insert(…) at vector.tcc:449")
+            })
+            .expect("the inlined line");
+        assert!(
+            text.lines()
+                .nth(inlined + 1)
+                .is_some_and(|l| l.contains(" 0 0x5600 alloc_buffers")),
+            "{text}"
+        );
     }
 }

@@ -251,14 +251,17 @@ pub fn registers(tid: libc::pid_t) -> Option<Vec<u64>> {
         iov_base: words.as_mut_ptr().cast(),
         iov_len: std::mem::size_of_val(words.as_slice()),
     };
+    // The register set's note type (`NT_PRSTATUS`) is passed as the
+    // request's address argument.
+    let note_type = libc::NT_PRSTATUS as usize;
     // SAFETY: PTRACE_GETREGSET on our stopped tracee; the kernel writes
     // at most `iov_len` bytes into `words` and shrinks `iov_len` to what it
-    // wrote.
+    // wrote. The address argument is a number, never dereferenced.
     let read = unsafe {
         libc::ptrace(
             libc::PTRACE_GETREGSET,
             tid,
-            1usize as *mut libc::c_void, // NT_PRSTATUS
+            note_type as *mut libc::c_void,
             (&mut iov as *mut libc::iovec).cast::<libc::c_void>(),
         )
     };

@@ -38,6 +38,7 @@ pub fn python_frame(frame: &PyFrame) -> Frame {
         file: frame.file.clone(),
         line: frame.line,
         offset: None,
+        inlined: Vec::new(),
     }
 }
 
@@ -75,6 +76,7 @@ mod tests {
             file: None,
             line: None,
             offset: None,
+            inlined: Vec::new(),
         }
     }
 

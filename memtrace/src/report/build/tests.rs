@@ -16,6 +16,7 @@ impl Symbolize for FakeSymbols {
                 symbol: Some(format!("fn_{:x}", a.file_offset)),
                 file: Some("app.c".into()),
                 line: Some(a.file_offset as u32),
+                inlined: Vec::new(),
             })
             .collect()
     }
