@@ -30,6 +30,7 @@ mod deep;
 mod ending;
 mod inference;
 mod kernel_time;
+mod leak_check;
 mod memory;
 mod pairs;
 mod peers;
@@ -106,6 +107,9 @@ pub enum Section {
     Usdt,
     /// Time to tracing on PyTorch: table cache off, cold, warm; stack depth.
     Attach,
+    /// `--leak-check`: pause and scan rate against heap size, beside the
+    /// `process_vm_readv` copy rate.
+    LeakCheck,
 }
 
 impl Section {
@@ -336,6 +340,7 @@ fn one_section(section: Section, env: &Env, peers: &Peers, requests: u64) -> Str
         Section::Ending => ending::render(&ending::bench(env), &mut s),
         Section::Usdt => usdt::render(&usdt::bench(env), &mut s),
         Section::Attach => attach::render(&attach::bench(env), &mut s),
+        Section::LeakCheck => leak_check::render(&leak_check::bench(env), &mut s),
     }
     s
 }

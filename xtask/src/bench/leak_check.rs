@@ -1,0 +1,275 @@
+//! Section "Leak check": how long `--leak-check` holds a process stopped and
+//! how fast it scans, against heap size (live bytes and block count), beside
+//! this machine's `process_vm_readv` copy rate measured in the same run on
+//! the same heap (the floor of any scan that reads another process).
+//!
+//! The heap is `heapscan` (tests/fixtures/bench): N blocks, every eighth
+//! word a pointer to another block, all reachable. memtrace traces it in
+//! launch mode (`--stack-depth 0`, a 64 MiB ring: nothing may be lost, or
+//! the check refuses to judge) and checks it at its exit; the pause and the
+//! bytes scanned are the report's `leak_check`.
+
+use std::fmt::Write as _;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use super::common::{median, Env};
+use super::proc::{Proc, Stream};
+
+/// One heap: its label, live bytes and blocks.
+struct Case {
+    bytes: u64,
+    blocks: u64,
+}
+
+const MIB: u64 = 1 << 20;
+
+fn cases(quick: bool) -> Vec<Case> {
+    if quick {
+        return vec![
+            Case {
+                bytes: 100 * MIB,
+                blocks: 10_000,
+            },
+            Case {
+                bytes: 256 * MIB,
+                blocks: 1_000_000,
+            },
+        ];
+    }
+    vec![
+        Case {
+            bytes: 100 * MIB,
+            blocks: 10_000,
+        },
+        Case {
+            bytes: 1024 * MIB,
+            blocks: 10_000,
+        },
+        Case {
+            bytes: 4096 * MIB,
+            blocks: 10_000,
+        },
+        Case {
+            bytes: 1024 * MIB,
+            blocks: 10_000_000,
+        },
+    ]
+}
+
+pub(super) struct Row {
+    bytes: u64,
+    blocks: u64,
+    outcome: std::result::Result<Measured, String>,
+}
+
+struct Measured {
+    /// The check's pause (ms), median of the rounds.
+    pause_ms: f64,
+    scanned_bytes: u64,
+    /// Blocks judged still reachable (all of them, the table included).
+    reachable_blocks: u64,
+    lost_blocks: u64,
+    /// GB/s of `process_vm_readv` over the same heap.
+    copy_gbps: f64,
+}
+
+/// Copies every readable, writable mapping of `pid` with
+/// `process_vm_readv` (1 MiB at a time) and returns (bytes, seconds).
+fn copy_all(pid: i32) -> Result<(u64, f64)> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mut buf = vec![0u8; MIB as usize];
+    let started = Instant::now();
+    let mut total = 0u64;
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if !perms.starts_with("rw") || line.contains("[vvar") || line.contains("/dev/") {
+            continue;
+        }
+        let Some((start, end)) = range.split_once('-') else {
+            continue;
+        };
+        let (start, end) = (
+            u64::from_str_radix(start, 16)?,
+            u64::from_str_radix(end, 16)?,
+        );
+        let mut at = start;
+        while at < end {
+            let len = (end - at).min(MIB) as usize;
+            let local = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: len,
+            };
+            let remote = libc::iovec {
+                iov_base: at as *mut libc::c_void,
+                iov_len: len,
+            };
+            // SAFETY: `local` describes our own buffer, writable for `len`
+            // bytes; the kernel checks the remote range.
+            let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+            if n <= 0 {
+                break;
+            }
+            total += n as u64;
+            at += n as u64;
+        }
+    }
+    Ok((total, started.elapsed().as_secs_f64()))
+}
+
+/// The copy rate of this machine on `case`'s heap, untraced.
+fn copy_rate(env: &Env, case: &Case) -> Result<f64> {
+    let mut prog = Proc::spawn(
+        "heapscan",
+        env.program("heapscan")
+            .arg(case.bytes.to_string())
+            .arg(case.blocks.to_string())
+            .arg("600"),
+        false,
+    )?;
+    prog.wait_line(Stream::Out, Duration::from_secs(600), |l| {
+        l.starts_with("live ")
+    })?;
+    // Twice: the first read also faults nothing in (the heap is written),
+    // the second is the one kept (warm caches, as the check's own read).
+    copy_all(prog.pid())?;
+    let (bytes, seconds) = copy_all(prog.pid())?;
+    let _ = prog.send_line();
+    if seconds <= 0.0 {
+        bail!("nothing copied");
+    }
+    Ok(bytes as f64 / seconds / 1e9)
+}
+
+/// One traced run: memtrace launches heapscan and checks it at its exit.
+fn check_run(env: &Env, case: &Case) -> Result<(f64, u64, u64, u64)> {
+    let out = env.work.join("leak-check.json");
+    let _ = std::fs::remove_file(&out);
+    let status = Command::new("timeout")
+        .arg("900")
+        .arg(&env.memtrace)
+        .args([
+            "--format",
+            "json",
+            "--stack-depth",
+            "0",
+            "--ring-mib",
+            "64",
+            "--max-live",
+            "20000000",
+            "--leak-check-max-pause",
+            "10m",
+            "--output",
+        ])
+        .arg(&out)
+        .arg("--")
+        .arg(env.bin.join("heapscan"))
+        .arg(case.bytes.to_string())
+        .arg(case.blocks.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .context("memtrace runs")?;
+    if !status.success() {
+        bail!("memtrace: {status}");
+    }
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out)?)?;
+    let check = &report["leak_check"];
+    if check["ran"] != serde_json::Value::Bool(true) {
+        bail!(
+            "the check did not run: {}",
+            check["reason"].as_str().unwrap_or("?")
+        );
+    }
+    let blocks = |key: &str| check[key]["blocks"].as_u64().unwrap_or(0);
+    Ok((
+        check["pause_ms"].as_f64().unwrap_or(f64::NAN),
+        check["scanned_bytes"].as_u64().unwrap_or(0),
+        blocks("still_reachable"),
+        blocks("definitely_lost") + blocks("indirectly_lost") + blocks("possibly_lost"),
+    ))
+}
+
+fn measure(env: &Env, case: &Case) -> Result<Measured> {
+    let rounds = env.rounds.clamp(1, 3);
+    let copy_gbps = copy_rate(env, case)?;
+    let mut pauses = Vec::new();
+    let mut last = (0, 0, 0);
+    for _ in 0..rounds {
+        let (pause, scanned, reachable, lost) = check_run(env, case)?;
+        pauses.push(pause);
+        last = (scanned, reachable, lost);
+    }
+    Ok(Measured {
+        pause_ms: median(&pauses).unwrap_or(f64::NAN),
+        scanned_bytes: last.0,
+        reachable_blocks: last.1,
+        lost_blocks: last.2,
+        copy_gbps,
+    })
+}
+
+pub(super) fn bench(env: &Env) -> Vec<Row> {
+    cases(env.quick)
+        .into_iter()
+        .map(|case| {
+            eprintln!(
+                "xtask bench:   leak check of {} MiB in {} blocks",
+                case.bytes / MIB,
+                case.blocks
+            );
+            Row {
+                bytes: case.bytes,
+                blocks: case.blocks,
+                outcome: measure(env, &case).map_err(|e| format!("{e:#}")),
+            }
+        })
+        .collect()
+}
+
+pub(super) fn render(rows: &[Row], s: &mut String) {
+    let _ = writeln!(s, "## Leak check\n");
+    let _ = writeln!(
+        s,
+        "`--leak-check` on `heapscan` (every eighth word of each block a pointer to another \
+         block, all reachable), traced in launch mode and checked at its exit: the pause is \
+         how long the process was held (drain, scan, judge), median of the rounds; the scan \
+         rate is the bytes scanned over the pause. The copy rate is `process_vm_readv` over \
+         the same heap's writable mappings, untraced, in the same run: the floor of any scan \
+         that reads another process. Goal: the scan at least a quarter of the copy rate.\n"
+    );
+    let _ = writeln!(
+        s,
+        "| live heap | blocks | pause | scanned | scan rate | copy rate | scan / copy | verdicts |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+    for row in rows {
+        let heap = format!("{} MiB", row.bytes / MIB);
+        match &row.outcome {
+            Ok(m) => {
+                let scan_gbps = m.scanned_bytes as f64 / (m.pause_ms / 1000.0) / 1e9;
+                let _ = writeln!(
+                    s,
+                    "| {heap} | {} | {:.0} ms | {} MiB | {:.2} GB/s | {:.2} GB/s | {:.2} | {} reachable, {} lost |",
+                    row.blocks,
+                    m.pause_ms,
+                    m.scanned_bytes / MIB,
+                    scan_gbps,
+                    m.copy_gbps,
+                    scan_gbps / m.copy_gbps,
+                    m.reachable_blocks,
+                    m.lost_blocks
+                );
+            }
+            Err(err) => {
+                let _ = writeln!(s, "| {heap} | {} | failed: {err} | | | | | |", row.blocks);
+            }
+        }
+    }
+    let _ = writeln!(s);
+}
