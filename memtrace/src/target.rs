@@ -469,17 +469,15 @@ impl Loading {
         let (stops, inside) = self.pids.get_mut(&pid)?;
         *stops += 1;
         let too_many = *stops > Self::MAX_STOPS;
-        // SAFETY: an all-zero ptrace_syscall_info is a valid value (plain
-        // integers and a union of them).
-        let mut info: libc::ptrace_syscall_info = unsafe { std::mem::zeroed() };
+        let mut info = SyscallInfo::default();
         // SAFETY: PTRACE_GET_SYSCALL_INFO on our stopped tracee, writing at
-        // most `size_of` bytes into a valid struct.
+        // most `size_of` bytes into a valid struct of plain integers.
         let read = unsafe {
             libc::ptrace(
-                libc::PTRACE_GET_SYSCALL_INFO,
+                PTRACE_GET_SYSCALL_INFO,
                 pid,
-                std::mem::size_of::<libc::ptrace_syscall_info>() as *mut libc::c_void,
-                (&mut info as *mut libc::ptrace_syscall_info).cast::<libc::c_void>(),
+                std::mem::size_of::<SyscallInfo>() as *mut libc::c_void,
+                (&mut info as *mut SyscallInfo).cast::<libc::c_void>(),
             )
         } > 0;
         if !read || too_many {
@@ -487,15 +485,14 @@ impl Loading {
             return None;
         }
         match info.op {
-            libc::PTRACE_SYSCALL_INFO_ENTRY => {
-                // SAFETY: `op` says the entry member is the one filled.
-                let entry = unsafe { info.u.entry };
-                *inside = Some((entry.nr, entry.args[2]));
+            SYSCALL_INFO_ENTRY => {
+                // The entry member: nr, then the six arguments.
+                *inside = Some((info.data[0], info.data[3]));
                 None
             }
-            libc::PTRACE_SYSCALL_INFO_EXIT => {
-                // SAFETY: `op` says the exit member is the one filled.
-                let exit = unsafe { info.u.exit };
+            SYSCALL_INFO_EXIT => {
+                // The exit member: the return value, then is_error.
+                let (sval, is_error) = (info.data[0] as i64, info.data[1] as u8);
                 let (nr, prot) = inside.take()?;
                 let nr = nr as i64;
                 if nr == libc::SYS_set_robust_list || nr == libc::SYS_rseq {
@@ -504,8 +501,8 @@ impl Loading {
                 }
                 let mapped_code = nr == libc::SYS_mmap
                     && prot & libc::PROT_EXEC as u64 != 0
-                    && exit.is_error == 0
-                    && exit.sval > 0;
+                    && is_error == 0
+                    && sval > 0;
                 mapped_code.then_some(pid as u32)
             }
             _ => None,
@@ -519,8 +516,36 @@ impl Loading {
 // enough. The answer comes, or the session drops the event (it ended or
 // failed), which ends the wait.
 
+/// `PTRACE_GET_SYSCALL_INFO` (Linux 5.3) and its `op` values: defined
+/// here because the libc crate has them for glibc only (a static musl
+/// build needs them too).
+const PTRACE_GET_SYSCALL_INFO: PtraceRequest = 0x420e;
+const SYSCALL_INFO_ENTRY: u8 = 1;
+const SYSCALL_INFO_EXIT: u8 = 2;
+
+/// `struct ptrace_syscall_info` (`linux/ptrace.h`): its union as words
+/// (`entry`: nr, args[6]; `exit`: rval, is_error; `seccomp`: nr, args[6],
+/// ret_data).
+#[repr(C)]
+#[derive(Default)]
+struct SyscallInfo {
+    op: u8,
+    pad: [u8; 3],
+    arch: u32,
+    instruction_pointer: u64,
+    stack_pointer: u64,
+    data: [u64; 8],
+}
+
+/// The type of ptrace's request argument: `c_uint` in glibc's prototype,
+/// `c_int` in musl's.
+#[cfg(target_env = "musl")]
+type PtraceRequest = libc::c_int;
+#[cfg(not(target_env = "musl"))]
+type PtraceRequest = libc::c_uint;
+
 /// Resumes a stopped tracee.
-fn resume(pid: libc::pid_t, request: libc::c_uint, signal: i32) {
+fn resume(pid: libc::pid_t, request: PtraceRequest, signal: i32) {
     // SAFETY: resuming our own stopped tracee; the signal is passed as data.
     unsafe {
         libc::ptrace(
