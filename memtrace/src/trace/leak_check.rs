@@ -90,8 +90,9 @@ fn node_kind(entry: &SpecEntry) -> Option<bool> {
     }
 }
 
-/// Judges one stopped process.
-fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Judgement {
+/// Judges one stopped process; an error (one line) when it could not be
+/// read (it exited meanwhile: killed while stopped).
+fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<Judgement, String> {
     let mut judgement = Judgement::default();
     // The runtime libraries: by name, and every object defining a device
     // allocator memtrace probes.
@@ -135,8 +136,9 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Judgeme
         });
         keys.push(((pid, domain, addr), block.size));
     }
+    let gone = || format!("pid {pid} exited during the check: nothing of it is judged");
     let Ok(mappings) = crate::target::maps::read_raw(pid) else {
-        return judgement;
+        return Err(gone());
     };
     let scanned_ranges: Vec<(u64, u64)> = nodes
         .iter()
@@ -168,6 +170,9 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Judgeme
         },
         &mut memory,
     );
+    if memory.gone || !crate::target::is_alive(pid) {
+        return Err(gone());
+    }
     judgement.scanned = outcome.scanned_bytes;
     judgement.unreadable = memory.unreadable;
     judgement.skipped = memory.skipped;
@@ -188,7 +193,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Judgeme
         }
         judgement.verdicts.push((key, verdict.category));
     }
-    judgement
+    Ok(judgement)
 }
 
 /// Starts a new check's result (by pid: each check replaces the last).
@@ -318,7 +323,7 @@ impl Session<'_> {
         begin(&mut self.leak, when);
         for process in &stopped {
             let complete = self.table_complete(process.pid, probes);
-            let judgement = judge(
+            let judged = judge(
                 process.pid,
                 &process.threads,
                 &JudgeInput {
@@ -329,10 +334,21 @@ impl Session<'_> {
                     deadline,
                 },
             );
-            add(&mut self.leak, judgement, process.threads.len());
+            match judged {
+                Ok(judgement) => add(&mut self.leak, judgement, process.threads.len()),
+                Err(line) => {
+                    eprintln!("memtrace: leak check: {line}");
+                    refusal.get_or_insert(line);
+                }
+            }
         }
         let stopped_count = stopped.len();
         drop(stopped);
+        if self.leak.summary.as_ref().is_some_and(|s| s.processes == 0) {
+            let reason = refusal.unwrap_or_else(|| "no process could be checked".to_string());
+            self.leak.summary = Some(LeakCheck::not_run(when, reason));
+            return;
+        }
         self.finish_check(started, stopped_count, refusal);
     }
 
@@ -374,7 +390,7 @@ impl Session<'_> {
         if let Some(summary) = self.leak.summary.as_mut() {
             summary.complete_table |= complete;
         }
-        let judgement = judge(
+        let judged = judge(
             pid,
             &threads,
             &JudgeInput {
@@ -385,8 +401,16 @@ impl Session<'_> {
                 deadline: started + self.args.leak_check_max_pause,
             },
         );
-        // The other threads are already gone: only the exiting one counts.
-        add(&mut self.leak, judgement, 1);
+        match judged {
+            // The other threads are already gone: only the exiting one counts.
+            Ok(judgement) => add(&mut self.leak, judgement, 1),
+            Err(line) => {
+                if self.leak.summary.as_ref().is_some_and(|s| s.processes == 0) {
+                    self.leak.summary = Some(LeakCheck::not_run(CheckPoint::Exit, line));
+                }
+                return;
+            }
+        }
         self.finish_check(started, 1, None);
     }
 
