@@ -149,6 +149,11 @@ impl<'a> Trace<'a> {
         // A selection's processes are tried in turn: one with nothing to
         // probe (`docker run --init`'s docker-init) is skipped with a note.
         let candidates: Vec<u32> = std::iter::once(pid).chain(peers).collect();
+        // A launched command is held before `exec`: its libraries are not
+        // mapped yet when memtrace shares none with it (a static memtrace,
+        // another libc); they are probed as `ld.so` maps each, before any
+        // of their code runs (`ChildEvent::Mapped`).
+        let launching = held.is_some();
         let several = candidates.len() > 1;
         let what = names
             .as_ref()
@@ -169,7 +174,7 @@ impl<'a> Trace<'a> {
             }
             let scanned = discovery.scan(candidate, &mut probes, &extra);
             // Not `probes.specs()`: a spec is recorded before its attach is tried.
-            if scanned.is_ok() && !discovery.nothing_probed() {
+            if scanned.is_ok() && (launching || !discovery.nothing_probed()) {
                 return Ok(by_name::Tried::Traced);
             }
             if let Some(unsupported) = discovery.unsupported.take() {

@@ -253,6 +253,18 @@ impl Trace<'_> {
                     self.probes.update_unwind(mapped, &mappings);
                     session.pipeline.observe_mappings(mapped, &mappings);
                 }
+                // A library mapped by ld.so is probed before its code runs.
+                let known = self.discovery.libraries.len();
+                if let Err(err) = self.discovery.scan(mapped, &mut self.probes, &[]) {
+                    log::debug!("scan of pid {mapped} at a mapping: {err}");
+                }
+                for library in &self.discovery.libraries[known..] {
+                    log::info!(
+                        "probing {} ({} functions), mapped by the command",
+                        library.path.display(),
+                        library.functions.len()
+                    );
+                }
                 let _ = ack.send(());
             }
             ChildEvent::Forked { parent, child, ack } => {
