@@ -344,6 +344,53 @@ impl ProcessMemory {
 const PAGE: u64 = 4096;
 
 impl crate::reach::Memory for ProcessMemory {
+    /// Up to 1024 ranges per `process_vm_readv`; a batch that fails part
+    /// way is read again range by range (holes as zeros).
+    fn read_many(&mut self, ranges: &[(u64, usize)], buf: &mut [u8]) {
+        let mut at = 0usize;
+        for group in ranges.chunks(1024) {
+            let total: usize = group.iter().map(|r| r.1).sum();
+            if self.deadline.is_some_and(|d| Instant::now() >= d) || self.gone {
+                buf[at..at + total].fill(0);
+                self.skipped += total as u64;
+                at += total;
+                continue;
+            }
+            let local = libc::iovec {
+                iov_base: buf[at..].as_mut_ptr().cast(),
+                iov_len: total,
+            };
+            let remote: Vec<libc::iovec> = group
+                .iter()
+                .map(|&(addr, len)| libc::iovec {
+                    iov_base: addr as *mut libc::c_void,
+                    iov_len: len,
+                })
+                .collect();
+            // SAFETY: `local` describes `total` writable bytes of `buf`;
+            // the remote ranges are only read, and checked, by the kernel.
+            let n = unsafe {
+                libc::process_vm_readv(
+                    self.pid as i32,
+                    &local,
+                    1,
+                    remote.as_ptr(),
+                    remote.len() as libc::c_ulong,
+                    0,
+                )
+            };
+            if n < 0 || (n as usize) < total {
+                // Some range failed: each again on its own.
+                let mut offset = at;
+                for &(addr, len) in group {
+                    self.read(addr, &mut buf[offset..offset + len]);
+                    offset += len;
+                }
+            }
+            at += total;
+        }
+    }
+
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
         if self.deadline.is_some_and(|d| Instant::now() >= d) {
             self.skipped += buf.len() as u64;

@@ -1,0 +1,198 @@
+//! The node index: which nodes a word points into. Nodes sorted by start,
+//! grouped into clusters of nearby nodes (heap blocks cluster); each
+//! cluster has a table from each 4 KiB page it spans to the first node that
+//! may contain an address of that page, so a lookup is a short binary
+//! search among clusters, a table read, and a binary search within a page.
+//! Overlapping nodes (a host block and the device block a stub runtime
+//! backs with it; a caching allocator's blocks inside its segments) are all
+//! found.
+
+use super::Node;
+
+const PAGE_SHIFT: u32 = 12;
+/// Nodes closer than this share a cluster (and its page table).
+const CLUSTER_GAP: u64 = 1 << 20;
+/// A cluster never gets a page table larger than this many pages per node
+/// (a few huge nodes far apart would otherwise cost a table each): beyond
+/// it the cluster is searched by binary search alone.
+const MAX_PAGES_PER_NODE: u64 = 64;
+
+struct Cluster {
+    start: u64,
+    end: u64,
+    /// Range of sorted positions it holds.
+    first: usize,
+    last: usize,
+    /// Per page from `start`: the first sorted position whose running
+    /// maximum end is past the page's start (empty: no table).
+    pages: Vec<u32>,
+}
+
+pub struct Index {
+    /// Node numbers (input order) sorted by start.
+    order: Vec<u32>,
+    starts: Vec<u64>,
+    /// Effective ends (a zero-size node covers its start only).
+    ends: Vec<u64>,
+    /// Running maximum of `ends` in sorted order.
+    max_end: Vec<u64>,
+    clusters: Vec<Cluster>,
+    low: u64,
+    high: u64,
+}
+
+impl Index {
+    pub fn new(nodes: &[Node]) -> Index {
+        let mut order: Vec<u32> = (0..nodes.len() as u32).collect();
+        order.sort_unstable_by_key(|&n| nodes[n as usize].start);
+        let starts: Vec<u64> = order.iter().map(|&n| nodes[n as usize].start).collect();
+        let ends: Vec<u64> = order
+            .iter()
+            .map(|&n| {
+                let node = &nodes[n as usize];
+                node.start.saturating_add(node.size.max(1))
+            })
+            .collect();
+        let mut max_end = Vec::with_capacity(ends.len());
+        let mut running = 0;
+        for &end in &ends {
+            running = running.max(end);
+            max_end.push(running);
+        }
+        let mut clusters: Vec<Cluster> = Vec::new();
+        for position in 0..starts.len() {
+            match clusters.last_mut() {
+                Some(c) if starts[position] <= c.end.saturating_add(CLUSTER_GAP) => {
+                    c.end = c.end.max(ends[position]);
+                    c.last = position;
+                }
+                _ => clusters.push(Cluster {
+                    start: starts[position],
+                    end: ends[position],
+                    first: position,
+                    last: position,
+                    pages: Vec::new(),
+                }),
+            }
+        }
+        for cluster in &mut clusters {
+            let pages = ((cluster.end - cluster.start) >> PAGE_SHIFT) + 1;
+            let members = (cluster.last - cluster.first + 1) as u64;
+            if pages > members.saturating_mul(MAX_PAGES_PER_NODE).max(16) {
+                continue;
+            }
+            let mut table = Vec::with_capacity(pages as usize);
+            let mut position = cluster.first;
+            for page in 0..pages {
+                let page_start = cluster.start + (page << PAGE_SHIFT);
+                while position < cluster.last && max_end[position] <= page_start {
+                    position += 1;
+                }
+                table.push(position as u32);
+            }
+            cluster.pages = table;
+        }
+        let low = starts.first().copied().unwrap_or(u64::MAX);
+        let high = max_end.last().copied().unwrap_or(0);
+        Index {
+            order,
+            starts,
+            ends,
+            max_end,
+            clusters,
+            low,
+            high,
+        }
+    }
+
+    /// Calls `hit(node)` for every node `word` points into (start or
+    /// interior; a zero-size node only at its start).
+    #[inline]
+    pub fn find(&self, word: u64, mut hit: impl FnMut(u32)) {
+        if word < self.low || word >= self.high {
+            return;
+        }
+        let c = self.clusters.partition_point(|c| c.start <= word);
+        let Some(cluster) = c.checked_sub(1).map(|c| &self.clusters[c]) else {
+            return;
+        };
+        if word >= cluster.end {
+            return;
+        }
+        // The first position that may hold `word`: its running end is past it.
+        let from = if cluster.pages.is_empty() {
+            cluster.first
+        } else {
+            cluster.pages[((word - cluster.start) >> PAGE_SHIFT) as usize] as usize
+        };
+        let from = from + self.max_end[from..=cluster.last].partition_point(|&end| end <= word);
+        // The last position starting at or before `word`.
+        let to = from + self.starts[from..=cluster.last].partition_point(|&s| s <= word);
+        for position in from..to {
+            if self.ends[position] > word {
+                hit(self.order[position]);
+            }
+        }
+    }
+
+    /// Node numbers in ascending address order.
+    pub fn by_address(&self) -> &[u32] {
+        &self.order
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(start: u64, size: u64) -> Node {
+        Node {
+            start,
+            size,
+            scan: true,
+            runtime_owned: false,
+        }
+    }
+
+    fn hits(index: &Index, word: u64) -> Vec<u32> {
+        let mut found = Vec::new();
+        index.find(word, |n| found.push(n));
+        found.sort_unstable();
+        found
+    }
+
+    #[test]
+    fn finds_start_interior_and_overlapping_nodes() {
+        let nodes = [
+            node(0x1000, 0x10),
+            node(0x1010, 0),
+            node(0x2000, 0x10_0000),
+            node(0x2000, 0x100),
+            node(0x9000_0000, 8),
+        ];
+        let index = Index::new(&nodes);
+        assert_eq!(hits(&index, 0x1000), [0]);
+        assert_eq!(hits(&index, 0x100f), [0]);
+        assert_eq!(hits(&index, 0x1010), [1]);
+        assert_eq!(hits(&index, 0x1011), Vec::<u32>::new());
+        assert_eq!(hits(&index, 0x2080), [2, 3]);
+        assert_eq!(hits(&index, 0x5_0000), [2]);
+        assert_eq!(hits(&index, 0x10_2000), Vec::<u32>::new());
+        assert_eq!(hits(&index, 0x9000_0007), [4]);
+        assert_eq!(hits(&index, 0x9000_0008), Vec::<u32>::new());
+        assert_eq!(hits(&index, 0), Vec::<u32>::new());
+        assert_eq!(hits(&index, u64::MAX), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn a_long_node_is_found_past_many_short_ones() {
+        let mut nodes = vec![node(0x10_0000, 0x10_0000)];
+        for i in 0..1000 {
+            nodes.push(node(0x10_0000 + 0x100 + i * 0x20, 0x10));
+        }
+        let index = Index::new(&nodes);
+        assert_eq!(hits(&index, 0x1f_0000), [0]);
+        assert_eq!(hits(&index, 0x10_0100), [0, 1]);
+        assert_eq!(hits(&index, 0x10_0118), [0]);
+    }
+}
