@@ -125,9 +125,9 @@ impl Index {
         } else {
             cluster.pages[((word - cluster.start) >> PAGE_SHIFT) as usize] as usize
         };
-        let from = from + self.max_end[from..=cluster.last].partition_point(|&end| end <= word);
+        let from = from + gallop(&self.max_end[from..=cluster.last], |end| end <= word);
         // The last position starting at or before `word`.
-        let to = from + self.starts[from..=cluster.last].partition_point(|&s| s <= word);
+        let to = from + gallop(&self.starts[from..=cluster.last], |start| start <= word);
         for position in from..to {
             if self.ends[position] > word {
                 hit(self.order[position]);
@@ -138,6 +138,24 @@ impl Index {
     /// Node numbers in ascending address order.
     pub fn by_address(&self) -> &[u32] {
         &self.order
+    }
+}
+
+/// The partition point of `sorted` for `below` (true, then false), found
+/// by galloping from the front: a few steps when it is near, as it is
+/// within a page.
+#[inline]
+fn gallop(sorted: &[u64], below: impl Fn(u64) -> bool) -> usize {
+    let mut low = 0;
+    let mut step = 1;
+    loop {
+        let probe = low + step;
+        if probe > sorted.len() || !below(sorted[probe - 1]) {
+            let high = probe.min(sorted.len());
+            return low + sorted[low..high].partition_point(|&v| below(v));
+        }
+        low = probe;
+        step *= 2;
     }
 }
 
@@ -182,6 +200,19 @@ mod tests {
         assert_eq!(hits(&index, 0x9000_0008), Vec::<u32>::new());
         assert_eq!(hits(&index, 0), Vec::<u32>::new());
         assert_eq!(hits(&index, u64::MAX), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn galloping_finds_the_partition_point() {
+        let sorted: Vec<u64> = (0..1000).map(|v| v * 2).collect();
+        for target in [0, 1, 2, 3, 500, 1997, 1998, 1999, 5000] {
+            assert_eq!(
+                gallop(&sorted, |v| v <= target),
+                sorted.partition_point(|&v| v <= target),
+                "{target}"
+            );
+        }
+        assert_eq!(gallop(&[], |_| true), 0);
     }
 
     #[test]

@@ -44,6 +44,7 @@ impl Trace<'_> {
         // By pid, the last check sees the processes as they are now, while
         // the table still follows them.
         session.leak_check_live(ring.get_mut(), probes, CheckPoint::End);
+        session.leak_check_not_reached();
         session.ended = Some((Instant::now(), monotonic_ns()));
         let ended_ns = session.ended.map_or_else(monotonic_ns, |e| e.1);
         // The window closes in one step: the programs stop recording

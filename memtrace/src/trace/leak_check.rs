@@ -161,6 +161,13 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
         .collect();
     let vtable = roots::vtable_predicate(&mappings);
     let mut memory = ProcessMemory::new(pid).with_deadline(input.deadline);
+    let scan_started = Instant::now();
+    log::info!(
+        "leak check of pid {pid}: {} nodes, {} root regions ({} bytes)",
+        nodes.len(),
+        roots.len(),
+        roots.iter().map(|r| r.len).sum::<u64>()
+    );
     let outcome = reach::classify(
         &reach::Input {
             nodes: &nodes,
@@ -169,6 +176,11 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
             vtable: &vtable,
         },
         &mut memory,
+    );
+    log::info!(
+        "leak check of pid {pid}: {} bytes scanned in {} ms",
+        outcome.scanned_bytes,
+        scan_started.elapsed().as_millis()
     );
     if memory.gone || !crate::target::is_alive(pid) {
         return Err(gone());
@@ -412,6 +424,20 @@ impl Session<'_> {
             }
         }
         self.finish_check(started, 1, None);
+    }
+
+    /// Launch mode at the end: a command that never reached its exit stop
+    /// (killed by SIGKILL, or still running when the trace ended) was not
+    /// checked; the report says so.
+    pub fn leak_check_not_reached(&mut self) {
+        if self.args.command.is_empty() || !self.leak_check_enabled() || self.leak.summary.is_some()
+        {
+            return;
+        }
+        self.leak.summary = Some(LeakCheck::not_run(
+            CheckPoint::Exit,
+            "the command was not seen exiting (killed by SIGKILL, or still running when the trace ended): nothing is judged",
+        ));
     }
 
     /// Records the pause and says what a cut scan left out.
