@@ -101,6 +101,9 @@ const TEST_TOOLS: &[Package] = &[
     // The host's glibc debug files, which a container's own glibc must not
     // be symbolized from (tests/kernel/docker.rs).
     pkg("libc6-dbg", Probe::Dpkg),
+    // The leak check's reference: its four totals are compared with
+    // valgrind's on the same binaries (tests/kernel/leak.rs).
+    pkg("valgrind", Probe::Command("valgrind")),
 ];
 
 /// The real container runtime and its test image (xtask/src/docker.rs):

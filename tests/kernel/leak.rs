@@ -1,0 +1,436 @@
+//! The leak check (`--leak-check`) on the real path: launch mode compared
+//! with valgrind run on the same binaries (its four totals and its
+//! heuristics, to the byte), by pid on a service that runs on (a growing
+//! reachable cache, a true leak, a thread blocked in a system call), device
+//! blocks through the stub runtime, the `--fail-on` gate, memtrace killed
+//! while the target is stopped, and a target already under ptrace.
+//! Fixtures: tests/fixtures/leak_check/ (`leak_shapes`, `leak_shapes_cxx`,
+//! `leak_service`) and tests/fixtures/gpu/leak_device.c.
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::support::{fixture, privileged, sites_of, Fixture, Tracer, MEMTRACE};
+
+/// valgrind's LEAK SUMMARY: category (`definitely lost` ...) or heuristic
+/// name -> (bytes, blocks).
+fn valgrind_summary(program: &str) -> BTreeMap<String, (u64, u64)> {
+    let out = Command::new("valgrind")
+        .args([
+            "--leak-check=full",
+            "--show-leak-kinds=all",
+            "--run-libc-freeres=no",
+            "--run-cxx-freeres=no",
+        ])
+        .arg(fixture(program))
+        .output()
+        .expect("valgrind runs (the test set-up installs Debian's valgrind)");
+    let text = String::from_utf8_lossy(&out.stderr);
+    let mut summary = BTreeMap::new();
+    let number = |s: &str| s.trim().replace(',', "").parse::<u64>().ok();
+    for line in text.lines().skip_while(|l| !l.contains("LEAK SUMMARY")) {
+        let line = line.split_once("== ").map_or(line, |(_, rest)| rest).trim();
+        let Some((name, rest)) = line.split_once(':') else {
+            continue;
+        };
+        let Some((bytes, blocks)) = rest.split_once(" bytes in ") else {
+            continue;
+        };
+        let blocks = blocks.trim_end_matches(" blocks");
+        if let (Some(bytes), Some(blocks)) = (number(bytes), number(blocks)) {
+            summary.insert(name.trim().to_string(), (bytes, blocks));
+        }
+    }
+    assert!(
+        summary.contains_key("definitely lost"),
+        "valgrind printed no leak summary: {text}"
+    );
+    summary
+}
+
+/// memtrace's report of `program` launched (the check at its exit).
+fn launched(program: &str, extra: &[&str]) -> (Value, std::process::Output) {
+    let out = Command::new(MEMTRACE)
+        .args(["--format", "json", "--top", "500"])
+        .args(extra)
+        .arg("--")
+        .arg(fixture(program))
+        .output()
+        .expect("memtrace runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    let report = serde_json::from_str(last).unwrap_or_else(|err| {
+        panic!(
+            "bad JSON ({err}): {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (report, out)
+}
+
+fn amount(value: &Value) -> (u64, u64) {
+    (
+        value["bytes"].as_u64().unwrap_or(u64::MAX),
+        value["blocks"].as_u64().unwrap_or(u64::MAX),
+    )
+}
+
+/// The split of the sites whose first frame is `symbol`, summed.
+fn site_split(report: &Value, symbol: &str) -> BTreeMap<&'static str, (u64, u64)> {
+    let mut split = BTreeMap::new();
+    for site in sites_of(report, symbol) {
+        for key in [
+            "definitely_lost",
+            "indirectly_lost",
+            "possibly_lost",
+            "still_reachable",
+        ] {
+            let (bytes, blocks) = amount(&site["leak_check"][key]);
+            let slot = split.entry(key).or_insert((0, 0));
+            slot.0 += bytes;
+            slot.1 += blocks;
+        }
+    }
+    split
+}
+
+fn assert_equals_valgrind(program: &str) -> Value {
+    let valgrind = valgrind_summary(program);
+    let (report, out) = launched(program, &[]);
+    assert!(out.status.success(), "memtrace: {}", out.status);
+    let check = &report["leak_check"];
+    assert_eq!(check["ran"], true, "{check}");
+    assert_eq!(check["when"], "exit");
+    assert_eq!(check["complete_table"], true);
+    for (key, name) in [
+        ("definitely_lost", "definitely lost"),
+        ("indirectly_lost", "indirectly lost"),
+        ("possibly_lost", "possibly lost"),
+        ("still_reachable", "still reachable"),
+    ] {
+        assert_eq!(
+            amount(&check[key]),
+            valgrind[name],
+            "{program}: {name}: memtrace {check}, valgrind {valgrind:?}"
+        );
+    }
+    for heuristic in ["stdstring", "length64", "newarray", "multipleinheritance"] {
+        let ours = check["reachable_via_heuristic"]
+            .get(heuristic)
+            .map(amount)
+            .unwrap_or((0, 0));
+        let theirs = valgrind.get(heuristic).copied().unwrap_or((0, 0));
+        assert_eq!(ours, theirs, "{program}: via {heuristic}");
+    }
+    report
+}
+
+#[test]
+fn launch_mode_totals_equal_valgrinds_for_c_shapes() {
+    if !privileged() {
+        return;
+    }
+    let report = assert_equals_valgrind("leak_shapes");
+    // The sites say which is which.
+    assert_eq!(
+        site_split(&report, "lose_single")["definitely_lost"],
+        (300, 3)
+    );
+    let tree = site_split(&report, "grow");
+    assert_eq!(tree["definitely_lost"], (48, 1));
+    assert_eq!(tree["indirectly_lost"], (288, 6));
+    assert_eq!(
+        site_split(&report, "keep_interior")["possibly_lost"],
+        (200, 1)
+    );
+    assert_eq!(
+        site_split(&report, "keep_in_library")["still_reachable"],
+        (222, 1)
+    );
+    assert_eq!(site_split(&report, "keep_tls")["still_reachable"], (333, 1));
+    assert_eq!(
+        site_split(&report, "keep_mmapped")["still_reachable"],
+        (444, 1)
+    );
+    // Proven leaks are ranked first.
+    let first = &report["sites"][0]["leak_check"]["definitely_lost"]["bytes"];
+    assert!(first.as_u64().unwrap_or(0) > 0, "{}", report["sites"][0]);
+}
+
+#[test]
+fn launch_mode_totals_equal_valgrinds_for_cxx_heuristics() {
+    if !privileged() {
+        return;
+    }
+    let report = assert_equals_valgrind("leak_shapes_cxx");
+    let heuristics = &report["leak_check"]["reachable_via_heuristic"];
+    for heuristic in ["stdstring", "newarray", "multipleinheritance"] {
+        assert!(heuristics.get(heuristic).is_some(), "{heuristics}");
+    }
+}
+
+#[test]
+fn the_text_report_reads_like_valgrind_and_no_leak_check_turns_it_off() {
+    if !privileged() {
+        return;
+    }
+    let out = Command::new(MEMTRACE)
+        .arg("--")
+        .arg(fixture("leak_shapes"))
+        .output()
+        .expect("memtrace runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("leak check at exit:"), "{text}");
+    assert!(
+        text.contains("   definitely lost: 484 bytes in 7 blocks"),
+        "{text}"
+    );
+    assert!(text.contains("leak check: all still reachable"), "{text}");
+    let (report, _) = launched("leak_shapes", &["--no-leak-check"]);
+    assert!(
+        report.get("leak_check").is_none(),
+        "{}",
+        report["leak_check"]
+    );
+}
+
+#[test]
+fn fail_on_exits_5_only_when_the_category_has_bytes() {
+    if !privileged() {
+        return;
+    }
+    let (report, out) = launched(
+        "leak_shapes",
+        &["--fail-on", "definitely-lost,possibly-lost"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(5),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        report["leak_check"]["failed_gates"],
+        serde_json::json!(["definitely-lost", "possibly-lost"])
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("failed --fail-on: definitely-lost"));
+    // The C++ fixture has nothing possibly lost.
+    let (_, out) = launched("leak_shapes_cxx", &["--fail-on", "possibly-lost"]);
+    assert_eq!(out.status.code(), Some(0));
+    // An allow-list entry takes a leak out of the gate.
+    let dir = std::env::temp_dir().join(format!("memtrace-leak-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let allow = dir.join("allow.txt");
+    std::fs::write(&allow, "leak:lose_vector\n").expect("allow-list");
+    let allow = allow.to_string_lossy().into_owned();
+    let (_, out) = launched(
+        "leak_shapes_cxx",
+        &[
+            "--fail-on",
+            "definitely-lost,indirectly-lost",
+            "--suppress",
+            &allow,
+        ],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn device_blocks_are_judged_by_the_programs_pointers_not_the_runtimes() {
+    if !privileged() {
+        return;
+    }
+    let (report, out) = launched("leak_device", &[]);
+    assert!(out.status.success());
+    let device = |symbol: &str| {
+        let site = sites_of(&report, symbol)
+            .into_iter()
+            .find(|s| s["memory"] == "device")
+            .unwrap_or_else(|| panic!("a device site for {symbol}: {report}"));
+        site["leak_check"].clone()
+    };
+    let mib = (1 << 20, 1);
+    assert_eq!(amount(&device("keep_device")["still_reachable"]), mib);
+    assert_eq!(amount(&device("drop_device")["definitely_lost"]), mib);
+    assert_eq!(amount(&device("hide_device")["indirectly_lost"]), mib);
+    let holder = sites_of(&report, "hide_device")
+        .into_iter()
+        .find(|s| s["memory"] == "host")
+        .expect("the host holder");
+    assert_eq!(amount(&holder["leak_check"]["definitely_lost"]), (32, 1));
+}
+
+/// The state letter of `/proc/PID/stat`.
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim().chars().next()
+}
+
+#[test]
+fn by_pid_a_growing_cache_is_reachable_a_dropped_response_lost_and_the_service_runs_on() {
+    if !privileged() {
+        return;
+    }
+    let mut service = Fixture::start("leak_service", &["200", "30"]);
+    let pid = service.pid.to_string();
+    let tracer = Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--leak-check",
+        "--interval",
+        "300ms",
+        "--format",
+        "json",
+        "--top",
+        "100",
+    ]);
+    service.send_line();
+    service.expect_line("served 200");
+    tracer.signal(libc::SIGINT);
+    let (report, _) = tracer.report_last_line();
+    let check = &report["leak_check"];
+    assert_eq!(check["ran"], true, "{check}");
+    assert_eq!(check["when"], "end");
+    assert!(check["threads"].as_u64().unwrap_or(0) >= 2, "{check}");
+    assert!(check["pause_ms"].as_f64().is_some());
+    assert_eq!(
+        site_split(&report, "lose_request")["definitely_lost"],
+        (64 * 200, 200)
+    );
+    assert_eq!(
+        site_split(&report, "cache_insert")["still_reachable"],
+        (128 * 200, 200)
+    );
+    // Held only on a thread blocked in read(2): its stack is a root.
+    assert_eq!(
+        site_split(&report, "worker_hold")["still_reachable"],
+        (4000, 1)
+    );
+    // The service runs on, its blocked thread resumed correctly.
+    assert!(
+        matches!(state(service.pid), Some('S' | 'R')),
+        "{:?}",
+        state(service.pid)
+    );
+    service.send_line();
+    service.expect_line("worker woke ok");
+    service.expect_line("alive");
+    service.send_line();
+}
+
+#[test]
+fn memtrace_killed_while_the_target_is_stopped_leaves_it_running() {
+    if !privileged() {
+        return;
+    }
+    // 256 MiB to scan: the stop lasts long enough to be caught.
+    let mut service = Fixture::start("leak_service", &["10", "30", "256"]);
+    let pid = service.pid.to_string();
+    let tracer = Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--leak-check",
+        "--interval",
+        "1s",
+        "--format",
+        "json",
+    ]);
+    service.send_line();
+    service.expect_line("served 10");
+    // Wait for the check to stop the target, then kill memtrace.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut caught = false;
+    while Instant::now() < deadline {
+        if state(service.pid) == Some('t') {
+            caught = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    tracer.signal(libc::SIGKILL);
+    drop(tracer);
+    assert!(caught, "no check stopped the target within 60 s");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state(service.pid) == Some('t') && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        matches!(state(service.pid), Some('S' | 'R')),
+        "{:?}",
+        state(service.pid)
+    );
+    service.send_line();
+    service.expect_line("worker woke ok");
+    service.expect_line("alive");
+    service.send_line();
+}
+
+#[test]
+fn a_process_already_traced_is_noted_and_traced_on() {
+    if !privileged() {
+        return;
+    }
+    let mut service = Fixture::start("leak_service", &["50", "30"]);
+    // Another tracer (as gdb or strace would) seizes the service's main thread.
+    let holder = format!(
+        "import ctypes, sys, time\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         if libc.ptrace(0x4206, {pid}, None, None) != 0: sys.exit(3)\n\
+         print('seized', flush=True)\n\
+         time.sleep(120)\n",
+        pid = service.pid
+    );
+    let mut python = Command::new("python3")
+        .args(["-c", &holder])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(python.stdout.as_mut().expect("stdout")),
+        &mut line,
+    )
+    .expect("seized line");
+    assert_eq!(line.trim(), "seized");
+    let pid = service.pid.to_string();
+    let tracer = Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--leak-check",
+        "--format",
+        "json",
+        "--top",
+        "100",
+    ]);
+    service.send_line();
+    service.expect_line("served 50");
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report_last_line();
+    let check = &report["leak_check"];
+    assert_eq!(check["ran"], false, "{check}");
+    let reason = check["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("already traced"), "{reason}");
+    assert!(stderr.contains("leak check skipped"), "{stderr}");
+    // The trace itself went on.
+    let requests = sites_of(&report, "lose_request");
+    assert_eq!(
+        requests
+            .iter()
+            .map(|s| s["live_count"].as_u64().unwrap_or(0))
+            .sum::<u64>(),
+        50
+    );
+    let _ = python.kill();
+    let _ = python.wait();
+    service.send_line();
+    service.expect_line("worker woke ok");
+}
