@@ -135,6 +135,13 @@ impl Index {
         }
     }
 
+    /// Whether `word` may point into some node (the cheap test every word
+    /// takes first: most words are not pointers into the heap).
+    #[inline(always)]
+    pub fn may_hit(&self, word: u64) -> bool {
+        word >= self.low && word < self.high
+    }
+
     /// Node numbers in ascending address order.
     pub fn by_address(&self) -> &[u32] {
         &self.order

@@ -235,11 +235,14 @@ impl Marker<'_> {
             let value = u64::from_le_bytes([
                 word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
             ]);
-            self.found(value, definite, runtime, memory);
+            if self.index.may_hit(value) {
+                self.found(value, definite, runtime, memory);
+            }
         }
     }
 
     /// A word found in pass 1.
+    #[inline(never)]
     fn found(&mut self, word: u64, definite: bool, runtime: bool, memory: &mut dyn Memory) {
         let mut targets: [u32; 4] = [0; 4];
         let mut count = 0;
