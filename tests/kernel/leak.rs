@@ -434,3 +434,38 @@ fn a_process_already_traced_is_noted_and_traced_on() {
     service.send_line();
     service.expect_line("worker woke ok");
 }
+
+#[test]
+fn a_target_killed_during_a_check_ends_the_trace_with_a_report() {
+    if !privileged() {
+        return;
+    }
+    let mut service = Fixture::start("leak_service", &["10", "30", "256"]);
+    let pid = service.pid.to_string();
+    let tracer = Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--leak-check",
+        "--interval",
+        "1s",
+        "--format",
+        "json",
+    ]);
+    service.send_line();
+    service.expect_line("served 10");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while state(service.pid) != Some('t') && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert_eq!(state(service.pid), Some('t'), "no check stopped the target");
+    // SAFETY: kill with our own child's pid and a valid signal.
+    unsafe { libc::kill(service.pid as i32, libc::SIGKILL) };
+    let _ = service.child.wait();
+    let (report, stderr) = tracer.report_last_line();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let check = &report["leak_check"];
+    // The check under way judged nothing of the dead process; the final
+    // one found no process to stop.
+    assert_eq!(check["ran"], false, "{check}");
+    assert!(check["reason"].as_str().is_some(), "{check}");
+}

@@ -293,10 +293,21 @@ impl Session<'_> {
             // the one at exit.
             return;
         }
+        let running: Vec<u32> = self.family.running().collect();
+        if running.is_empty() {
+            // Nothing to stop: an earlier check (at an interval) stands.
+            if self.leak.summary.is_none() {
+                self.leak.summary = Some(LeakCheck::not_run(
+                    when,
+                    "every traced process exited before the check: nothing is judged",
+                ));
+            }
+            return;
+        }
         let started = Instant::now();
         let mut stopped = Vec::new();
         let mut refusal = None;
-        for pid in self.family.running().collect::<Vec<_>>() {
+        for pid in running {
             match Stopped::stop(pid, STOP_TIMEOUT) {
                 Ok(process) => stopped.push(process),
                 Err(err) => {

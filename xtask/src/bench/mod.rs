@@ -415,7 +415,8 @@ mod tests {
                 "workloads",
                 "ending",
                 "usdt",
-                "attach"
+                "attach",
+                "leak-check"
             ]
         );
         assert_eq!(Section::from_str("python", false), Ok(Section::Workloads));
