@@ -149,6 +149,14 @@ const LEADER: u8 = 4;
 const CHUNK: usize = 1 << 20;
 /// Blocks read in one batch (`process_vm_readv` takes 1024 ranges).
 const BATCH: usize = 1024;
+/// With this many blocks waiting, pass 1 sweeps them in address order,
+/// reading neighbours together (a heap's blocks are adjacent: one large
+/// read instead of a range each).
+const SWEEP_MIN: usize = 4096;
+/// A sweep reads across a gap between waiting blocks up to this long.
+const SWEEP_GAP: u64 = 64 << 10;
+/// A state no node has: never scanned.
+const NEVER: u8 = u8::MAX;
 
 struct Marker<'a> {
     nodes: &'a [Node],
@@ -156,6 +164,12 @@ struct Marker<'a> {
     state: Vec<u8>,
     heuristic: Vec<Option<Heuristic>>,
     stack: Vec<u32>,
+    /// The state each node had when it was last scanned (pass 1): a node
+    /// waiting twice, or upgraded after it was scheduled, is scanned once
+    /// per state.
+    scanned_as: Vec<u8>,
+    /// Nodes a sweep is to scan (address order), while it runs.
+    pending: Vec<bool>,
     vtable: &'a dyn Fn(u64) -> bool,
     /// The first two words of blocks a heuristic has read.
     first_words: HashMap<u32, (Option<u64>, Option<u64>)>,
@@ -171,6 +185,8 @@ pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
         state: vec![UNREACHED; input.nodes.len()],
         heuristic: vec![None; input.nodes.len()],
         stack: Vec::new(),
+        scanned_as: vec![NEVER; input.nodes.len()],
+        pending: Vec::new(),
         vtable: input.vtable,
         first_words: HashMap::new(),
         scanned: 0,
@@ -344,7 +360,8 @@ impl Marker<'_> {
         let mut bytes = 0usize;
         while let Some(&n) = self.stack.last() {
             let node = self.nodes[n as usize];
-            if !node.scan || node.size < 8 {
+            let done = self.scanned_as[n as usize] == self.state[n as usize];
+            if !node.scan || node.size < 8 || done {
                 self.stack.pop();
                 continue;
             }
@@ -410,17 +427,108 @@ impl Marker<'_> {
     fn drain(&mut self, memory: &mut dyn Memory, buf: &mut Vec<u8>) {
         let mut batch = Vec::new();
         loop {
+            if self.stack.len() >= SWEEP_MIN {
+                self.sweep(memory, buf);
+                continue;
+            }
             self.batch(&mut batch);
             if batch.is_empty() {
                 return;
             }
             let current = batch.clone();
             self.read_batch(&current, memory, buf, |marker, n, words, memory| {
-                let i = n as usize;
-                let definite = marker.state[i] == REACHABLE;
-                let runtime = marker.nodes[i].runtime_owned;
-                marker.scan_words(words, definite, runtime, memory);
+                marker.scan_node(n, words, memory);
             });
+        }
+    }
+
+    /// Scans one node's words in pass 1, its state noted.
+    fn scan_node(&mut self, n: u32, words: &[u8], memory: &mut dyn Memory) {
+        let i = n as usize;
+        self.scanned_as[i] = self.state[i];
+        let definite = self.state[i] == REACHABLE;
+        let runtime = self.nodes[i].runtime_owned;
+        self.scan_words(words, definite, runtime, memory);
+    }
+
+    /// Scans every waiting node in address order, neighbours read
+    /// together; what is marked meanwhile ahead of the sweep joins it, what
+    /// is marked behind it waits on the stack.
+    fn sweep(&mut self, memory: &mut dyn Memory, buf: &mut Vec<u8>) {
+        if self.pending.len() != self.nodes.len() {
+            self.pending = vec![false; self.nodes.len()];
+        }
+        for n in std::mem::take(&mut self.stack) {
+            let i = n as usize;
+            let node = self.nodes[i];
+            if node.scan && node.size >= 8 && self.scanned_as[i] != self.state[i] {
+                self.pending[i] = true;
+            }
+        }
+        let order: Vec<u32> = self.index.by_address().to_vec();
+        let mut position = 0;
+        while position < order.len() {
+            let first = order[position];
+            if !self.pending[first as usize] {
+                position += 1;
+                continue;
+            }
+            // A window: this node and the waiting ones after it, close
+            // enough, within one chunk.
+            let window_start = self.nodes[first as usize].start;
+            let mut window_end = window_start;
+            let mut members = Vec::new();
+            while position < order.len() {
+                let n = order[position];
+                let node = self.nodes[n as usize];
+                if self.pending[n as usize] {
+                    let end = node.start + (node.size & !7);
+                    let far = node.start > window_end.saturating_add(SWEEP_GAP);
+                    let long = end.saturating_sub(window_start) > CHUNK as u64;
+                    if !members.is_empty() && (far || long) {
+                        break;
+                    }
+                    members.push(n);
+                    window_end = window_end.max(end);
+                }
+                position += 1;
+            }
+            let len = (window_end - window_start) as usize;
+            if len > CHUNK {
+                // One block bigger than a chunk: read in chunks.
+                let [one] = members[..] else {
+                    continue;
+                };
+                self.pending[one as usize] = false;
+                self.read_batch(&[one], memory, buf, |marker, n, words, memory| {
+                    marker.scan_node(n, words, memory);
+                });
+                continue;
+            }
+            memory.read(window_start, &mut buf[..len]);
+            let window = std::mem::take(buf);
+            for &n in &members {
+                let i = n as usize;
+                self.pending[i] = false;
+                if self.scanned_as[i] == self.state[i] {
+                    continue;
+                }
+                let node = self.nodes[i];
+                let from = (node.start - window_start) as usize;
+                let words = &window[from..from + (node.size as usize & !7)];
+                self.scanned += words.len() as u64;
+                let before = self.stack.len();
+                self.scan_node(n, words, memory);
+                // Marked ahead of the sweep: scanned by it.
+                let cursor = window_end;
+                for k in before..self.stack.len() {
+                    let m = self.stack[k] as usize;
+                    if self.nodes[m].start >= cursor && self.nodes[m].scan {
+                        self.pending[m] = true;
+                    }
+                }
+            }
+            *buf = window;
         }
     }
 

@@ -368,3 +368,66 @@ fn big_blocks_are_read_in_chunks() {
         [SR, SR]
     );
 }
+
+#[test]
+fn many_waiting_blocks_are_swept_in_address_order() {
+    // A table reachable from the root holds 20,000 blocks (a sweep: far
+    // more than wait for a batch); each block also points to the one
+    // below it, and half of a second set is reachable only that way.
+    const N: u64 = 20_000;
+    let table = 0x4000_0000;
+    let base = 0x5000_0000;
+    let lost_base = 0x7000_0000;
+    let mut m = Fake::default();
+    let mut nodes = vec![host(table, N * 8)];
+    m.put(ROOT, table);
+    for i in 0..N {
+        let block = base + i * 64;
+        nodes.push(host(block, 64));
+        m.put(table + i * 8, block);
+        if i > 0 {
+            m.put(block + 8, block - 64);
+        }
+    }
+    // Lost: a chain nobody points to, from its top down.
+    for i in 0..100 {
+        let block = lost_base + i * 64;
+        nodes.push(host(block, 64));
+        if i > 0 {
+            m.put(block, block - 64);
+        }
+    }
+    let categories = run(&nodes, &[root(8)], &[], &mut m);
+    assert!(categories[..=N as usize].iter().all(|&c| c == SR));
+    let lost = &categories[N as usize + 1..];
+    assert_eq!(lost.iter().filter(|&&c| c == DL).count(), 1);
+    assert_eq!(lost.iter().filter(|&&c| c == IL).count(), 99);
+    assert_eq!(lost[99], DL);
+}
+
+#[test]
+fn a_swept_block_reached_first_by_an_interior_pointer_is_rescanned_when_reachable() {
+    // 5,000 blocks reached by interior pointers (possibly lost), then a
+    // start pointer to each later in the root upgrades them and what they
+    // hold.
+    const N: u64 = 5_000;
+    let base = 0x5000_0000;
+    let held = 0x6000_0000;
+    let mut m = Fake::default();
+    let mut nodes = Vec::new();
+    for i in 0..N {
+        nodes.push(host(base + i * 64, 64));
+        m.put(ROOT + i * 8, base + i * 64 + 16);
+        m.put(ROOT + (N + i) * 8, base + i * 64);
+        m.put(base + i * 64, held + i * 32);
+    }
+    for i in 0..N {
+        nodes.push(host(held + i * 32, 32));
+    }
+    let categories = run(&nodes, &[root(2 * N * 8)], &[], &mut m);
+    assert!(
+        categories.iter().all(|&c| c == SR),
+        "{:?}",
+        &categories[..4]
+    );
+}
