@@ -327,12 +327,9 @@ fn by_pid_a_growing_cache_is_reachable_a_dropped_response_lost_and_the_service_r
     service.send_line();
 }
 
-#[test]
-fn memtrace_killed_while_the_target_is_stopped_leaves_it_running() {
-    if !privileged() {
-        return;
-    }
-    // 256 MiB to scan: the stop lasts long enough to be caught.
+/// A service with 256 MiB to scan (a stop long enough to be caught),
+/// traced with a check every second, caught stopped by one.
+fn service_caught_in_a_check() -> (Fixture, Tracer) {
     let mut service = Fixture::start("leak_service", &["10", "30", "256"]);
     let pid = service.pid.to_string();
     let tracer = Tracer::attach(&[
@@ -346,19 +343,26 @@ fn memtrace_killed_while_the_target_is_stopped_leaves_it_running() {
     ]);
     service.send_line();
     service.expect_line("served 10");
-    // Wait for the check to stop the target, then kill memtrace.
     let deadline = Instant::now() + Duration::from_secs(60);
-    let mut caught = false;
-    while Instant::now() < deadline {
-        if state(service.pid) == Some('t') {
-            caught = true;
-            break;
-        }
+    while state(service.pid) != Some('t') && Instant::now() < deadline {
         std::thread::sleep(Duration::from_micros(200));
     }
+    assert_eq!(
+        state(service.pid),
+        Some('t'),
+        "no check stopped the target within 60 s"
+    );
+    (service, tracer)
+}
+
+#[test]
+fn memtrace_killed_while_the_target_is_stopped_leaves_it_running() {
+    if !privileged() {
+        return;
+    }
+    let (mut service, tracer) = service_caught_in_a_check();
     tracer.signal(libc::SIGKILL);
     drop(tracer);
-    assert!(caught, "no check stopped the target within 60 s");
     let deadline = Instant::now() + Duration::from_secs(10);
     while state(service.pid) == Some('t') && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
@@ -440,24 +444,7 @@ fn a_target_killed_during_a_check_ends_the_trace_with_a_report() {
     if !privileged() {
         return;
     }
-    let mut service = Fixture::start("leak_service", &["10", "30", "256"]);
-    let pid = service.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        &pid,
-        "--leak-check",
-        "--interval",
-        "1s",
-        "--format",
-        "json",
-    ]);
-    service.send_line();
-    service.expect_line("served 10");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while state(service.pid) != Some('t') && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    assert_eq!(state(service.pid), Some('t'), "no check stopped the target");
+    let (mut service, tracer) = service_caught_in_a_check();
     // SAFETY: kill with our own child's pid and a valid signal.
     unsafe { libc::kill(service.pid as i32, libc::SIGKILL) };
     let _ = service.child.wait();
