@@ -20,8 +20,9 @@ use crate::reach::RootRegion;
 
 /// What decides the roots besides the mappings.
 pub struct RootOptions<'a> {
-    /// The stack pointer of each stopped thread.
-    pub stack_pointers: &'a [u64],
+    /// The lowest live stack address of each stopped thread (its stack
+    /// pointer, less the red zone where it may be in use).
+    pub stack_starts: &'a [u64],
     /// The table holds every live block of the process: allocator heaps
     /// are not roots.
     pub complete: bool,
@@ -30,13 +31,6 @@ pub struct RootOptions<'a> {
     /// Whether a mapped file is a GPU/NPU runtime library.
     pub runtime_library: &'a dyn Fn(&Path) -> bool,
 }
-
-/// Bytes below the stack pointer a leaf function may still use (the x86-64
-/// System V red zone).
-#[cfg(target_arch = "x86_64")]
-const RED_ZONE: u64 = 128;
-#[cfg(not(target_arch = "x86_64"))]
-const RED_ZONE: u64 = 0;
 
 /// Pseudo-files and devices never read: kernel pages, and device memory
 /// that reading could disturb (GPU apertures).
@@ -85,13 +79,11 @@ pub fn roots(mappings: &[Mapping], options: &RootOptions<'_>) -> Vec<RootRegion>
         // A thread's stack: from its stack pointer up (the lowest, when
         // several threads' pointers fall in one mapping).
         let start = options
-            .stack_pointers
+            .stack_starts
             .iter()
             .filter(|&&sp| sp >= mapping.start && sp < mapping.end)
             .min()
-            .map_or(mapping.start, |&sp| {
-                (sp & !7).saturating_sub(RED_ZONE).max(mapping.start)
-            });
+            .map_or(mapping.start, |&sp| (sp & !7).max(mapping.start));
         let runtime_owned = mapping.is_file()
             && mapping
                 .path
@@ -190,7 +182,7 @@ mod tests {
         let maps = parse(MAPS);
         let cuda = |p: &Path| p.to_string_lossy().contains("libcuda");
         let options = RootOptions {
-            stack_pointers: sps,
+            stack_starts: sps,
             complete,
             nodes,
             runtime_library: &cuda,
@@ -214,7 +206,7 @@ mod tests {
                 (0x7f00_0000_0000, 0x7f00_0010_0000, false),
                 (0x7f00_0020_0000, 0x7f00_0030_0000, false),
                 (0x7f00_0040_0000, 0x7f00_0040_1000, true),
-                (0x7ffc_000f_f000 - RED_ZONE, 0x7ffc_0010_0000, false),
+                (0x7ffc_000f_f000, 0x7ffc_0010_0000, false),
             ]
         );
     }

@@ -58,6 +58,43 @@ pub fn stack_pointer(registers: &[u64]) -> u64 {
     registers.get(SP_INDEX).copied().unwrap_or(0)
 }
 
+/// Bytes below the stack pointer a leaf function may still use (the x86-64
+/// System V red zone; arm64 has none).
+#[cfg(target_arch = "x86_64")]
+const RED_ZONE: u64 = 128;
+#[cfg(not(target_arch = "x86_64"))]
+const RED_ZONE: u64 = 0;
+
+/// Whether the thread was stopped inside a system call (`orig_rax` is -1
+/// outside one, on x86-64).
+fn in_system_call(registers: &[u64]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        registers
+            .get(15)
+            .is_some_and(|&orig_rax| orig_rax != u64::MAX)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = registers;
+        true
+    }
+}
+
+impl StoppedThread {
+    /// The lowest address of its stack that may hold live data: the stack
+    /// pointer, less the red zone when it was stopped in user code (a leaf
+    /// function may keep data there; below a system call's stack pointer
+    /// lie only dead frames, which valgrind would not scan either).
+    pub fn stack_from(&self) -> u64 {
+        if in_system_call(&self.registers) {
+            self.sp
+        } else {
+            self.sp.saturating_sub(RED_ZONE)
+        }
+    }
+}
+
 /// Words of the register set read (larger than either architecture's).
 const REGISTER_WORDS: usize = 64;
 

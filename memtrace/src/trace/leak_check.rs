@@ -145,11 +145,11 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
         .filter(|n| n.scan)
         .map(|n| (n.start, n.start.saturating_add(n.size)))
         .collect();
-    let stack_pointers: Vec<u64> = threads.iter().map(|t| t.sp).collect();
+    let stack_starts: Vec<u64> = threads.iter().map(StoppedThread::stack_from).collect();
     let roots = roots::roots(
         &mappings,
         &RootOptions {
-            stack_pointers: &stack_pointers,
+            stack_starts: &stack_starts,
             complete: input.complete,
             nodes: &scanned_ranges,
             runtime_library: &runtime_library,
