@@ -129,9 +129,15 @@ impl Stopped {
                         if let Some(tracer) = tracer_of(pid, tid) {
                             return Err(StopError::Traced { pid, tracer });
                         }
+                        let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope");
+                        let message = if yama.is_ok_and(|v| v.trim() == "3") {
+                            "ptrace is disabled on this machine (kernel.yama.ptrace_scope = 3)"
+                        } else {
+                            "permission denied (needs CAP_SYS_PTRACE)"
+                        };
                         return Err(StopError::Other {
                             pid,
-                            message: "permission denied (needs CAP_SYS_PTRACE)".to_string(),
+                            message: message.to_string(),
                         });
                     }
                     Err(errno) => {
