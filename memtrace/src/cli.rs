@@ -16,7 +16,7 @@ use crate::trace::TraceArgs;
     version,
     about,
     args_conflicts_with_subcommands = true,
-    after_help = "Examples:\n  sudo memtrace --pid 1234 --duration 30s\n  sudo memtrace -- ./my_app args\n  memtrace monitor --name smengine_demo --duration 8h --output mem.csv"
+    after_help = "Examples:\n  sudo memtrace --pid 1234 --duration 30s\n  sudo memtrace --pid 1234 --leak-check --duration 1m   # which live blocks nothing points to\n  sudo memtrace -- ./my_app args                        # leak check at its exit\n  sudo memtrace --fail-on definitely-lost -- ./unit_tests\n  memtrace monitor --name smengine_demo --duration 8h --output mem.csv"
 )]
 pub struct Cli {
     #[command(subcommand)]

@@ -56,7 +56,7 @@ pub struct PushArgs {
     /// Cloud Profiles at URL (http:// or https://, e.g.
     /// http://pyroscope.monitoring:4040). Pushes never hold up tracing;
     /// their outcome is counted in the report's `push` and in /metrics.
-    #[arg(long, value_name = "URL")]
+    #[arg(help_heading = "Pushing profiles", long, value_name = "URL")]
     pub pyroscope: Option<String>,
 
     /// Experimental: push each report (as --pyroscope does) to an
@@ -65,23 +65,33 @@ pub struct PushArgs {
     /// (v1development, POST URL/v1development/profiles), one profile per
     /// sample type. The Collector needs an OTLP receiver and the feature
     /// gate service.profilesSupport; the signal may still change upstream.
-    #[arg(long, value_name = "URL")]
+    #[arg(help_heading = "Pushing profiles", long, value_name = "URL")]
     pub otlp_profiles: Option<String>,
 
     /// The profiles' `service_name` label and `service.name` resource
     /// attribute (default: the traced process's name).
-    #[arg(long, value_name = "NAME")]
+    #[arg(help_heading = "Pushing profiles", long, value_name = "NAME")]
     pub service_name: Option<String>,
 
     /// Basic-auth user for --pyroscope (Grafana Cloud: the stack's user id);
     /// the password is read from the environment variable
     /// MEMTRACE_PYROSCOPE_PASSWORD. A bearer token instead:
     /// MEMTRACE_PYROSCOPE_TOKEN.
-    #[arg(long, value_name = "USER", requires = "pyroscope")]
+    #[arg(
+        help_heading = "Pushing profiles",
+        long,
+        value_name = "USER",
+        requires = "pyroscope"
+    )]
     pub pyroscope_user: Option<String>,
 
     /// Tenant for a multi-tenant store (sent as `X-Scope-OrgID`).
-    #[arg(long, value_name = "TENANT", requires = "pyroscope")]
+    #[arg(
+        help_heading = "Pushing profiles",
+        long,
+        value_name = "TENANT",
+        requires = "pyroscope"
+    )]
     pub pyroscope_tenant: Option<String>,
 }
 

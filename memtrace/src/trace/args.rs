@@ -22,99 +22,99 @@ pub enum StackMode {
 #[derive(Debug, Args)]
 pub struct TraceArgs {
     /// Attach to this running process.
-    #[arg(short, long, conflicts_with = "command")]
+    #[arg(help_heading = "Target", short, long, conflicts_with = "command")]
     pub pid: Option<u32>,
 
     /// Trace every process with this exact name (comm, argv0 or executable
     /// basename), each with probes of its own, and those that start later.
-    #[arg(long, value_name = "NAME", conflicts_with_all = ["pid", "command"])]
+    #[arg(help_heading = "Target", long, value_name = "NAME", conflicts_with_all = ["pid", "command"])]
     pub name: Option<String>,
 
     /// Trace every process of this container (its id, or a unique prefix of
     /// it, as the container id read from /proc/PID/cgroup: Docker,
     /// containerd, CRI-O, Podman, Kubernetes), each with probes of its own,
     /// and those that start in it later.
-    #[arg(long, value_name = "ID", conflicts_with_all = ["pid", "command", "name", "cgroup"])]
+    #[arg(help_heading = "Target", long, value_name = "ID", conflicts_with_all = ["pid", "command", "name", "cgroup"])]
     pub container: Option<String>,
 
     /// Trace every process in this cgroup or below it (a path as
     /// /proc/PID/cgroup shows it: /system.slice/x.service, 0::/PATH for v2,
     /// N:CONTROLLERS:/PATH for a v1 hierarchy), each with probes of its own,
     /// and those that join it later.
-    #[arg(long, value_name = "PATH", conflicts_with_all = ["pid", "command", "name"])]
+    #[arg(help_heading = "Target", long, value_name = "PATH", conflicts_with_all = ["pid", "command", "name"])]
     pub cgroup: Option<String>,
 
     /// Trace every process of this Kubernetes pod on this node (NAMESPACE/NAME,
     /// or NAME alone where no other namespace has a pod of that name; named
     /// from the kubelet's and the runtime's files, as the reports name it),
     /// each with probes of its own, and those that start in it later.
-    #[arg(long, value_name = "NAMESPACE/NAME", conflicts_with_all = ["pid", "command", "name", "container", "cgroup"])]
+    #[arg(help_heading = "Target", long, value_name = "NAMESPACE/NAME", conflicts_with_all = ["pid", "command", "name", "container", "cgroup"])]
     pub pod: Option<String>,
 
     /// Stop after tracing this long, counted once the probes are attached (e.g. 5s, 2m); default: until Ctrl-C or the target exits.
-    #[arg(short, long, value_parser = parse_duration)]
+    #[arg(help_heading = "Target", short, long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
 
     /// Print an interim report every DUR.
-    #[arg(short, long, value_parser = parse_duration)]
+    #[arg(help_heading = "Output", short, long, value_parser = parse_duration)]
     pub interval: Option<Duration>,
 
     /// Full-screen live view of the sites, redrawn every interval (default
     /// 1s); `q` quits and writes the final report. Needs stdout to be a
     /// terminal (otherwise tracing runs as without it).
-    #[arg(long)]
+    #[arg(help_heading = "Output", long)]
     pub live: bool,
 
     /// Hide allocations younger than DUR from the report.
-    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    #[arg(help_heading = "Output", long, value_parser = parse_duration, default_value = "0s")]
     pub min_age: Duration,
 
     /// Show at most N sites.
-    #[arg(long, default_value_t = 20)]
+    #[arg(help_heading = "Output", long, default_value_t = 20)]
     pub top: usize,
 
     /// Report format.
-    #[arg(short, long, value_enum, default_value_t = Format::Text)]
+    #[arg(help_heading = "Output", short, long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
 
     /// Show frame names whole in the text report, the HTML page and
     /// `--live` (by default template arguments and parameter lists are
     /// elided, `<…>` and `(…)`, and long names cut at the front); JSON,
     /// pprof, folded, flame graphs and records always have them whole.
-    #[arg(long)]
+    #[arg(help_heading = "Output", long)]
     pub full_names: bool,
 
     /// Write the report to FILE instead of stdout.
-    #[arg(short, long)]
+    #[arg(help_heading = "Output", short, long)]
     pub output: Option<PathBuf>,
 
     /// Frames kept per allocation stack (0: no stacks, cheapest). 64 by
     /// default: PyTorch's dispatcher under CPython takes ~50 (BENCHMARKS.md).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=127))]
+    #[arg(help_heading = "Stacks", long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=127))]
     pub stack_depth: u32,
 
     /// How stacks are walked: `dwarf` (the objects' call-frame information,
     /// in the kernel; frame pointers where an object has none) or `fp`
     /// (frame pointers only: cheapest, short stacks through code built
     /// without them).
-    #[arg(long, value_enum, default_value_t = StackMode::Dwarf)]
+    #[arg(help_heading = "Stacks", long, value_enum, default_value_t = StackMode::Dwarf)]
     pub stacks: StackMode,
 
     /// Kernel memory for the DWARF unwinder's tables, in MiB; objects whose
     /// table does not fit fall back to frame pointers and are named in the
     /// report.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(help_heading = "Stacks", long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub unwind_table_mib: u32,
 
     /// Where built unwind tables are cached, by object build-id, for later
     /// attaches to the same objects (a directory only memtrace's user can
     /// write; refused otherwise), or `off`.
-    #[arg(long, value_name = "DIR|off", default_value = crate::unwind::cache::DEFAULT_DIR)]
+    #[arg(help_heading = "Stacks", long, value_name = "DIR|off", default_value = crate::unwind::cache::DEFAULT_DIR)]
     pub table_cache: crate::unwind::cache::Setting,
 
     /// Bound on the table cache's total size, in MiB (the least recently
     /// used tables are removed beyond it).
-    #[arg(long, default_value_t = crate::unwind::cache::DEFAULT_MIB, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = "Stacks", long, default_value_t = crate::unwind::cache::DEFAULT_MIB, value_parser = clap::value_parser!(u64).range(1..))]
     pub table_cache_mib: u64,
 
     /// Attached to a running process, tracing starts once the cached unwind
@@ -122,20 +122,20 @@ pub struct TraceArgs {
     /// reaching an object still without one are cut there and counted
     /// (`stack_truncated_table_pending`). This waits for every table
     /// first, as a launched command (held until then) always does.
-    #[arg(long)]
+    #[arg(help_heading = "Stacks", long)]
     pub wait_for_tables: bool,
 
     /// Trace one allocation in N (chosen by address, so the matching free is
     /// sampled too); totals are then estimates. Applied in the kernel.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(help_heading = "Probes", long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub sample_rate: u32,
 
     /// Ignore allocations smaller than this many bytes (applied in the kernel).
-    #[arg(long, default_value_t = 0)]
+    #[arg(help_heading = "Probes", long, default_value_t = 0)]
     pub min_size: u64,
 
     /// Ignore allocations larger than this many bytes (applied in the kernel).
-    #[arg(long)]
+    #[arg(help_heading = "Probes", long)]
     pub max_size: Option<u64>,
 
     /// Trace only these allocators (comma-separated: libc, jemalloc,
@@ -143,40 +143,45 @@ pub struct TraceArgs {
     /// all found but python (CPython's PyObject_Malloc family, traced only
     /// when named). A heap allocator is the object defining
     /// `malloc`/`operator new`. Pairs from --pairs/--preset are always traced.
-    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    #[arg(
+        help_heading = "Probes",
+        long,
+        value_delimiter = ',',
+        value_name = "LIST"
+    )]
     pub allocators: Vec<String>,
 
     /// Also look for the heap functions under this symbol prefix (an
     /// allocator built with prefixed names, e.g. `my_` for `my_malloc`);
     /// `je_` and `_rjem_` (jemalloc) are always looked for. Repeatable.
-    #[arg(long, value_name = "PREFIX")]
+    #[arg(help_heading = "Probes", long, value_name = "PREFIX")]
     pub symbol_prefix: Vec<String>,
 
     /// Also probe this object file (a library memtrace does not find by
     /// itself, e.g. one not yet loaded). Repeatable.
-    #[arg(long = "lib", value_name = "PATH")]
+    #[arg(help_heading = "Probes", long = "lib", value_name = "PATH")]
     pub libs: Vec<PathBuf>,
 
     /// Trace the resource pairs declared in this TOML file (handles,
     /// descriptors, custom pools). Repeatable.
-    #[arg(long, value_name = "FILE")]
+    #[arg(help_heading = "Probes", long, value_name = "FILE")]
     pub pairs: Vec<PathBuf>,
 
     /// Trace a built-in set of pairs: acl-handles, cuda-handles, fds, files;
     /// pytorch (tensors from PyTorch's USDT probes beside the cudaMalloc
     /// segments) and otel-memory (a sampler's USDT probes: estimates).
     /// Repeatable.
-    #[arg(long, value_name = "NAME")]
+    #[arg(help_heading = "Probes", long, value_name = "NAME")]
     pub preset: Vec<String>,
 
     /// Allow-list of pools, caches and resident data (LSan `leak:` lines,
     /// `symbol:`, `module:`, `allocator:`, `size:MIN-MAX`, `addr:START-END`).
     /// Suppressed bytes are still counted, in their own total.
-    #[arg(long, value_name = "FILE")]
+    #[arg(help_heading = "Judgement", long, value_name = "FILE")]
     pub suppress: Option<PathBuf>,
 
     /// Set aside what is allocated in the first DUR (start-up pools, caches).
-    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    #[arg(help_heading = "Judgement", long, value_parser = parse_duration, default_value = "0s")]
     pub warmup: Duration,
 
     /// Prove leaks: stop the target briefly (every thread, with ptrace; no
@@ -185,32 +190,38 @@ pub struct TraceArgs {
     /// lost, still reachable), at the final report and at each `--interval`
     /// report. In launch mode (`-- CMD`) the check runs at the command's
     /// exit by default.
-    #[arg(long, conflicts_with = "no_leak_check")]
+    #[arg(help_heading = "Judgement", long, conflicts_with = "no_leak_check")]
     pub leak_check: bool,
 
     /// Launch mode: no leak check at the command's exit.
-    #[arg(long)]
+    #[arg(help_heading = "Judgement", long)]
     pub no_leak_check: bool,
 
     /// Exit with code 5 when the leak check finds bytes in these
     /// categories, after `--suppress` (comma-separated); implies
     /// `--leak-check`.
-    #[arg(long, value_enum, value_delimiter = ',', value_name = "CATEGORIES")]
+    #[arg(
+        help_heading = "Judgement",
+        long,
+        value_enum,
+        value_delimiter = ',',
+        value_name = "CATEGORIES"
+    )]
     pub fail_on: Vec<crate::report::leak::LeakGate>,
 
     /// The longest one leak check may hold the target stopped; what a cut
     /// scan did not reach is not judged (counted as `skipped_bytes`).
-    #[arg(long, value_parser = parse_duration, default_value = "10s", value_name = "DUR")]
+    #[arg(help_heading = "Judgement", long, value_parser = parse_duration, default_value = "10s", value_name = "DUR")]
     pub leak_check_max_pause: Duration,
 
     /// Record the event stream (and what is needed to symbolize it) to FILE,
     /// for `memtrace report FILE` later, offline.
-    #[arg(long, value_name = "FILE")]
+    #[arg(help_heading = "Output", long, value_name = "FILE")]
     pub record: Option<PathBuf>,
 
     /// Serve live metrics in the Prometheus text format on ADDR (PORT,
     /// HOST:PORT; a bare port binds 127.0.0.1).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(help_heading = "Output", long, value_name = "ADDR")]
     pub prometheus: Option<String>,
 
     /// Pushing each report to a profile store (Pyroscope, Grafana).
@@ -219,35 +230,35 @@ pub struct TraceArgs {
 
     /// Most live blocks tracked; past it new blocks are counted in
     /// `events.table_full` and the report is marked incomplete.
-    #[arg(long, default_value_t = 50_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = "Limits", long, default_value_t = 50_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_live: u64,
 
     /// Buckets of the kernel's stack-trace map; distinct stacks beyond what
     /// it holds are counted as `stack_collision` failures.
-    #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u32).range(64..=1_048_576))]
+    #[arg(help_heading = "Stacks", long, default_value_t = 16384, value_parser = clap::value_parser!(u32).range(64..=1_048_576))]
     pub stack_map_entries: u32,
 
     /// Trace the target's child processes too (and theirs): each new process
     /// gets its own probes, scoped to it, as soon as the kernel reports the
     /// fork. Without it, children are listed in a note, not traced.
-    #[arg(long)]
+    #[arg(help_heading = "Target", long)]
     pub follow_forks: bool,
 
     /// With --follow-forks, --name, --container, --cgroup or --pod: most processes
     /// traced at once (the target included); further ones are counted and
     /// named in a note.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[arg(help_heading = "Target", long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_processes: u32,
 
     /// Ring-buffer size in MiB (a power of two).
-    #[arg(long, default_value_t = 8, value_parser = parse_ring_mib)]
+    #[arg(help_heading = "Limits", long, default_value_t = 8, value_parser = parse_ring_mib)]
     pub ring_mib: u32,
 
     /// Measure memtrace's own cost: turn on the kernel's BPF run-time
     /// statistics while tracing (system-wide, for every BPF program, at some
     /// tens of ns per program run) and report how often each of memtrace's
     /// programs ran and the time it took (`bpf_programs`).
-    #[arg(long)]
+    #[arg(help_heading = "Output", long)]
     pub bpf_stats: bool,
 
     /// Send every heap allocation and release to memtrace as it happens. By
@@ -255,29 +266,29 @@ pub struct TraceArgs {
     /// when it is released before the thread allocates again, settles the
     /// pair there (counted in `allocs`, `frees` and `settled_in_kernel`, at
     /// a fraction of the cost of sending both).
-    #[arg(long)]
+    #[arg(help_heading = "Probes", long)]
     pub no_settle: bool,
 
     /// Benchmark floor: attach empty probes that record nothing.
-    #[arg(long, hide = true)]
+    #[arg(help_heading = "Probes", long, hide = true)]
     pub null_probes: bool,
 
     /// How probes are attached: `uprobe_multi` links (one per object and
     /// process, Linux 6.6+: fast to attach and detach), one perf event per
     /// probe, or auto (links where the kernel has them). For benchmarks and tests.
-    #[arg(long, value_enum, hide = true, default_value_t = crate::trace::loader::AttachMode::Auto)]
+    #[arg(help_heading = "Probes", long, value_enum, hide = true, default_value_t = crate::trace::loader::AttachMode::Auto)]
     pub attach: crate::trace::loader::AttachMode,
 
     /// Benchmark floor: put every probe at its function's entry (no placement).
-    #[arg(long, hide = true)]
+    #[arg(help_heading = "Probes", long, hide = true)]
     pub entry_probes: bool,
 
     /// Debug output (-v: attach plan and kernel log; -vv: more).
-    #[arg(short, long, action = clap::ArgAction::Count)]
+    #[arg(help_heading = "Output", short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
 
     /// Command to launch and trace from its first instruction.
-    #[arg(last = true, value_name = "CMD")]
+    #[arg(help_heading = "Target", last = true, value_name = "CMD")]
     pub command: Vec<String>,
 }
 
