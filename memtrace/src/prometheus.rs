@@ -610,6 +610,16 @@ mod tests {
     }
 
     #[test]
+    fn a_leak_check_is_a_gauge_per_category() {
+        let text = render(&fixture::checked_report());
+        assert!(text.contains("# TYPE memtrace_leak_check_bytes gauge\n"));
+        assert!(text.contains("memtrace_leak_check_bytes{category=\"definitely_lost\"} 300\n"));
+        assert!(text.contains("memtrace_leak_check_blocks{category=\"still_reachable\"} 1\n"));
+        assert!(text.contains("memtrace_leak_check_pause_seconds 0.0125\n"));
+        assert!(!render(&fixture::report()).contains("memtrace_leak_check"));
+    }
+
+    #[test]
     fn prometheus_text_has_the_metrics() {
         let text = render(&fixture::report());
         assert!(text.contains("# TYPE memtrace_live_bytes gauge\n"));

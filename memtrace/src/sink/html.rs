@@ -771,6 +771,16 @@ mod tests {
     }
 
     #[test]
+    fn a_leak_check_gets_its_section() {
+        let html = render(&fixture::checked_report());
+        assert!(html.contains("id=\"leak-check\""));
+        assert!(html.contains("href=\"#leak-check\""));
+        assert!(html.contains("<th>definitely lost</th><td>300 B (300 bytes) in 1 blocks</td>"));
+        assert!(html.contains("id=\"leak-sites\""));
+        assert!(!render(&fixture::report()).contains("id=\"leak-check\""));
+    }
+
+    #[test]
     fn page_is_self_contained_and_holds_every_section() {
         let html = render(&fixture::report());
         assert!(html.starts_with("<!DOCTYPE html>"));

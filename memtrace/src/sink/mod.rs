@@ -234,6 +234,29 @@ pub(crate) mod fixture {
         }
     }
 
+    /// [`report`] after a leak check: its first site still reachable, its
+    /// second definitely lost.
+    pub fn checked_report() -> Report {
+        use crate::reach::Category;
+        let mut report = report();
+        let mut check = crate::report::LeakCheck {
+            ran: true,
+            when: Some(crate::report::leak::CheckPoint::End),
+            pause_ms: 12.5,
+            ..Default::default()
+        };
+        check.split.add(Category::StillReachable, 4096);
+        check.split.add(Category::DefinitelyLost, 300);
+        report.leak_check = Some(check);
+        let mut held = crate::report::LeakSplit::default();
+        held.add(Category::StillReachable, 4096);
+        report.sites[0].leak_check = Some(held);
+        let mut lost = crate::report::LeakSplit::default();
+        lost.add(Category::DefinitelyLost, 300);
+        report.sites[1].leak_check = Some(lost);
+        report
+    }
+
     /// Three sites: a CUDA one with two frames, a libc one whose inner frame
     /// has no symbol, and a libc one without a stack.
     pub fn report() -> Report {

@@ -446,6 +446,27 @@ mod tests {
     }
 
     #[test]
+    fn a_leak_check_adds_a_sample_type_per_category() {
+        let report = fixture::checked_report();
+        let p = decode(&report);
+        let s = |i: i64| p.string_table[i as usize].as_str();
+        let types: Vec<&str> = p.sample_type.iter().map(|t| s(t.r#type)).collect();
+        assert_eq!(
+            types,
+            [
+                "inuse_space",
+                "inuse_objects",
+                "definitely_lost_space",
+                "indirectly_lost_space",
+                "possibly_lost_space",
+                "still_reachable_space"
+            ]
+        );
+        assert_eq!(p.sample[0].value[5], 4096);
+        assert_eq!(p.sample[1].value[2], 300);
+    }
+
+    #[test]
     fn pprof_has_the_sample_types_and_values() {
         let report = fixture::report();
         let p = decode(&report);
