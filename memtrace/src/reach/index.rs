@@ -39,6 +39,9 @@ pub struct Index {
     clusters: Vec<Cluster>,
     low: u64,
     high: u64,
+    /// No two nodes overlap: a word lies in at most one, the last that
+    /// starts at or before it.
+    disjoint: bool,
 }
 
 impl Index {
@@ -92,6 +95,10 @@ impl Index {
             }
             cluster.pages = table;
         }
+        let disjoint = starts
+            .windows(2)
+            .zip(&ends)
+            .all(|(pair, &end)| end <= pair[1]);
         let low = starts.first().copied().unwrap_or(u64::MAX);
         let high = max_end.last().copied().unwrap_or(0);
         Index {
@@ -102,11 +109,13 @@ impl Index {
             clusters,
             low,
             high,
+            disjoint,
         }
     }
 
-    /// Calls `hit(node)` for every node `word` points into (start or
-    /// interior; a zero-size node only at its start).
+    /// Calls `hit(position)` for every node `word` points into (start or
+    /// interior; a zero-size node only at its start): positions in address
+    /// order ([`Index::order`] gives the node's input number).
     #[inline]
     pub fn find(&self, word: u64, mut hit: impl FnMut(u32)) {
         if word < self.low || word >= self.high {
@@ -125,12 +134,20 @@ impl Index {
         } else {
             cluster.pages[((word - cluster.start) >> PAGE_SHIFT) as usize] as usize
         };
+        if self.disjoint {
+            // The one candidate: the last node starting at or before `word`.
+            let to = from + gallop(&self.starts[from..=cluster.last], |start| start <= word);
+            if to > from && self.ends[to - 1] > word {
+                hit((to - 1) as u32);
+            }
+            return;
+        }
         let from = from + gallop(&self.max_end[from..=cluster.last], |end| end <= word);
         // The last position starting at or before `word`.
         let to = from + gallop(&self.starts[from..=cluster.last], |start| start <= word);
         for position in from..to {
             if self.ends[position] > word {
-                hit(self.order[position]);
+                hit(position as u32);
             }
         }
     }
@@ -142,8 +159,8 @@ impl Index {
         word >= self.low && word < self.high
     }
 
-    /// Node numbers in ascending address order.
-    pub fn by_address(&self) -> &[u32] {
+    /// The input number of the node at each position (address order).
+    pub fn order(&self) -> &[u32] {
         &self.order
     }
 }

@@ -158,8 +158,11 @@ const SWEEP_GAP: u64 = 64 << 10;
 /// A state no node has: never scanned.
 const NEVER: u8 = u8::MAX;
 
+/// The marking's state. Nodes are numbered by their position in address
+/// order (the index's), so a node's data, state and neighbours sit
+/// together; the verdicts go back to input order at the end.
 struct Marker<'a> {
-    nodes: &'a [Node],
+    nodes: Vec<Node>,
     index: Index,
     state: Vec<u8>,
     heuristic: Vec<Option<Heuristic>>,
@@ -179,9 +182,15 @@ struct Marker<'a> {
 
 /// Splits the nodes into valgrind's four categories.
 pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
+    let index = Index::new(input.nodes);
+    let sorted: Vec<Node> = index
+        .order()
+        .iter()
+        .map(|&n| input.nodes[n as usize])
+        .collect();
     let mut marker = Marker {
-        nodes: input.nodes,
-        index: Index::new(input.nodes),
+        nodes: sorted,
+        index,
         state: vec![UNREACHED; input.nodes.len()],
         heuristic: vec![None; input.nodes.len()],
         stack: Vec::new(),
@@ -213,8 +222,7 @@ pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
     }
     marker.drain(memory, &mut buf);
     // Pass 2: cliques of what is left, in address order.
-    let order: Vec<u32> = marker.index.by_address().to_vec();
-    for leader in order {
+    for leader in 0..marker.nodes.len() as u32 {
         if marker.state[leader as usize] != UNREACHED {
             continue;
         }
@@ -222,11 +230,16 @@ pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
         marker.stack.push(leader);
         marker.drain_clique(leader, memory, &mut buf);
     }
-    let verdicts = marker
-        .state
-        .iter()
-        .zip(&marker.heuristic)
-        .map(|(&state, &heuristic)| Verdict {
+    let mut verdicts = vec![
+        Verdict {
+            category: Category::DefinitelyLost,
+            heuristic: None,
+        };
+        input.nodes.len()
+    ];
+    for (position, &node) in marker.index.order().iter().enumerate() {
+        let (state, heuristic) = (marker.state[position], marker.heuristic[position]);
+        verdicts[node as usize] = Verdict {
             category: match state {
                 REACHABLE => Category::StillReachable,
                 POSSIBLE => Category::PossiblyLost,
@@ -234,8 +247,8 @@ pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
                 _ => Category::DefinitelyLost,
             },
             heuristic: if state == REACHABLE { heuristic } else { None },
-        })
-        .collect();
+        };
+    }
     Outcome {
         verdicts,
         scanned_bytes: marker.scanned,
@@ -465,10 +478,10 @@ impl Marker<'_> {
                 self.pending[i] = true;
             }
         }
-        let order: Vec<u32> = self.index.by_address().to_vec();
+        let count = self.nodes.len();
         let mut position = 0;
-        while position < order.len() {
-            let first = order[position];
+        while position < count {
+            let first = position as u32;
             if !self.pending[first as usize] {
                 position += 1;
                 continue;
@@ -478,8 +491,8 @@ impl Marker<'_> {
             let window_start = self.nodes[first as usize].start;
             let mut window_end = window_start;
             let mut members = Vec::new();
-            while position < order.len() {
-                let n = order[position];
+            while position < count {
+                let n = position as u32;
                 let node = self.nodes[n as usize];
                 if self.pending[n as usize] {
                     let end = node.start + (node.size & !7);
