@@ -269,6 +269,27 @@ fn device_blocks_are_judged_by_the_programs_pointers_not_the_runtimes() {
     assert_eq!(amount(&holder["leak_check"]["definitely_lost"]), (32, 1));
 }
 
+/// Attaches `--leak-check` to `service` (plus `extra`), lets it serve until
+/// `served`, ends the trace with SIGINT: the final report and stderr.
+fn checked_by_pid(service: &mut Fixture, served: &str, extra: &[&str]) -> (Value, String) {
+    let pid = service.pid.to_string();
+    let mut args = vec![
+        "--pid",
+        pid.as_str(),
+        "--leak-check",
+        "--format",
+        "json",
+        "--top",
+        "100",
+    ];
+    args.extend_from_slice(extra);
+    let tracer = Tracer::attach(&args);
+    service.send_line();
+    service.expect_line(served);
+    tracer.signal(libc::SIGINT);
+    tracer.report_last_line()
+}
+
 /// The state letter of `/proc/PID/stat`.
 fn state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -281,22 +302,7 @@ fn by_pid_a_growing_cache_is_reachable_a_dropped_response_lost_and_the_service_r
         return;
     }
     let mut service = Fixture::start("leak_service", &["200", "30"]);
-    let pid = service.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        &pid,
-        "--leak-check",
-        "--interval",
-        "300ms",
-        "--format",
-        "json",
-        "--top",
-        "100",
-    ]);
-    service.send_line();
-    service.expect_line("served 200");
-    tracer.signal(libc::SIGINT);
-    let (report, _) = tracer.report_last_line();
+    let (report, _) = checked_by_pid(&mut service, "served 200", &["--interval", "300ms"]);
     let check = &report["leak_check"];
     assert_eq!(check["ran"], true, "{check}");
     assert_eq!(check["when"], "end");
@@ -405,20 +411,7 @@ fn a_process_already_traced_is_noted_and_traced_on() {
     )
     .expect("seized line");
     assert_eq!(line.trim(), "seized");
-    let pid = service.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        &pid,
-        "--leak-check",
-        "--format",
-        "json",
-        "--top",
-        "100",
-    ]);
-    service.send_line();
-    service.expect_line("served 50");
-    tracer.signal(libc::SIGINT);
-    let (report, stderr) = tracer.report_last_line();
+    let (report, stderr) = checked_by_pid(&mut service, "served 50", &[]);
     let check = &report["leak_check"];
     assert_eq!(check["ran"], false, "{check}");
     let reason = check["reason"].as_str().unwrap_or_default();

@@ -854,26 +854,18 @@ mod tests {
     fn the_leak_check_reads_like_valgrind_and_splits_each_site() {
         use crate::reach::Category;
         use crate::report::leak::{CheckPoint, LeakCheck};
-        let mut report = fixture::report();
-        let mut check = LeakCheck {
-            ran: true,
-            when: Some(CheckPoint::Exit),
-            threads: 2,
-            processes: 1,
-            failed_gates: vec!["definitely-lost".into()],
-            ..LeakCheck::default()
-        };
-        for _ in 0..100 {
-            check.split.add(Category::DefinitelyLost, 256);
+        let mut report = fixture::checked_report();
+        if let Some(check) = report.leak_check.as_mut() {
+            check.when = Some(CheckPoint::Exit);
+            check.threads = 2;
+            check.processes = 1;
+            check.failed_gates = vec!["definitely-lost".into()];
+            check.split = crate::report::LeakSplit::default();
+            for _ in 0..100 {
+                check.split.add(Category::DefinitelyLost, 256);
+            }
+            check.split.add(Category::StillReachable, 1_234_567);
         }
-        check.split.add(Category::StillReachable, 1_234_567);
-        report.leak_check = Some(check);
-        let mut lost = crate::report::LeakSplit::default();
-        lost.add(Category::DefinitelyLost, 300);
-        report.sites[1].leak_check = Some(lost);
-        let mut held = crate::report::LeakSplit::default();
-        held.add(Category::StillReachable, 4096);
-        report.sites[0].leak_check = Some(held);
         let text = render(&report);
         assert!(
             text.contains("   definitely lost: 25,600 bytes in 100 blocks"),
