@@ -665,3 +665,38 @@ fn watch_cgroup_watches_the_processes_of_that_cgroup() {
     drop((inside, outsider));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--leak-check`: the episode ends with a check, which its episode.json
+/// and report carry: the blocks `leak_block` dropped are definitely lost.
+#[test]
+fn watch_leak_check_ends_each_episode_with_a_check() {
+    if !privileged() {
+        return;
+    }
+    let dir = reports_dir("leak-check");
+    let dir_s = dir.to_string_lossy().to_string();
+    let mut target = steady();
+    let pid = target.pid.to_string();
+    let mut watch =
+        Watch::start(&[&["--pid", &pid, "--reports", &dir_s, "--leak-check"], QUICK].concat());
+    watch.wait_for(&format!("watching pid {}", target.pid));
+    target.send_line();
+    let episode = wait_json(&dir.join("episode-0001/episode.json"), &watch);
+    target.send_line();
+    let check = &episode["leak_check"];
+    assert_eq!(check["ran"], true, "{episode}");
+    assert_eq!(check["when"], "end", "{episode}");
+    let report = read_json(&dir.join("episode-0001/report.json")).expect("report.json");
+    let lost: u64 = crate::support::sites_of(&report, "leak_block")
+        .iter()
+        .map(|s| {
+            s["leak_check"]["definitely_lost"]["blocks"]
+                .as_u64()
+                .unwrap_or(0)
+        })
+        .sum();
+    assert!(lost >= 1, "{}", report["sites"]);
+    let (status, text) = watch.stop();
+    assert!(status.success(), "{status}: {text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
