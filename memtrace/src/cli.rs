@@ -86,6 +86,11 @@ pub struct ReportArgs {
     /// graphs always have them whole.
     #[arg(long)]
     pub full_names: bool,
+    /// Exit with code 5 when the recorded leak check found bytes in these
+    /// categories, after `--suppress` (comma-separated), as the live
+    /// `--fail-on` does.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "CATEGORIES")]
+    pub fail_on: Vec<crate::report::leak::LeakGate>,
 }
 
 #[cfg(test)]

@@ -97,9 +97,23 @@ fn run_report(args: cli::ReportArgs) -> anyhow::Result<ExitCode> {
             min_age_ms: args.min_age.map(millis),
             warmup_ms: args.warmup.map(millis),
             suppressions,
+            leak_gates: args.fail_on.clone(),
         },
     )?;
     output.finish(&mut report)?;
+    let failed = report
+        .leak_check
+        .as_ref()
+        .map(|check| check.failed_gates.clone())
+        .unwrap_or_default();
+    if !failed.is_empty() {
+        eprintln!(
+            "memtrace: the recorded leak check failed --fail-on: {} (exit {})",
+            failed.join(", "),
+            error::EXIT_LEAKS
+        );
+        return Ok(ExitCode::from(error::EXIT_LEAKS));
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -311,6 +311,8 @@ pub struct ReplayOptions {
     pub min_age_ms: Option<u64>,
     pub warmup_ms: Option<u64>,
     pub suppressions: Option<Suppressions>,
+    /// `--fail-on`: the leak check's categories that fail the replay.
+    pub leak_gates: Vec<crate::report::leak::LeakGate>,
 }
 
 /// Replays a record file into a report.
@@ -576,7 +578,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         processes,
         attach_failures,
         leak_check: leak_check.as_ref().map(|check| (check, &leak_verdicts)),
-        leak_gates: &[],
+        leak_gates: &options.leak_gates,
     };
     let mut report = report::build(input, &mut symbols);
     report.notes.extend(symbols.notes());

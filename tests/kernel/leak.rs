@@ -241,6 +241,34 @@ fn fail_on_exits_5_only_when_the_category_has_bytes() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A record file keeps the check: `memtrace report` replays it and gates.
+    let record = dir.join("trace.jsonl");
+    let record = record.to_string_lossy().into_owned();
+    let (live, _) = launched("leak_shapes", &["--record", &record]);
+    let replayed = Command::new(MEMTRACE)
+        .args([
+            "report",
+            &record,
+            "--format",
+            "json",
+            "--fail-on",
+            "definitely-lost",
+        ])
+        .output()
+        .expect("memtrace report runs");
+    assert_eq!(replayed.status.code(), Some(5));
+    let replayed: Value = serde_json::from_slice(&replayed.stdout).expect("JSON");
+    for key in [
+        "definitely_lost",
+        "indirectly_lost",
+        "possibly_lost",
+        "still_reachable",
+    ] {
+        assert_eq!(
+            replayed["leak_check"][key], live["leak_check"][key],
+            "{key}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -11,6 +11,7 @@ fn options() -> ReplayOptions {
         min_age_ms: None,
         warmup_ms: None,
         suppressions: None,
+        leak_gates: Vec::new(),
     }
 }
 
@@ -183,6 +184,21 @@ fn a_whole_record_replays_with_its_footer() {
     let split = report.sites[0].leak_check.expect("the site's split");
     assert_eq!(split.definitely_lost.blocks, 1);
     assert_eq!(split.still_reachable.blocks, 0);
+    assert!(check.failed_gates.is_empty());
+    // `memtrace report --fail-on` gates on the replayed verdicts.
+    let gated = replay(
+        &file.0,
+        ReplayOptions {
+            leak_gates: vec![
+                crate::report::leak::LeakGate::DefinitelyLost,
+                crate::report::leak::LeakGate::StillReachable,
+            ],
+            ..options()
+        },
+    )
+    .expect("replays");
+    let gated = gated.leak_check.expect("the check");
+    assert_eq!(gated.failed_gates, vec!["definitely-lost"]);
     // Its one live block was made in the trace's last second.
     assert_eq!(report.notes.len(), 2, "{:?}", report.notes);
     assert!(report.notes[1].starts_with("1 live block(s) (64 bytes) were made"));
