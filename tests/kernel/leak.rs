@@ -5,7 +5,7 @@
 //! blocks through the stub runtime, the `--fail-on` gate, memtrace killed
 //! while the target is stopped, and a target already under ptrace.
 //! Fixtures: tests/fixtures/leak_check/ (`leak_shapes`, `leak_shapes_cxx`,
-//! `leak_service`) and tests/fixtures/gpu/leak_device.c.
+//! `leak_register`, `leak_service`) and tests/fixtures/gpu/leak_device.c.
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -15,9 +15,9 @@ use serde_json::Value;
 
 use crate::support::{fixture, privileged, sites_of, Fixture, Tracer, MEMTRACE};
 
-/// valgrind's LEAK SUMMARY: category (`definitely lost` ...) or heuristic
-/// name -> (bytes, blocks).
-fn valgrind_summary(program: &str) -> BTreeMap<String, (u64, u64)> {
+/// valgrind's LEAK SUMMARY of `program` run with `args`: category
+/// (`definitely lost` ...) or heuristic name -> (bytes, blocks).
+fn valgrind_summary(program: &str, args: &[&str]) -> BTreeMap<String, (u64, u64)> {
     let out = Command::new("valgrind")
         .args([
             "--leak-check=full",
@@ -26,6 +26,7 @@ fn valgrind_summary(program: &str) -> BTreeMap<String, (u64, u64)> {
             "--run-cxx-freeres=no",
         ])
         .arg(fixture(program))
+        .args(args)
         .output()
         .expect("valgrind runs (the test set-up installs Debian's valgrind)");
     let text = String::from_utf8_lossy(&out.stderr);
@@ -53,11 +54,17 @@ fn valgrind_summary(program: &str) -> BTreeMap<String, (u64, u64)> {
 
 /// memtrace's report of `program` launched (the check at its exit).
 fn launched(program: &str, extra: &[&str]) -> (Value, std::process::Output) {
+    launched_with(program, &[], extra)
+}
+
+/// [`launched`] with arguments for the program.
+fn launched_with(program: &str, args: &[&str], extra: &[&str]) -> (Value, std::process::Output) {
     let out = Command::new(MEMTRACE)
         .args(["--format", "json", "--top", "500"])
         .args(extra)
         .arg("--")
         .arg(fixture(program))
+        .args(args)
         .output()
         .expect("memtrace runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -97,9 +104,48 @@ fn site_split(report: &Value, symbol: &str) -> BTreeMap<&'static str, (u64, u64)
     split
 }
 
-fn assert_equals_valgrind(program: &str) -> Value {
-    let valgrind = valgrind_summary(program);
-    let (report, out) = launched(program, &[]);
+/// The split of the sites with `symbol` anywhere in their stack, summed
+/// (what a function allocated through library code: a container's nodes,
+/// a string's characters).
+fn split_through(report: &Value, symbol: &str) -> BTreeMap<&'static str, (u64, u64)> {
+    let mut split = BTreeMap::new();
+    let sites = report["sites"].as_array().into_iter().flatten();
+    for site in sites.filter(|site| {
+        site["frames"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|frame| frame["symbol"].as_str() == Some(symbol))
+    }) {
+        for key in [
+            "definitely_lost",
+            "indirectly_lost",
+            "possibly_lost",
+            "still_reachable",
+        ] {
+            let (bytes, blocks) = amount(&site["leak_check"][key]);
+            let slot = split.entry(key).or_insert((0, 0));
+            slot.0 += bytes;
+            slot.1 += blocks;
+        }
+    }
+    split
+}
+
+/// leak_shapes' block kept in a dlopen'ed library's TLS: the site whose
+/// second frame is `keep_dlopen_tls`.
+fn dlopen_tls_site(report: &Value) -> &Value {
+    report["sites"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|site| site["frames"][1]["symbol"] == "keep_dlopen_tls")
+        .unwrap_or_else(|| panic!("a site under keep_dlopen_tls: {report}"))
+}
+
+fn assert_equals_valgrind(program: &str, args: &[&str]) -> Value {
+    let valgrind = valgrind_summary(program, args);
+    let (report, out) = launched_with(program, args, &[]);
     assert!(out.status.success(), "memtrace: {}", out.status);
     let check = &report["leak_check"];
     assert_eq!(check["ran"], true, "{check}");
@@ -114,7 +160,7 @@ fn assert_equals_valgrind(program: &str) -> Value {
         assert_eq!(
             amount(&check[key]),
             valgrind[name],
-            "{program}: {name}: memtrace {check}, valgrind {valgrind:?}"
+            "{program} {args:?}: {name}: memtrace {check}, valgrind {valgrind:?}"
         );
     }
     for heuristic in ["stdstring", "length64", "newarray", "multipleinheritance"] {
@@ -123,7 +169,7 @@ fn assert_equals_valgrind(program: &str) -> Value {
             .map(amount)
             .unwrap_or((0, 0));
         let theirs = valgrind.get(heuristic).copied().unwrap_or((0, 0));
-        assert_eq!(ours, theirs, "{program}: via {heuristic}");
+        assert_eq!(ours, theirs, "{program} {args:?}: via {heuristic}");
     }
     report
 }
@@ -133,7 +179,7 @@ fn launch_mode_totals_equal_valgrinds_for_c_shapes() {
     if !privileged() {
         return;
     }
-    let report = assert_equals_valgrind("leak_shapes");
+    let report = assert_equals_valgrind("leak_shapes", &[]);
     // The sites say which is which.
     assert_eq!(
         site_split(&report, "lose_single")["definitely_lost"],
@@ -155,6 +201,30 @@ fn launch_mode_totals_equal_valgrinds_for_c_shapes() {
         site_split(&report, "keep_mmapped")["still_reachable"],
         (444, 1)
     );
+    // Held in a stack slot of a thread still blocked (in read(2), in
+    // pthread_cond_wait) when the process exits.
+    assert_eq!(
+        site_split(&report, "hold_in_read")["still_reachable"],
+        (666, 1)
+    );
+    assert_eq!(
+        site_split(&report, "hold_in_cond_wait")["still_reachable"],
+        (777, 1)
+    );
+    // Held in a dlopen'ed library's TLS: found by its caller (the library's
+    // own frame has a test of its own below; dlopen's blocks are under
+    // keep_dlopen_tls too, deeper).
+    assert_eq!(
+        dlopen_tls_site(&report)["leak_check"]["still_reachable"],
+        serde_json::json!({"bytes": 555, "blocks": 1})
+    );
+    // Freed blocks are not live, so not judged.
+    assert!(sites_of(&report, "churn").is_empty(), "{report}");
+    // Only what stays reachable: valgrind finds nothing lost, nor does memtrace.
+    let reachable = assert_equals_valgrind("leak_shapes", &["reachable"]);
+    for key in ["definitely_lost", "indirectly_lost", "possibly_lost"] {
+        assert_eq!(amount(&reachable["leak_check"][key]), (0, 0), "{key}");
+    }
     // Proven leaks are ranked first.
     let first = &report["sites"][0]["leak_check"]["definitely_lost"]["bytes"];
     assert!(first.as_u64().unwrap_or(0) > 0, "{}", report["sites"][0]);
@@ -165,11 +235,77 @@ fn launch_mode_totals_equal_valgrinds_for_cxx_heuristics() {
     if !privileged() {
         return;
     }
-    let report = assert_equals_valgrind("leak_shapes_cxx");
+    let report = assert_equals_valgrind("leak_shapes_cxx", &[]);
     let heuristics = &report["leak_check"]["reachable_via_heuristic"];
     for heuristic in ["stdstring", "newarray", "multipleinheritance"] {
         assert!(heuristics.get(heuristic).is_some(), "{heuristics}");
     }
+    // A lost std::map: the map object leads the cycle it makes with its
+    // nodes (lowest address), the nodes are indirectly lost.
+    let map = site_split(&report, "lose_map()");
+    assert_eq!(map["definitely_lost"], (48, 1), "{map:?}");
+    assert_eq!(map["indirectly_lost"], (200, 5), "{map:?}");
+    let vector = site_split(&report, "lose_vector()");
+    assert_eq!(vector["definitely_lost"], (24, 1), "{vector:?}");
+    assert_eq!(vector["indirectly_lost"], (400, 1), "{vector:?}");
+    // Held containers and strings: everything they allocated is reachable.
+    for (symbol, held) in [
+        ("keep_map()", (48 + 3 * 72 + 3 * 61, 7)),
+        ("keep_record()", (88 + 49 + 101 + 80, 4)),
+        ("keep_cow_std_strings()", (8 + 65 + 75, 3)),
+        ("keep_second_base()", (32, 1)),
+        ("keep_array()", (72, 1)),
+    ] {
+        let split = split_through(&report, symbol);
+        assert_eq!(split["still_reachable"], held, "{symbol}: {split:?}");
+        assert_eq!(split["definitely_lost"], (0, 0), "{symbol}: {split:?}");
+        assert_eq!(split["possibly_lost"], (0, 0), "{symbol}: {split:?}");
+    }
+}
+
+#[test]
+fn a_frame_in_a_library_dlopened_late_is_named() {
+    if !privileged() {
+        return;
+    }
+    // At start-up ld.so maps /etc/ld.so.cache and unmaps it; the library
+    // leak_shapes opens later can be mapped at the very same address. Its
+    // frame must be named from the library, not from the stale mapping.
+    let (report, out) = launched("leak_shapes", &[]);
+    assert!(out.status.success(), "memtrace: {}", out.status);
+    let frame = &dlopen_tls_site(&report)["frames"][0];
+    assert_eq!(frame["symbol"], "keep_in_dlopen_tls", "{frame}");
+    assert!(
+        frame["module"]
+            .as_str()
+            .is_some_and(|m| m.ends_with("/libleak_dlopen_tls.so")),
+        "{frame}"
+    );
+    assert_eq!(
+        site_split(&report, "keep_in_dlopen_tls")["still_reachable"],
+        (555, 1)
+    );
+}
+
+/// Known limitation (README, "Where memtrace differs from valgrind"): in
+/// launch mode only the exiting thread's registers are read; the other
+/// threads are killed by `exit_group` before memtrace could read theirs,
+/// so a block whose only pointer sits in one of them is called lost.
+/// Fixing it needs every thread held at `exit_group` (the supervisor seizes
+/// only the main thread today).
+#[test]
+#[ignore = "known limitation: other threads' registers are not read at exit (README)"]
+fn a_pointer_only_in_a_register_of_a_thread_blocked_at_exit_keeps_its_block_reachable() {
+    if !privileged() {
+        return;
+    }
+    // valgrind reads every thread's registers at the exit: a thread blocked
+    // in read(2) with the block's only address in a callee-saved register
+    // keeps it still reachable, and memtrace must not call it lost.
+    let report = assert_equals_valgrind("leak_register", &[]);
+    let held = site_split(&report, "hold_in_register");
+    assert_eq!(held["still_reachable"], (100, 1), "{held:?}");
+    assert_eq!(held["definitely_lost"], (0, 0), "{held:?}");
 }
 
 #[test]
@@ -177,8 +313,10 @@ fn the_text_report_reads_like_valgrind_and_no_leak_check_turns_it_off() {
     if !privileged() {
         return;
     }
+    // Enough sites that one all still reachable is shown after the 20 or
+    // so with lost bytes (ranked first).
     let out = Command::new(MEMTRACE)
-        .arg("--")
+        .args(["--top", "100", "--"])
         .arg(fixture("leak_shapes"))
         .output()
         .expect("memtrace runs");
@@ -220,11 +358,31 @@ fn fail_on_exits_5_only_when_the_category_has_bytes() {
     // The C++ fixture has nothing possibly lost.
     let (_, out) = launched("leak_shapes_cxx", &["--fail-on", "possibly-lost"]);
     assert_eq!(out.status.code(), Some(0));
+    // A program that loses nothing passes every gate but still-reachable.
+    let (report, out) = launched_with(
+        "leak_shapes",
+        &["reachable"],
+        &["--fail-on", "definitely-lost,indirectly-lost,possibly-lost"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(report["leak_check"]["ran"], true);
+    assert_eq!(report["leak_check"]["failed_gates"], serde_json::json!([]));
+    let (_, out) = launched_with(
+        "leak_shapes",
+        &["reachable"],
+        &["--fail-on", "still-reachable"],
+    );
+    assert_eq!(out.status.code(), Some(5));
     // An allow-list entry takes a leak out of the gate.
     let dir = std::env::temp_dir().join(format!("memtrace-leak-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let allow = dir.join("allow.txt");
-    std::fs::write(&allow, "leak:lose_vector\n").expect("allow-list");
+    std::fs::write(&allow, "leak:lose_vector\nleak:lose_map\n").expect("allow-list");
     let allow = allow.to_string_lossy().into_owned();
     let (_, out) = launched(
         "leak_shapes_cxx",

@@ -41,7 +41,10 @@ pub fn executable_files(mappings: &[Mapping]) -> Vec<PathBuf> {
     files
 }
 
-/// A sorted snapshot of a process's file mappings, for address normalization.
+/// A sorted snapshot of a process's executable file mappings, for
+/// normalizing code addresses (a return address lies in code: a data
+/// mapping, such as `/etc/ld.so.cache` that ld.so maps and unmaps before a
+/// library takes its place, never names a frame).
 #[derive(Clone, Debug, Default)]
 pub struct AddressSpace {
     ranges: Vec<Mapping>,
@@ -56,7 +59,7 @@ pub struct FileAddr {
 
 impl AddressSpace {
     pub fn new(mut mappings: Vec<Mapping>) -> Self {
-        mappings.retain(Mapping::is_file);
+        mappings.retain(|m| m.is_file() && m.executable);
         mappings.sort_by_key(|m| m.start);
         AddressSpace { ranges: mappings }
     }
@@ -164,6 +167,11 @@ garbage line
         let libc = space.normalize(0x7f0000028010).expect("in libc");
         assert_eq!(libc.file_offset, 0x28010);
         assert_eq!(space.normalize(0x55d0c1000010), None, "heap is not a file");
+        assert_eq!(
+            space.normalize(0x55d0c0de0010),
+            None,
+            "a data mapping of a file is not code"
+        );
         assert_eq!(space.normalize(0x10), None);
     }
 }
