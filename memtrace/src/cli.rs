@@ -47,6 +47,19 @@ pub enum Command {
     /// List the USDT probes (provider, name, file offset, semaphore,
     /// arguments) an object file offers, or every object a process maps.
     Probes(crate::probe::usdt_list::ProbesArgs),
+    /// Write the man pages, shell completions and the guide's reference
+    /// chapters (every flag, every JSON key) under DIR (`cargo xtask dist`
+    /// and `cargo xtask docs` call it).
+    #[command(hide = true)]
+    GenerateDocs(GenerateDocsArgs),
+}
+
+/// Options of `memtrace generate-docs`.
+#[derive(Debug, Args)]
+pub struct GenerateDocsArgs {
+    /// Where `man/`, `completions/` and `reference/` are written.
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
 }
 
 /// Options of `memtrace unwind-table FILE...`.

@@ -25,6 +25,7 @@ mod prometheus;
 mod push;
 mod reach;
 mod record;
+mod reference;
 mod report;
 mod signals;
 mod sink;
@@ -68,6 +69,7 @@ fn main() -> ExitCode {
         Some(cli::Command::Doctor(args)) => doctor::run(&args),
         Some(cli::Command::Watch(args)) => watch::run(*args),
         Some(cli::Command::Probes(args)) => probe::usdt_list::run(&args),
+        Some(cli::Command::GenerateDocs(args)) => reference::run(&args),
         None => run_trace(cli.trace),
     };
     match result {

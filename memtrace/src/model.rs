@@ -8,7 +8,7 @@ use serde::Serialize;
 use crate::probe::catalog::{Allocator, Memory};
 
 /// Live bytes and blocks of one allocator and memory kind at one moment.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct TimelineSample {
     /// Milliseconds since tracing started.
     pub t_ms: u64,
@@ -19,7 +19,7 @@ pub struct TimelineSample {
 }
 
 /// Whether a frame is machine code or a Python function.
-#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq, Hash, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum FrameKind {
     #[default]
@@ -27,7 +27,7 @@ pub enum FrameKind {
     Python,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct Frame {
     /// `native` or `python` (then `symbol` is the qualified name, `addr` empty).
     pub kind: FrameKind,

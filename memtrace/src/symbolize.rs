@@ -36,7 +36,9 @@ pub struct SymInfo {
 
 /// One inlined function at an address, and where in it the address (or the
 /// next inner inlined call) lies.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 pub struct InlinedCall {
     pub symbol: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]

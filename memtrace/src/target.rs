@@ -107,7 +107,7 @@ pub fn start_time(pid: u32) -> Option<u64> {
 }
 
 /// The traced process as reports name it (`target` in the JSON report).
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct TargetInfo {
     pub pid: u32,
     pub comm: String,

@@ -77,7 +77,7 @@ pub const LARGE_ONCE_MIN_AGE_FRACTION: f64 = 0.5;
 
 /// A leak pattern. JSON: `{"kind": "per-iteration", "period_ms": .., "bytes_per_period": ..}`,
 /// `{"kind": "large-once"}`, `{"kind": "small-accumulating"}`.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
 pub enum Pattern {
     /// Equal-size blocks at a regular period.

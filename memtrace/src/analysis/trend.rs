@@ -29,7 +29,7 @@ pub const MIN_MONOTONE_STEP_FRACTION: f64 = 0.6;
 pub const EDGE_CHANGE_FRACTION: f64 = 0.5;
 
 /// What a site's live bytes are doing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Trend {
     /// Keeps rising across intervals: a leak candidate.

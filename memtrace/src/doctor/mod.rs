@@ -72,7 +72,7 @@ pub struct DoctorArgs {
     pub format: DoctorFormat,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 struct Kernel {
     release: String,
     version: Option<String>,
@@ -80,7 +80,7 @@ struct Kernel {
 }
 
 /// One program's result in one mode.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ProgramReport {
     pub program: String,
     pub loaded: bool,
@@ -90,7 +90,7 @@ pub struct ProgramReport {
 }
 
 /// One stack mode's load test.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ModeLoad {
     pub mode: &'static str,
     pub flags: &'static str,
@@ -150,7 +150,7 @@ impl ModeLoad {
 }
 
 /// Whether one mode will work, and what keeps it from working.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ModeVerdict {
     pub mode: &'static str,
     pub flags: &'static str,
@@ -158,8 +158,8 @@ pub struct ModeVerdict {
     pub why: Vec<String>,
 }
 
-#[derive(Clone, Debug, Serialize)]
-struct Report {
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
+pub struct Report {
     schema: u32,
     kernel: Kernel,
     features: Vec<FeatureCheck>,
@@ -173,7 +173,7 @@ struct Report {
 }
 
 /// Which build of the eBPF programs this kernel gets (`kernel::variant`).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 struct EbpfObject {
     /// `full`, `tailcall` or `compat`.
     variant: &'static str,

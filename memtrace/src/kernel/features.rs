@@ -67,7 +67,7 @@ pub fn parse_release(release: &str) -> Option<KernelVersion> {
 
 /// Whether a feature is there: found, missing, or not known (the probe
 /// itself was refused, e.g. without privilege).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Presence {
     Found,
@@ -193,7 +193,7 @@ impl Feature {
 }
 
 /// One probed feature.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct FeatureCheck {
     /// [`Feature::key`].
     pub key: &'static str,
@@ -602,7 +602,7 @@ pub fn parse_lockdown(text: &str) -> Option<String> {
 }
 
 /// What this process may do.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct Privileges {
     pub euid: u32,
     /// The effective capability set, hex as in `/proc/self/status`.

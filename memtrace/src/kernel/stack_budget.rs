@@ -94,7 +94,7 @@ pub struct Code {
 }
 
 /// One call chain and its combined stack.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct Chain {
     /// Program first.
     pub functions: Vec<String>,
@@ -117,7 +117,7 @@ impl Chain {
 }
 
 /// The whole object's budget.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct Budget {
     pub limit: u64,
     pub goal: u64,

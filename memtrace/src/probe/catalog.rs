@@ -38,6 +38,22 @@ impl Serialize for Allocator {
     }
 }
 
+/// Serialized as its name: a string in the JSON schema.
+impl schemars::JsonSchema for Allocator {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Allocator".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "description": "The allocator family: `libc`, `jemalloc`, `tcmalloc`, `mimalloc`, \
+                `mmap`, `cuda`, `cuda-driver`, `acl`, `python`, or a resource pair's name \
+                (`--pairs`, `--preset`)."
+        })
+    }
+}
+
 impl Allocator {
     pub fn name(self) -> &'static str {
         match self {
@@ -112,7 +128,17 @@ impl Allocator {
 
 /// Which memory a block lives in.
 #[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
 )]
 #[serde(rename_all = "kebab-case")]
 pub enum Memory {

@@ -11,7 +11,9 @@ use crate::probe::catalog::Domain;
 use crate::reach::Category;
 
 /// Bytes and blocks.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 pub struct Amount {
     pub bytes: u64,
     pub blocks: u64,
@@ -30,7 +32,9 @@ impl Amount {
 }
 
 /// Blocks and bytes in each of valgrind's four categories.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 pub struct LeakSplit {
     pub definitely_lost: Amount,
     pub indirectly_lost: Amount,
@@ -74,7 +78,7 @@ impl LeakSplit {
 }
 
 /// When a check ran.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum CheckPoint {
     /// Launch mode: the command about to exit, its memory intact.
@@ -87,7 +91,7 @@ pub enum CheckPoint {
 
 /// The leak check's summary (`leak_check` in the JSON report; a contract:
 /// add keys, never rename them).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct LeakCheck {
     /// False when the check could not run: `reason` says why, and nothing
     /// is judged (the four categories are then zero).

@@ -25,7 +25,7 @@ use crate::target::container::Placement;
 pub use crate::target::TargetInfo;
 
 /// The whole report; field names are a stable JSON contract (add, never rename).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct Report {
     pub target: TargetInfo,
     pub duration_ms: u64,
@@ -99,7 +99,7 @@ pub struct Report {
 
 /// The reports pushed to a profile store (`--pyroscope`) or a Collector
 /// (`--otlp-profiles`), counted: none is lost silently.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct PushStats {
     /// Where they go (the push endpoint; credentials never appear in it).
     pub endpoint: String,
@@ -124,7 +124,7 @@ pub struct PushStats {
 /// runtime (`cudaMalloc`, nested driver calls counted once). Their
 /// difference is what the cache holds: freed tensors' memory kept for
 /// reuse, and the unused tails of segments.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct DeviceCache {
     /// The USDT allocator(s) whose blocks are the tensors.
     pub allocators: Vec<String>,
@@ -143,7 +143,7 @@ pub struct DeviceCache {
 }
 
 /// Live tensors of one device and stream.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct DeviceTensors {
     /// The device index (-1: none given).
     pub device: i64,
@@ -154,7 +154,9 @@ pub struct DeviceTensors {
 }
 
 /// One BPF program's runs and run time (`--bpf-stats`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 pub struct ProgramCost {
     pub program: String,
     pub runs: u64,
@@ -186,7 +188,9 @@ pub const TRUNCATION_CAUSES: &[(&str, &str)] = &[
 ];
 
 /// One traced process.
-#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+#[derive(
+    Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub struct ProcessInfo {
     pub pid: u32,
     /// The traced process it forked from (none for the target).
@@ -221,14 +225,14 @@ pub struct ProcessInfo {
 }
 
 /// Blocks set aside by the allow-list or the warm-up.
-#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct Suppressed {
     pub live_bytes: u64,
     pub live_count: u64,
     pub by_entry: Vec<SuppressedEntry>,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct SuppressedEntry {
     /// The allow-list entry (`line N: text`) or `warmup`.
     pub entry: String,
@@ -237,7 +241,7 @@ pub struct SuppressedEntry {
 }
 
 /// How much of the target's memory growth memtrace's tracked bytes explain.
-#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq, schemars::JsonSchema)]
 pub struct Reconciliation {
     pub rss_anon_at_attach: u64,
     pub rss_anon_now: u64,
@@ -253,7 +257,7 @@ pub struct Reconciliation {
     pub note: String,
 }
 
-#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct EventCounts {
     pub allocs: u64,
     pub frees: u64,
@@ -280,7 +284,7 @@ pub struct EventCounts {
     pub addresses_reused: u64,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct Total {
     pub allocator: Allocator,
     pub memory: Memory,
@@ -288,7 +292,7 @@ pub struct Total {
     pub live_count: u64,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, PartialEq, schemars::JsonSchema)]
 pub struct Site {
     pub allocator: Allocator,
     pub memory: Memory,
@@ -336,7 +340,7 @@ pub struct Site {
     pub leak_check: Option<LeakSplit>,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct FailedCall {
     pub function: String,
     pub allocator: Allocator,
@@ -344,7 +348,7 @@ pub struct FailedCall {
     pub count: u64,
 }
 
-#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct Settings {
     pub stack_depth: u32,
     pub min_age_ms: u64,

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// A process's namespace pid and container, as shown in every report
 /// (the keys are flattened into the process's entry).
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct Placement {
     /// Its pid inside its pid namespace, where that differs from the host pid.
     #[serde(default)]

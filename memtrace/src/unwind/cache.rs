@@ -90,7 +90,7 @@ pub struct Entry {
 }
 
 /// The cache's counters, for the report (`unwind.cache`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct CacheStats {
     /// The directory, or `off`.
     pub dir: String,

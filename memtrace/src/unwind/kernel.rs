@@ -74,7 +74,7 @@ impl Capacity {
 }
 
 /// What the unwinder's tables hold, for the report.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct UnwindSummary {
     /// `dwarf` or `fp`.
     pub mode: String,

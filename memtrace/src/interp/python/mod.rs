@@ -25,7 +25,7 @@ use layout::Layout;
 use resolve::{PyFrame, Resolver};
 
 /// What was found in one traced process, as the report shows it.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct Interpreter {
     pub pid: u32,
     /// `3.12.1`, or `3.9` when only the minor version is known.
