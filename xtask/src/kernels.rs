@@ -375,8 +375,9 @@ fn memtrace_binary(given: Option<&Path>) -> Result<PathBuf> {
     if let Some(path) = given {
         return std::fs::canonicalize(path).with_context(|| format!("{}", path.display()));
     }
-    crate::build_release()?;
-    Ok(crate::release_binary())
+    // The dist binary (glibc 2.26, zig-linked): what users install is what
+    // each kernel runs.
+    crate::dist::build_binary(crate::dist::DistArch::Amd64)
 }
 
 /// Installs what the runner needs on the host when missing (Debian packages).

@@ -13,7 +13,10 @@ use clap::{Parser, Subcommand};
 use bench::Section;
 
 mod bench;
+mod dist;
+mod dist_check;
 mod docker;
+mod elf_versions;
 mod kernels;
 mod setup;
 mod soak;
@@ -36,11 +39,20 @@ enum Task {
     },
     /// Build the eBPF object and the release memtrace binary that embeds it.
     Build {
-        /// Cross-build for this Rust target (`aarch64-unknown-linux-gnu`:
-        /// installs the target and Debian's cross linker when missing).
+        /// Cross-build for this Rust target (`aarch64-unknown-linux-gnu`):
+        /// the dist binary, linked by cargo-zigbuild against glibc 2.26
+        /// (installs the Rust target, zig and cargo-zigbuild when missing).
         #[arg(long)]
         target: Option<String>,
     },
+    /// The release artifacts of amd64 and arm64 in target/dist: binaries
+    /// linked against glibc 2.26 (cargo-zigbuild), tarballs with SHA-256
+    /// sums, .deb and .rpm packages, man pages and shell completions.
+    Dist(dist::DistArgs),
+    /// Build the dist artifacts and prove them (needs root): glibc symbol
+    /// versions, a leak traced by pid in a Debian bullseye root, dpkg -i
+    /// there, the arm64 binary on bullseye's arm64 glibc, rpm -qpl.
+    TestDist(dist::DistArgs),
     /// Build the C fixtures and stub GPU libraries into target/fixtures.
     Fixtures,
     /// Run every test: unit tests and the privileged kernel suite (needs root).
@@ -98,6 +110,8 @@ fn main() -> Result<()> {
             eprintln!("xtask: built {}", binary.display());
             Ok(())
         }
+        Task::Dist(args) => dist::dist(&args).map(|_| ()),
+        Task::TestDist(args) => dist::dist(&args).and_then(|made| dist_check::check(&made)),
         Task::Fixtures => {
             setup::ensure(setup::Need::Fixtures).and_then(|()| fixtures().map(|_| ()))
         }
@@ -326,16 +340,16 @@ fn build_release() -> Result<()> {
 
 /// Builds the eBPF objects of `target`'s architecture and the release
 /// memtrace binary for `target` (the host when `None`) that embeds them;
-/// returns the binary's path. Cross-building for arm64 installs the Rust
-/// target and Debian's cross linker when missing.
+/// returns the binary's path. A cross build is `dist::build_binary`'s.
 pub fn build_release_target(target: Option<&str>) -> Result<PathBuf> {
     let arch = Arch::of_target(target)?;
     let cross = target.filter(|t| Arch::of_target(None).ok() != Arch::of_target(Some(t)).ok());
-    if let Some(triple) = cross {
-        if arch == Arch::Aarch64 {
-            setup::ensure(setup::Need::CrossArm64)?;
-        }
-        ensure_rust_target(triple)?;
+    if cross.is_some() {
+        // The one cross build: the dist binary (zig links it, glibc 2.26).
+        return dist::build_binary(match arch {
+            Arch::X86_64 => dist::DistArch::Amd64,
+            Arch::Aarch64 => dist::DistArch::Arm64,
+        });
     }
     build_ebpf_for(arch)?;
     let mut cmd = Command::new("cargo");
@@ -344,30 +358,12 @@ pub fn build_release_target(target: Option<&str>) -> Result<PathBuf> {
     if let Some(triple) = target {
         cmd.args(["--target", triple]);
     }
-    if cross.is_some() && arch == Arch::Aarch64 {
-        cmd.env(
-            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
-            "aarch64-linux-gnu-gcc",
-        )
-        .env("CC_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-gcc")
-        .env("AR_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-ar");
-    }
     run(&mut cmd)?;
     let dir = match target {
         Some(triple) => cargo_target_dir().join(triple),
         None => cargo_target_dir(),
     };
-    let binary = dir.join("release/memtrace");
-    // Where the Containerfile takes each architecture's binary from
-    // (Debian's and Docker's architecture names).
-    let dist = root().join("target/dist").join(match arch {
-        Arch::X86_64 => "amd64",
-        Arch::Aarch64 => "arm64",
-    });
-    std::fs::create_dir_all(&dist).with_context(|| format!("creating {}", dist.display()))?;
-    std::fs::copy(&binary, dist.join("memtrace"))
-        .with_context(|| format!("copying {} to {}", binary.display(), dist.display()))?;
-    Ok(binary)
+    Ok(dir.join("release/memtrace"))
 }
 
 /// `rustup target add` for the stable toolchain, when it is missing.
@@ -441,7 +437,15 @@ fn test(extra: &[String]) -> Result<()> {
         }
         Err(err) => eprintln!("xtask: the real libcudart.so.13 is unavailable: {err:#}"),
     }
-    run(&mut cmd)
+    run(&mut cmd)?;
+    if !extra.is_empty() {
+        // A filtered run (`cargo xtask test -- NAME`) is the tests' only.
+        return Ok(());
+    }
+    // The release artifacts of both architectures, proven on an old
+    // userland (`cargo xtask test-dist`).
+    let made = dist::dist(&dist::DistArgs { arch: Vec::new() })?;
+    dist_check::check(&made)
 }
 
 /// A Docker daemon that answers (started when none does; the one started

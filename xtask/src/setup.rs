@@ -60,7 +60,8 @@ const FIXTURES: &[Package] = &[
 ];
 
 /// What the tests run besides the fixtures.
-/// Cross-building memtrace and its fixtures for arm64 from x86-64.
+/// Cross-building the fixtures for arm64 from x86-64 (memtrace itself is
+/// linked by zig, dist.rs).
 const CROSS_ARM64: &[Package] = &[
     pkg(
         "gcc-aarch64-linux-gnu",
@@ -148,6 +149,21 @@ const KERNELS_ARM64: &[Package] = &[
     pkg("debian-archive-keyring", Probe::Dpkg),
 ];
 
+/// `cargo xtask dist` and its checks: pip for zig and cargo-zigbuild,
+/// GNU tar and sha256sum for the tarballs, Debian's rpm to list an `.rpm`,
+/// debootstrap for the bullseye root the binaries are proven in, and
+/// qemu-user for running the arm64 binary against arm64 glibc there.
+const DIST: &[Package] = &[
+    pkg("python3", Probe::Command("python3")),
+    pkg("python3-pip", Probe::Dpkg),
+    pkg("tar", Probe::Command("tar")),
+    pkg("coreutils", Probe::Command("sha256sum")),
+    pkg("rpm", Probe::Command("rpm")),
+    pkg("dpkg", Probe::Command("dpkg-deb")),
+    pkg("debootstrap", Probe::Command("debootstrap")),
+    pkg("qemu-user-static", Probe::Command("qemu-aarch64-static")),
+];
+
 /// A task whose packages are ensured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Need {
@@ -163,10 +179,10 @@ pub enum Need {
     Bench,
     /// `cargo xtask bench --no-install`: the fixtures only.
     BenchNoPeers,
-    /// `cargo xtask build --target aarch64-unknown-linux-gnu`: the cross linker.
-    CrossArm64,
     /// `cargo xtask test-kernels --arch arm64` (and `kernel-run --arch arm64`).
     KernelsArm64,
+    /// `cargo xtask dist` and the checks of its artifacts.
+    Dist,
 }
 
 impl Need {
@@ -177,8 +193,8 @@ impl Need {
             Need::Test => "test",
             Need::TestImage => "test-image",
             Need::Bench | Need::BenchNoPeers => "bench",
-            Need::CrossArm64 => "build --target aarch64-unknown-linux-gnu",
             Need::KernelsArm64 => "test-kernels --arch arm64",
+            Need::Dist => "dist",
         }
     }
 
@@ -188,11 +204,11 @@ impl Need {
             Need::Demo => &[BUILD],
             Need::Fixtures | Need::BenchNoPeers => &[BUILD, FIXTURES],
             // The arm64 placement, CFI and USDT unit tests read cross-built code.
-            Need::Test => &[BUILD, FIXTURES, TEST_TOOLS, DOCKER, CROSS_ARM64],
+            Need::Test => &[BUILD, FIXTURES, TEST_TOOLS, DOCKER, CROSS_ARM64, DIST],
             Need::TestImage => &[DOCKER],
             Need::Bench => &[BUILD, FIXTURES, BENCH_PEERS],
-            Need::CrossArm64 => &[BUILD, CROSS_ARM64],
             Need::KernelsArm64 => &[BUILD, KERNELS_ARM64],
+            Need::Dist => &[BUILD, DIST],
         };
         let mut out: Vec<Package> = Vec::new();
         for package in groups.iter().flat_map(|g| g.iter()) {

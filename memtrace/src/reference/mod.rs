@@ -77,7 +77,10 @@ fn man_pages(command: &clap::Command) -> Result<Vec<(String, Vec<u8>)>> {
     let mut root = Vec::new();
     clap_mangen::Man::new(command.clone()).render(&mut root)?;
     pages.push(("memtrace.1".to_string(), root));
-    for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {
+    for sub in command
+        .get_subcommands()
+        .filter(|s| !s.is_hide_set() && s.get_name() != "help")
+    {
         let name = format!("memtrace-{}", sub.get_name());
         let mut text = Vec::new();
         clap_mangen::Man::new(

@@ -7,7 +7,7 @@
 //! --kernel 6.1 -- CMD...` runs one command line in one of them.
 //!
 //! What is arm64's own lives here: the kernel rows, the QEMU command line and
-//! where memtrace comes from (cross-built by `crate::build_release_target`).
+//! where memtrace comes from (the dist binary, `crate::dist::build_binary`).
 //! The initramfs is image.rs's. Fetching (a private apt with `APT::Architecture
 //! "arm64"`, only `vmlinuz` kept, in `target/kernels/arm64/<name>`), booting with
 //! its retries, the smoke suite, the report checks and the table are the x86
@@ -187,7 +187,7 @@ fn memtrace_binary(given: Option<&Path>) -> Result<PathBuf> {
     if let Some(path) = given {
         return std::fs::canonicalize(path).with_context(|| format!("{}", path.display()));
     }
-    match crate::build_release_target(Some(TARGET)) {
+    match crate::dist::build_binary(crate::dist::DistArch::Arm64) {
         Ok(path) if path.is_file() => Ok(path),
         Ok(path) => image::stand_in(&format!("the build left no {}", path.display())),
         Err(err) => {
@@ -198,7 +198,7 @@ fn memtrace_binary(given: Option<&Path>) -> Result<PathBuf> {
             let text = format!("{err:#}");
             let status = text.rsplit("failed: ").next().unwrap_or(&text);
             image::stand_in(&format!(
-                "cargo build --release -p memtrace --target {TARGET} failed ({status})"
+                "cargo zigbuild --release -p memtrace --target {TARGET} failed ({status})"
             ))
         }
     }
