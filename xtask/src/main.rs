@@ -16,6 +16,7 @@ mod bench;
 mod dist;
 mod dist_check;
 mod docker;
+mod docs;
 mod elf_versions;
 mod kernels;
 mod setup;
@@ -67,6 +68,9 @@ enum Task {
     TestImage,
     /// Build everything and trace the bundled leaky demo program.
     Demo,
+    /// Build the user guide (docs/ into docs/book): pictures from real
+    /// traces (root), mdBook (installed when missing), every link checked.
+    Docs(docs::DocsArgs),
     /// Measure memtrace against the probe floor and its peers (writes BENCHMARKS.md).
     Bench(bench::BenchArgs),
     /// Only the bench section on real Python and C++ workloads (prints Markdown).
@@ -122,6 +126,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Task::Demo => demo(),
+        Task::Docs(args) => docs::docs(&args),
         Task::Bench(args) => bench::bench(args),
         Task::BenchRedis { rounds, requests } => {
             bench::alias("bench-redis", Section::Redis, rounds, Some(requests))
@@ -445,7 +450,12 @@ fn test(extra: &[String]) -> Result<()> {
     // The release artifacts of both architectures, proven on an old
     // userland (`cargo xtask test-dist`).
     let made = dist::dist(&dist::DistArgs { arch: Vec::new() })?;
-    dist_check::check(&made)
+    dist_check::check(&made)?;
+    // The user guide, its pictures taken with the binary the tests built.
+    docs::docs(&docs::DocsArgs {
+        no_pictures: false,
+        memtrace: Some(cargo_target_dir().join("debug/memtrace")),
+    })
 }
 
 /// A Docker daemon that answers (started when none does; the one started

@@ -164,6 +164,17 @@ const DIST: &[Package] = &[
     pkg("qemu-user-static", Probe::Command("qemu-aarch64-static")),
 ];
 
+/// `cargo xtask docs`: the pictures of the guide, the HTML report in
+/// headless Chromium and `--live` in tmux (mdBook comes from cargo).
+const DOCS: &[Package] = &[
+    pkg("chromium", Probe::Command("chromium")),
+    pkg("tmux", Probe::Command("tmux")),
+    pkg(
+        "fonts-dejavu-core",
+        Probe::File("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"),
+    ),
+];
+
 /// A task whose packages are ensured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Need {
@@ -183,6 +194,8 @@ pub enum Need {
     KernelsArm64,
     /// `cargo xtask dist` and the checks of its artifacts.
     Dist,
+    /// `cargo xtask docs`: the demo's build and the pictures' tools.
+    Docs,
 }
 
 impl Need {
@@ -195,6 +208,7 @@ impl Need {
             Need::Bench | Need::BenchNoPeers => "bench",
             Need::KernelsArm64 => "test-kernels --arch arm64",
             Need::Dist => "dist",
+            Need::Docs => "docs",
         }
     }
 
@@ -209,6 +223,7 @@ impl Need {
             Need::Bench => &[BUILD, FIXTURES, BENCH_PEERS],
             Need::KernelsArm64 => &[BUILD, KERNELS_ARM64],
             Need::Dist => &[BUILD, DIST],
+            Need::Docs => &[BUILD, DOCS],
         };
         let mut out: Vec<Package> = Vec::new();
         for package in groups.iter().flat_map(|g| g.iter()) {
@@ -342,6 +357,7 @@ mod tests {
             Need::Bench,
             Need::BenchNoPeers,
             Need::KernelsArm64,
+            Need::Docs,
         ] {
             assert!(missing(need, |_| true).is_empty(), "{need:?}");
         }
