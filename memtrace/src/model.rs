@@ -14,7 +14,10 @@ pub struct TimelineSample {
     pub t_ms: u64,
     pub allocator: Allocator,
     pub memory: Memory,
+    /// Bytes of this allocator's and memory kind's blocks live in the table
+    /// then.
     pub live_bytes: u64,
+    /// How many of its blocks were live then.
     pub live_count: u64,
 }
 
@@ -31,10 +34,20 @@ pub enum FrameKind {
 pub struct Frame {
     /// `native` or `python` (then `symbol` is the qualified name, `addr` empty).
     pub kind: FrameKind,
+    /// The return address in the process, hex (`0x7f...`); empty for a
+    /// Python frame.
     pub addr: String,
+    /// The function, demangled (for a Python frame, its qualified name);
+    /// null when no symbol covers the address.
     pub symbol: Option<String>,
+    /// The object file the address lies in, as the process maps it; null
+    /// for a Python frame or an address in no file mapping.
     pub module: Option<String>,
+    /// The source file, from the object's debug information (with
+    /// `inlined`: of the outermost call) or the Python code object; null
+    /// when unknown.
     pub file: Option<String>,
+    /// The line in `file`; null when unknown.
     pub line: Option<u32>,
     /// Offset of the return address in `module`.
     pub offset: Option<String>,

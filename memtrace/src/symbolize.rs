@@ -40,9 +40,13 @@ pub struct SymInfo {
     Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
 )]
 pub struct InlinedCall {
+    /// The inlined function, demangled.
     pub symbol: String,
+    /// The source file in which the address (or the next inner inlined
+    /// call) lies; absent when the debug information does not say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<String>,
+    /// The line in `file`; absent when the debug information does not say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub line: Option<u32>,
 }

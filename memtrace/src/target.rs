@@ -109,8 +109,14 @@ pub fn start_time(pid: u32) -> Option<u64> {
 /// The traced process as reports name it (`target` in the JSON report).
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct TargetInfo {
+    /// Its pid as memtrace sees it (`ns_pid` is the one inside its own pid
+    /// namespace).
     pub pid: u32,
+    /// Its command name (`/proc/PID/stat`; for a launched command, its
+    /// program's file name).
     pub comm: String,
+    /// Its executable's path (`/proc/PID/exe`; for a launched command, the
+    /// program as found in `PATH`).
     pub exe: String,
     /// Its pid in its own pid namespace and its container (keys `ns_pid`,
     /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`,

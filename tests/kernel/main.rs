@@ -22,6 +22,7 @@ mod pairs;
 mod privilege;
 mod push;
 mod python;
+mod reference;
 mod reliability;
 mod settle;
 mod unwind;

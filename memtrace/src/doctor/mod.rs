@@ -74,28 +74,55 @@ pub struct DoctorArgs {
 
 #[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 struct Kernel {
+    /// The kernel release as `uname -r` gives it (`unknown` when
+    /// `/proc/sys/kernel/osrelease` cannot be read).
     release: String,
+    /// Its numeric head, `MAJOR.MINOR.PATCH` (`6.18.44`); null when the
+    /// release does not start with `MAJOR.MINOR`.
     version: Option<String>,
+    /// The machine architecture memtrace was built for (`x86_64`,
+    /// `aarch64`).
     arch: String,
 }
 
 /// One program's result in one mode.
 #[derive(Clone, Debug, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ProgramReport {
+    /// The program: `call_enter`, `call_exit`, `usdt_fire`, `task_new`, or
+    /// a tail-called one (`tail_walk`, `tail_python`) of an object without
+    /// `bpf_loop`.
     pub program: String,
+    /// Whether the kernel accepted it.
     pub loaded: bool,
+    /// The verifier's processed-instruction count; null when it was refused
+    /// or the kernel does not report the count (before 5.16).
     pub verified_insns: Option<u32>,
+    /// Why it was refused, in one line (the verifier's reason where it gave
+    /// one); null when it loaded.
     pub error: Option<String>,
+    /// The file holding the verifier's whole log (in `$XDG_RUNTIME_DIR`,
+    /// else `/tmp`); null when it loaded, when the refusal was not the
+    /// verifier's, or when the file could not be written.
     pub log: Option<String>,
 }
 
 /// One stack mode's load test.
 #[derive(Clone, Debug, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ModeLoad {
+    /// The stack mode: `default`, `stacks_fp` or `stack_depth_0`.
     pub mode: &'static str,
+    /// The flags that ask for it: `--stacks dwarf`, `--stacks fp` or
+    /// `--stack-depth 0`.
     pub flags: &'static str,
+    /// Why the test was not run (this memtrace was built without its eBPF
+    /// object, or this process may not load BPF programs); null when it
+    /// ran.
     pub skipped: Option<String>,
+    /// Why the object's maps could not be created (then no program was
+    /// tried); null when they were, or the test was skipped.
     pub maps_error: Option<String>,
+    /// Each program's load, in this mode; empty when the test was skipped
+    /// or the maps failed.
     pub programs: Vec<ProgramReport>,
 }
 
@@ -152,22 +179,46 @@ impl ModeLoad {
 /// Whether one mode will work, and what keeps it from working.
 #[derive(Clone, Debug, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ModeVerdict {
+    /// The mode: `default`, `stacks_fp`, `stack_depth_0`, `settling`,
+    /// `python_frames` or `follow_forks`.
     pub mode: &'static str,
+    /// How a user asks for it (`--stacks fp`, `--follow-forks`, ...).
     pub flags: &'static str,
+    /// True when its load test passed and no feature it needs is missing;
+    /// false when something keeps it from working; null when that is not
+    /// known (its load test was skipped).
     pub works: Option<bool>,
+    /// What keeps it from working: missing features (`no ... (5.8+)`),
+    /// programs refused, or why its load test was skipped; empty when
+    /// nothing does.
     pub why: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct Report {
+    /// The version of this document's layout: 1.
     schema: u32,
+    /// The running kernel.
     kernel: Kernel,
+    /// Each kernel feature memtrace uses or may use, probed on this kernel.
     features: Vec<FeatureCheck>,
     privileges: Privileges,
+    /// One load test per stack mode: the eBPF object loaded with the mode's
+    /// settings and each of its programs in it, nothing attached.
     load_tests: Vec<ModeLoad>,
+    /// The eBPF object's stack use per call chain, read from its code; null
+    /// when it could not be analysed (`stack_budget_error` says why).
     stack_budget: Option<Budget>,
+    /// Why the stack budget could not be computed (no eBPF object in this
+    /// build, an object that does not parse or has no programs); null when
+    /// `stack_budget` is there.
     stack_budget_error: Option<String>,
+    /// Whether each way of tracing will work here, and what keeps it from
+    /// working.
     modes: Vec<ModeVerdict>,
+    /// Whether the default mode's programs (`call_enter`, `call_exit`, and
+    /// the tail-called ones where the object has them) loaded: `memtrace
+    /// doctor` then exits 0, else 1.
     default_loads: bool,
     ebpf_object: EbpfObject,
 }

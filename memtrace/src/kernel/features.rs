@@ -195,12 +195,14 @@ impl Feature {
 /// One probed feature.
 #[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct FeatureCheck {
-    /// [`Feature::key`].
+    /// The feature's stable key (`btf`, `uprobe_pmu`, `ring_buffer`,
+    /// `atomics_fetch`, `bpf_loop`, `uprobe_multi`, ...).
     pub key: &'static str,
     pub presence: Presence,
-    /// [`Feature::since`].
+    /// The mainline release it arrived in (`5.8`); backports may have it
+    /// earlier.
     pub since: &'static str,
-    /// [`Feature::describe`].
+    /// What it is, for people.
     pub describe: &'static str,
     /// How it was found out (or why not).
     pub detail: String,
@@ -604,12 +606,19 @@ pub fn parse_lockdown(text: &str) -> Option<String> {
 /// What this process may do.
 #[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct Privileges {
+    /// This process's effective user id (0: root).
     pub euid: u32,
     /// The effective capability set, hex as in `/proc/self/status`.
     pub cap_eff: String,
+    /// Whether the effective set holds CAP_BPF (loading BPF programs and
+    /// maps).
     pub cap_bpf: bool,
+    /// Whether the effective set holds CAP_PERFMON (perf events, uprobes).
     pub cap_perfmon: bool,
+    /// Whether the effective set holds CAP_SYS_PTRACE (reading a process
+    /// memtrace did not start).
     pub cap_sys_ptrace: bool,
+    /// Whether the effective set holds CAP_SYS_ADMIN.
     pub cap_sys_admin: bool,
     /// `kernel.perf_event_paranoid` (`None`: unreadable).
     pub perf_event_paranoid: Option<i64>,
@@ -618,13 +627,13 @@ pub struct Privileges {
     /// The active lockdown mode (`none`, `integrity`, `confidentiality`);
     /// `None` without the lockdown LSM or securityfs.
     pub lockdown: Option<String>,
-    /// Root, or CAP_BPF and CAP_PERFMON: enough to load the programs (to
-    /// attach them, CAP_SYS_ADMIN too where [`Privileges::uprobes_need_sys_admin`]).
+    /// Root, CAP_SYS_ADMIN, or CAP_BPF and CAP_PERFMON: enough to load the
+    /// programs (to attach them, CAP_SYS_ADMIN too where
+    /// `uprobes_need_sys_admin`).
     pub can_trace: bool,
     /// Whether this kernel lets only CAP_SYS_ADMIN create uprobes (Linux
     /// 6.16, and the 5.15/6.1/6.6/6.12 stable kernels that took the change
-    /// in 2025); probed ([`crate::kernel::privilege::uprobe_rule`]), `None`
-    /// when unknown.
+    /// in 2025); probed on this kernel, null when unknown.
     pub uprobes_need_sys_admin: Option<bool>,
 }
 

@@ -100,6 +100,7 @@ pub struct Chain {
     pub functions: Vec<String>,
     /// Each function's frame, rounded.
     pub frames: Vec<u64>,
+    /// The chain's combined stack, in bytes: the sum of `frames`.
     pub bytes: u64,
 }
 
@@ -119,8 +120,12 @@ impl Chain {
 /// The whole object's budget.
 #[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct Budget {
+    /// The verifier's limit on a chain's combined stack, in bytes (512).
     pub limit: u64,
+    /// The budget memtrace's programs are held to, in bytes: the limit less
+    /// 64 bytes of headroom (448).
     pub goal: u64,
+    /// What each frame is rounded up to in the sums, in bytes (32).
     pub rounding: u64,
     /// Each function's deepest stack access, unrounded.
     pub frames: BTreeMap<String, u64>,

@@ -15,7 +15,9 @@ use crate::reach::Category;
     Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
 )]
 pub struct Amount {
+    /// Their bytes, all blocks together.
     pub bytes: u64,
+    /// How many blocks.
     pub blocks: u64,
 }
 
@@ -36,9 +38,21 @@ impl Amount {
     Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
 )]
 pub struct LeakSplit {
+    /// Blocks nothing points to any more: no pointer from the roots, not
+    /// even into their middle, and none from another lost block (of a
+    /// cycle of lost blocks, one) (valgrind's "definitely lost").
     pub definitely_lost: Amount,
+    /// Lost blocks pointed to only from other lost blocks: what a
+    /// definitely lost block leads to, directly or not (valgrind's
+    /// "indirectly lost").
     pub indirectly_lost: Amount,
+    /// Blocks the roots reach only through a pointer into their middle that
+    /// no heuristic accepts, or through such blocks (valgrind's "possibly
+    /// lost").
     pub possibly_lost: Amount,
+    /// Blocks the roots still reach through pointers to their start (or
+    /// into their middle where a heuristic accepts it): not leaks
+    /// (valgrind's "still reachable").
     pub still_reachable: Amount,
 }
 
@@ -96,13 +110,20 @@ pub struct LeakCheck {
     /// False when the check could not run: `reason` says why, and nothing
     /// is judged (the four categories are then zero).
     pub ran: bool,
+    /// Why the check could not run (`ran` false); when it ran, what it left
+    /// out (a scan cut by `--leak-check-max-pause`, processes not checked);
+    /// null otherwise.
     pub reason: Option<String>,
+    /// When the check ran: `exit` (launch mode, the command about to
+    /// exit), `end` (the final report of a trace by pid) or `interval` (an
+    /// `--interval` report).
     pub when: Option<CheckPoint>,
     #[serde(flatten)]
     pub split: LeakSplit,
     /// Still reachable only through an interior pointer that one of
     /// valgrind's heuristics accepts, by heuristic (included in
-    /// `still_reachable`).
+    /// `still_reachable`); keys: `stdstring`, `length64`, `newarray`,
+    /// `multipleinheritance`.
     pub reachable_via_heuristic: BTreeMap<String, Amount>,
     /// Live blocks not judged: mappings (`mmap`, roots as in valgrind),
     /// handles, and with a scan cut by `--leak-check-max-pause` the blocks

@@ -27,22 +27,64 @@ pub use crate::target::TargetInfo;
 /// The whole report; field names are a stable JSON contract (add, never rename).
 #[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct Report {
+    /// The traced process: the `--pid` given, the launched command, or the
+    /// first process found by `--name` (`--container`, `--cgroup`, `--pod`).
     pub target: TargetInfo,
+    /// Milliseconds from the start of tracing (taken just before the first
+    /// probe was attached) to this report, or to the end of the trace.
     pub duration_ms: u64,
     /// True for the reports printed every `--interval`; the last one is final.
     pub interim: bool,
     /// False when events were lost: the live table may then be wrong.
     pub complete: bool,
+    /// What the trace saw, counted over its whole length.
     pub events: EventCounts,
+    /// Events lost, by kernel counter: `ringbuf_full` (the ring buffer to
+    /// memtrace was full), `pending_full` (the in-flight call table was
+    /// full), `out_read_failed` (an out-parameter could not be read after
+    /// the call), `mmap_table_full` (no longer counted: always 0); their
+    /// sum is `events.lost`.
     pub lost_by_cause: BTreeMap<String, u64>,
+    /// Stacks that could not be captured, by kernel counter: `stack_fault`
+    /// (the walk faulted), `stack_collision` (the stack map's bucket held
+    /// another stack), `stack_other` (the map full, the walk preempted, any
+    /// other error); their sum is `events.stack_failures`.
     pub stack_failures_by_cause: BTreeMap<String, u64>,
+    /// Live bytes and blocks per allocator and memory kind: every block in
+    /// the live table, of every traced process, whatever its age, those set
+    /// aside (`suppressed`) included.
     pub totals: Vec<Total>,
+    /// The allocation sites shown, most suspicious first (after a leak
+    /// check, the proven leaks first), at most `--top`: the live blocks
+    /// not set aside and at least `--min-age` old, grouped by allocator,
+    /// memory kind and stack (native and Python frames).
     pub sites: Vec<Site>,
+    /// Allocator calls that failed (returned NULL, `MAP_FAILED` or an error
+    /// status), by function and return code.
     pub failed_calls: Vec<FailedCall>,
+    /// Each object whose allocator functions are probed: `path` (as the
+    /// target sees it), `allocator` (the heap allocator it is, when it is
+    /// one), `functions` (each `function`, its `aliases`, `probe_offset`,
+    /// `placement`, `emulated`), `forwarders` (functions that only jump to
+    /// another probed one) and `refused` (functions that cannot be probed).
     pub libraries: Vec<serde_json::Value>,
+    /// Catalogue functions of the allocators found that no traced object
+    /// defines (within each group of names one of which was found: the C
+    /// interface, the C++ operators, an allocator's own API).
     pub missing_functions: Vec<String>,
+    /// The options the trace ran with (`memtrace report FILE` may override
+    /// `top`, `min_age_ms` and `warmup_ms` with its own flags).
     pub settings: Settings,
+    /// Every counter the eBPF programs keep, by name, summed over the CPUs
+    /// (`nested_calls`, `filtered`, `settled_in_kernel`,
+    /// `stack_truncated_*`, `py_*`, ...; the causes in `lost_by_cause` and
+    /// `stack_failures_by_cause` among them); empty when replaying a record
+    /// file whose footer is missing.
     pub kernel_counters: BTreeMap<String, u64>,
+    /// What a reader of this report should know, one sentence each: lost
+    /// events, functions not attached, sampling, blocks made in the last
+    /// second, expected unmatched frees, truncated stacks, problems met
+    /// while finding the allocators, threads that exited, ...
     pub notes: Vec<String>,
     /// Live bytes per allocator at each interval (`--interval`), oldest first.
     pub timeline: Vec<TimelineSample>,
@@ -128,9 +170,14 @@ pub struct PushStats {
 pub struct DeviceCache {
     /// The USDT allocator(s) whose blocks are the tensors.
     pub allocators: Vec<String>,
+    /// Bytes of the live tensors: the live device blocks of `allocators`.
     pub tensor_live_bytes: u64,
+    /// How many tensors are live.
     pub tensor_live_count: u64,
+    /// Bytes of the live device segments: the live device blocks of the
+    /// CUDA runtime and driver (`cuda`, `cuda-driver`), whoever asked.
     pub segment_live_bytes: u64,
+    /// How many device segments are live.
     pub segment_live_count: u64,
     /// `segment_live_bytes - tensor_live_bytes`: memory the cache holds
     /// (negative when segments were allocated before the trace began).
@@ -149,7 +196,9 @@ pub struct DeviceTensors {
     pub device: i64,
     /// The stream id (`stream.id()`).
     pub stream: i64,
+    /// Bytes of the live tensors of this device and stream.
     pub live_bytes: u64,
+    /// How many tensors of this device and stream are live.
     pub live_count: u64,
 }
 
@@ -158,8 +207,12 @@ pub struct DeviceTensors {
     Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize, schemars::JsonSchema,
 )]
 pub struct ProgramCost {
+    /// The BPF program: `call_enter` (allocator entries), `call_exit`
+    /// (their returns), `usdt_fire` (USDT probes) or `task_new` (forks).
     pub program: String,
+    /// Times it ran while the kernel's BPF statistics were on.
     pub runs: u64,
+    /// Kernel time spent in it over those runs, in nanoseconds.
     pub run_ns: u64,
     /// `run_ns / runs` (0 when it never ran).
     pub ns_per_run: u64,
@@ -192,10 +245,16 @@ pub const TRUNCATION_CAUSES: &[(&str, &str)] = &[
     Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq, schemars::JsonSchema,
 )]
 pub struct ProcessInfo {
+    /// Its pid as memtrace sees it (`ns_pid` is the one inside its own pid
+    /// namespace).
     pub pid: u32,
     /// The traced process it forked from (none for the target).
     pub parent: Option<u32>,
+    /// Its command name (`/proc/PID/stat`; for a launched command, its
+    /// program's file name); empty when it could not be read.
     pub comm: String,
+    /// Its executable's path (`/proc/PID/exe`; for a launched command, the
+    /// program as found in `PATH`); empty when it could not be read.
     pub exe: String,
     /// Milliseconds after tracing started when its probes were in place.
     pub traced_from_ms: u64,
@@ -214,8 +273,10 @@ pub struct ProcessInfo {
     pub held_at_birth: bool,
     /// It exited before the report.
     pub exited: bool,
-    /// Filled by the report builder from the live table.
+    /// Bytes of its blocks live in the table (all of them: those set aside
+    /// and the young included).
     pub live_bytes: u64,
+    /// How many of its blocks are live in the table.
     pub live_count: u64,
     /// Its pid in its own pid namespace and its container (keys `ns_pid`,
     /// `cgroup`, `container_id`, `container_runtime`, `pod_uid`, `pod_name`,
@@ -227,8 +288,11 @@ pub struct ProcessInfo {
 /// Blocks set aside by the allow-list or the warm-up.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct Suppressed {
+    /// Bytes of the live blocks set aside, all entries together.
     pub live_bytes: u64,
+    /// How many live blocks were set aside.
     pub live_count: u64,
+    /// What each allow-list entry (and the warm-up) set aside, by entry.
     pub by_entry: Vec<SuppressedEntry>,
 }
 
@@ -236,38 +300,65 @@ pub struct Suppressed {
 pub struct SuppressedEntry {
     /// The allow-list entry (`line N: text`) or `warmup`.
     pub entry: String,
+    /// Bytes of the live blocks this entry set aside.
     pub live_bytes: u64,
+    /// How many live blocks this entry set aside.
     pub live_count: u64,
 }
 
 /// How much of the target's memory growth memtrace's tracked bytes explain.
 #[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq, schemars::JsonSchema)]
 pub struct Reconciliation {
+    /// The target's `RssAnon` (resident anonymous memory, from
+    /// `/proc/PID/status`) when tracing started, in bytes.
     pub rss_anon_at_attach: u64,
+    /// The target's `RssAnon` when this report was made (the last figure
+    /// read, once it has exited), in bytes.
     pub rss_anon_now: u64,
+    /// `rss_anon_now - rss_anon_at_attach`, in bytes (negative when it
+    /// shrank).
     pub rss_anon_growth: i64,
+    /// The target's `VmRSS` (all its resident memory) when tracing started,
+    /// in bytes.
     pub vm_rss_at_attach: u64,
+    /// The target's `VmRSS` when this report was made (the last figure
+    /// read, once it has exited), in bytes.
     pub vm_rss_now: u64,
-    /// Live heap bytes (libc allocator) memtrace tracks.
+    /// Live heap bytes memtrace tracks in the target (libc, jemalloc,
+    /// tcmalloc, mimalloc; not its descendants').
     pub tracked_host_bytes: u64,
-    /// Live anonymous mappings memtrace tracks (virtual: not all resident).
+    /// Live anonymous mappings memtrace tracks in the target, in bytes
+    /// (virtual: not all resident).
     pub tracked_mmap_bytes: u64,
     /// tracked / growth, when the growth is positive.
     pub explained_ratio: Option<f64>,
+    /// What the tracked bytes leave out (memory allocated before the
+    /// attach, allocator overhead, freed heap the allocator keeps, untraced
+    /// allocators), and that mappings count their virtual size.
     pub note: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct EventCounts {
+    /// Allocations seen (a `realloc`'s new block counts as one), those
+    /// settled in the kernel included.
     pub allocs: u64,
+    /// Releases that found their block in the table (a whole `munmap` of a
+    /// traced mapping included), those settled in the kernel included.
     pub frees: u64,
     /// Events that never reached memtrace (every cause in `lost_by_cause`).
     pub lost: u64,
+    /// Releases of an address with no live block in the table: blocks made
+    /// before tracing started, or left out by `--min-size`/`--max-size`
+    /// (see `notes`).
     pub unmatched_frees: u64,
     /// Releases seen at two probes (an `operator delete` ending in a probed
     /// `sdallocx`), counted once.
     pub releases_seen_twice: u64,
+    /// Allocations whose stack could not be captured (their sites show no
+    /// frames): the sum of `stack_failures_by_cause`.
     pub stack_failures: u64,
+    /// Allocator calls that failed: the sum of `failed_calls[].count`.
     pub failed_calls: u64,
     /// Allocations not tracked because the live table was at its cap.
     pub table_full: u64,
@@ -288,7 +379,9 @@ pub struct EventCounts {
 pub struct Total {
     pub allocator: Allocator,
     pub memory: Memory,
+    /// Bytes of the live blocks of this allocator and memory kind.
     pub live_bytes: u64,
+    /// How many blocks of this allocator and memory kind are live.
     pub live_count: u64,
 }
 
@@ -296,8 +389,14 @@ pub struct Total {
 pub struct Site {
     pub allocator: Allocator,
     pub memory: Memory,
+    /// Bytes of the site's live blocks (under `--sample-rate`, of the
+    /// sample).
     pub live_bytes: u64,
+    /// How many of the site's blocks are live (under `--sample-rate`, of
+    /// the sample).
     pub live_count: u64,
+    /// Age of the site's oldest live block when the report was made, in
+    /// milliseconds.
     pub oldest_age_ms: u64,
     /// `growing`, `stable`, `shrinking`, or `new` (too few intervals to say).
     pub trend: Trend,
@@ -307,9 +406,12 @@ pub struct Site {
     pub pattern: Option<Pattern>,
     /// Intervals the site's oldest live block has lived through.
     pub survived_intervals: u64,
-    /// With `--sample-rate N`: live bytes and blocks scaled by N.
+    /// With `--sample-rate N` (N > 1): `live_bytes` × N; for an allocator
+    /// whose sizes are a sampler's estimates (`--preset otel-memory`):
+    /// `live_bytes` itself; absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub estimated_live_bytes: Option<u64>,
+    /// With `--sample-rate N` (N > 1): `live_count` × N; absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub estimated_live_count: Option<u64>,
     /// The probed functions that made these blocks.
@@ -342,22 +444,41 @@ pub struct Site {
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct FailedCall {
+    /// The probed function whose calls failed (`malloc`, `cudaMalloc`, ...).
     pub function: String,
     pub allocator: Allocator,
+    /// What it returned, as a signed 32-bit number: 0 (NULL) for a function
+    /// returning a pointer, -1 for `mmap`'s `MAP_FAILED`, the error code
+    /// for one returning a status (`cudaMalloc`, ...).
     pub code: i64,
+    /// How many of its calls failed with this code.
     pub count: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct Settings {
+    /// `--stack-depth`: frames kept per allocation stack (0: no stacks).
     pub stack_depth: u32,
+    /// `--min-age` in milliseconds: younger blocks are left out of the
+    /// sites (not of `totals`).
     pub min_age_ms: u64,
+    /// `--top`: the most sites shown.
     pub top: usize,
+    /// `--sample-rate`: one allocation in this many is traced (1: all).
     pub sample_rate: u32,
+    /// `--min-size`: smaller allocations are not traced, in bytes (0: none
+    /// are left out).
     pub min_size: u64,
+    /// `--max-size`: larger allocations are not traced, in bytes; null
+    /// without it.
     pub max_size: Option<u64>,
+    /// `--warmup` in milliseconds: blocks made this early in the trace are
+    /// set aside (0: none).
     pub warmup_ms: u64,
+    /// `--interval` in milliseconds: the period of the interim reports (and
+    /// of the snapshots trends are judged on); null without it.
     pub interval_ms: Option<u64>,
+    /// `--suppress`: the allow-list file's path; null without it.
     pub suppress_file: Option<String>,
     /// How the probes were attached: `uprobe_multi` (one BPF link per
     /// process, object and stage) or `perf_event` (one per probe); absent

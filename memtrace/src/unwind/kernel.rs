@@ -82,8 +82,11 @@ pub struct UnwindSummary {
     pub objects: u64,
     /// Rows loaded (after merging).
     pub rows: u64,
-    /// Kernel memory the tables use and the cap (`--unwind-table-mib`).
+    /// Bytes of kernel map memory the loaded tables take (their 4 KiB
+    /// chunks of rows, rules and page index, and one entry per object).
     pub kernel_bytes_used: u64,
+    /// Bytes of kernel map memory reserved for the tables' rows, rules and
+    /// page index: `--unwind-table-mib`, in 4 KiB chunks (the cap).
     pub kernel_bytes_reserved: u64,
     /// Milliseconds spent preparing tables (loaded from the cache or built,
     /// in parallel), wall clock, in the event loop's way (before tracing, or

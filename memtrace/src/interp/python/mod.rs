@@ -27,6 +27,7 @@ use resolve::{PyFrame, Resolver};
 /// What was found in one traced process, as the report shows it.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct Interpreter {
+    /// The traced process the interpreter runs in.
     pub pid: u32,
     /// `3.12.1`, or `3.9` when only the minor version is known.
     pub version: String,
