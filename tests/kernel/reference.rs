@@ -65,7 +65,7 @@ fn every_key_of_real_reports_is_in_the_json_reference() {
     assert!(rows.len() > 100, "the reference has {} rows", rows.len());
     let demo = fixture("leaky_demo");
     // Launch mode: the leak check at exit, patterns, a timeline.
-    let report = run_json(&[
+    let out = memtrace(&[
         "--format",
         "json",
         "--interval",
@@ -74,6 +74,19 @@ fn every_key_of_real_reports_is_in_the_json_reference() {
         demo.to_str().expect("utf8"),
         "40",
     ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One JSON line per interval: the last is the final report.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout
+        .lines()
+        .rfind(|l| !l.trim().is_empty())
+        .expect("a report");
+    let report: Value = serde_json::from_str(last).expect("the final report's JSON");
+    assert_eq!(report["interim"], Value::Bool(false), "the final report");
     assert!(report["leak_check"].is_object(), "a leak check ran");
     let mut missing = Vec::new();
     missing_keys(&report, "", &rows, &mut missing);

@@ -18,10 +18,11 @@ use super::placement::{self, a64};
 use crate::arch::Arch;
 
 /// One function to probe in one object file.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct PlannedProbe {
     #[serde(skip)]
     pub def: &'static FuncDef,
+    /// The catalogue's name of the probed function (`malloc`, `cudaMalloc`).
     pub function: &'static str,
     /// Other catalogue names at the same address (probed once).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -74,8 +75,9 @@ impl PlannedProbe {
 
 /// A catalogue function that only jumps to another one (`operator delete`
 /// = `jmp free@plt`): the other's probe sees its calls, so it has none.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct Forwarder {
+    /// The catalogue function that only jumps (not probed itself).
     pub function: &'static str,
     /// The function it jumps to (probed wherever it is defined).
     pub to: String,
@@ -84,15 +86,16 @@ pub struct Forwarder {
 /// A catalogue function that cannot be probed: the kernel refuses a uprobe
 /// on its entry instruction (arm64: a literal load, an exclusive, ...).
 /// The loader must skip it and warn.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct RefusedProbe {
+    /// The catalogue function left unprobed.
     pub function: &'static str,
     /// Why, as the placement says it.
     pub why: String,
 }
 
 /// One object file and the functions probed in it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct LibraryPlan {
     /// Path as the target sees it.
     pub path: PathBuf,
@@ -102,7 +105,9 @@ pub struct LibraryPlan {
     /// The heap allocator this object is, when it defines heap functions.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allocator: Option<&'static str>,
+    /// The functions probed in this object, each once.
     pub functions: Vec<PlannedProbe>,
+    /// Functions that only jump to another probed one (absent when none).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub forwarders: Vec<Forwarder>,
     /// Functions defined here that cannot be probed (not in `functions`).

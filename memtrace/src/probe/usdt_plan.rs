@@ -16,7 +16,7 @@ use super::usdt::{self, ArgLocation, UsdtArg, UsdtProbe};
 use crate::arch::Arch;
 
 /// One probe site to attach.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct PlannedSite {
     #[serde(skip)]
     pub def: &'static FuncDef,
@@ -47,13 +47,14 @@ impl PlannedSite {
 }
 
 /// The USDT sites probed in one object.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct UsdtPlan {
     /// Path as the target sees it.
     pub path: PathBuf,
     /// Path memtrace opens (through `/proc/PID/root`).
     #[serde(skip)]
     pub open_path: PathBuf,
+    /// The USDT probe sites of this object that are traced.
     pub sites: Vec<PlannedSite>,
 }
 

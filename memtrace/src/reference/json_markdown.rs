@@ -87,10 +87,18 @@ impl<'a> Walker<'a> {
             .and_then(Value::as_array)
             .map(|names| names.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
+        // A tagged enum's variant: its doc comment belongs to its tag's row.
+        let variant = description(schema);
         if let Some(properties) = schema.get("properties").and_then(Value::as_object) {
             for (key, property) in properties {
                 let path = format!("{prefix}{key}");
-                self.key(&path, property, required.contains(&key.as_str()));
+                let tag = property.get("const").is_some()
+                    || property
+                        .get("enum")
+                        .and_then(Value::as_array)
+                        .is_some_and(|values| values.len() == 1);
+                let fallback = if tag { variant.clone() } else { None };
+                self.key(&path, property, required.contains(&key.as_str()), fallback);
             }
         }
         // `#[serde(flatten)]` maps and tagged variants.
@@ -106,8 +114,10 @@ impl<'a> Walker<'a> {
     }
 
     /// One key: its row, then its own keys.
-    fn key(&mut self, path: &str, schema: &Value, required: bool) {
-        let described = description(schema).or_else(|| description(self.resolve(schema)));
+    fn key(&mut self, path: &str, schema: &Value, required: bool, fallback: Option<String>) {
+        let described = description(schema)
+            .or_else(|| description(self.resolve(schema)))
+            .or(fallback);
         let mut meaning = described.map(|d| escape(&one_line(&d))).unwrap_or_default();
         if !required {
             meaning = if meaning.is_empty() {

@@ -67,6 +67,7 @@ pub struct Report {
     /// one), `functions` (each `function`, its `aliases`, `probe_offset`,
     /// `placement`, `emulated`), `forwarders` (functions that only jump to
     /// another probed one) and `refused` (functions that cannot be probed).
+    #[schemars(with = "Vec<crate::probe::plan::LibraryPlan>")]
     pub libraries: Vec<serde_json::Value>,
     /// Catalogue functions of the allocators found that no traced object
     /// defines (within each group of names one of which was found: the C
@@ -123,6 +124,7 @@ pub struct Report {
     /// `path` and its `sites` (`probe`, `file_offset`, `semaphore_offset`);
     /// absent when none are.
     #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schemars(with = "Vec<crate::probe::usdt_plan::UsdtPlan>")]
     pub usdt: Vec<serde_json::Value>,
     /// With `--pyroscope URL`: what became of the reports pushed to the
     /// profile store so far; absent without.
