@@ -654,7 +654,7 @@ fn the_containerfile_image_traces_another_container_with_the_daemonsets_capabili
     ]);
     // The container's name comes from Docker's state through /proc/1/root,
     // the host's root (hostPID); where the host's pid 1 does not let even
-    // root read it (this sandbox's), through the state mounted as README
+    // root read it (this sandbox's), through the state mounted as docs/src/containers.md
     // says.
     if std::fs::read_dir("/proc/1/root").is_err() {
         args.extend_from_slice(&[

@@ -190,6 +190,8 @@ fn package(arch: DistArch, binary: &Path, generated: &Path, out: &Path) -> Resul
         copy_dir(&generated.join(dir), &stage.join(dir))?;
     }
     fs::copy(root().join("README.md"), stage.join("README.md"))?;
+    // The guide's chapters, where README's links point (docs/src/*.md).
+    copy_markdown(&root().join("docs/src"), &stage.join("docs/src"))?;
     let tarball = out.join(format!("{name}.tar.gz"));
     run(Command::new("tar")
         .arg("-C")
@@ -253,6 +255,22 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
         let entry = entry?;
         fs::copy(entry.path(), to.join(entry.file_name()))
             .with_context(|| format!("copying {}", entry.path().display()))?;
+    }
+    Ok(())
+}
+
+/// Every `.md` file under `from`, folders kept (the guide's sources).
+fn copy_markdown(from: &Path, to: &Path) -> Result<()> {
+    fs::create_dir_all(to).with_context(|| format!("creating {}", to.display()))?;
+    for entry in fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let path = entry?.path();
+        let name = path.file_name().context("a name")?;
+        if path.is_dir() {
+            copy_markdown(&path, &to.join(name))?;
+        } else if path.extension().is_some_and(|e| e == "md") {
+            fs::copy(&path, to.join(name))
+                .with_context(|| format!("copying {}", path.display()))?;
+        }
     }
     Ok(())
 }

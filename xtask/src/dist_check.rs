@@ -140,6 +140,8 @@ fn tarball(arch: DistArch, made: &dist::Artifacts) -> Result<()> {
     for entry in [
         "memtrace",
         "README.md",
+        "docs/src/install.md",
+        "docs/src/reference/cli.md",
         "man/memtrace.1",
         "man/memtrace-watch.1",
         "completions/memtrace.bash",

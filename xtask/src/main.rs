@@ -1,4 +1,4 @@
-//! memtrace's build tasks: `cargo xtask build-ebpf | build | fixtures | test | test-image | demo | bench | soak`.
+//! memtrace's build tasks: `cargo xtask build-ebpf | build | dist | test-dist | fixtures | test | test-image | demo | docs | bench | soak | test-kernels`.
 //!
 //! Each task installs what it needs first (the Debian packages setup.rs lists
 //! for it, nightly rust-src, bpf-linker built against rustc's own LLVM) and is
