@@ -164,6 +164,7 @@ pub fn build_binary(arch: DistArch) -> Result<PathBuf> {
         // The tarball is for running, not for debugging memtrace itself:
         // 100 MB of line tables become ~20 MB of binary.
         .env("CARGO_PROFILE_RELEASE_DEBUG", "0")
+        .env("PATH", path_with_python_scripts())
         .env("CARGO_PROFILE_RELEASE_STRIP", "debuginfo");
     run(&mut cmd)?;
     let binary = cargo_target_dir()
@@ -308,9 +309,11 @@ fn write_sums(out: &Path) -> Result<()> {
 
 /// zig and cargo-zigbuild from PyPI, when `cargo zigbuild` is missing.
 pub fn ensure_zigbuild() -> Result<()> {
+    let path = path_with_python_scripts();
     let works = |args: &[&str]| {
         Command::new(args[0])
             .args(&args[1..])
+            .env("PATH", &path)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .status()
@@ -326,9 +329,30 @@ pub fn ensure_zigbuild() -> Result<()> {
         // Debian's own Python refuses without it (PEP 668); pip < 23 ignores it.
         .env("PIP_BREAK_SYSTEM_PACKAGES", "1"))?;
     if !works(&["cargo-zigbuild", "--version"]) {
-        bail!("cargo-zigbuild was installed from PyPI but `cargo zigbuild` is not found: is pip's bin folder on PATH?");
+        bail!("cargo-zigbuild was installed from PyPI but `cargo-zigbuild` is not found on PATH nor in Python's scripts folders");
     }
     Ok(())
+}
+
+/// PATH with Python's scripts folders appended (where pip puts
+/// `cargo-zigbuild`: the interpreter's, and the user's for `--user`
+/// installs), so a pip whose folder is not on PATH still works.
+fn path_with_python_scripts() -> std::ffi::OsString {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    let query = "import os, site, sysconfig; \
+                 print(sysconfig.get_path('scripts')); \
+                 print(os.path.join(site.getuserbase(), 'bin'))";
+    if let Ok(out) = Command::new("python3").args(["-c", query]).output() {
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let dir = PathBuf::from(line.trim());
+            if !line.trim().is_empty() && !dirs.contains(&dir) {
+                dirs.push(dir);
+            }
+        }
+    }
+    std::env::join_paths(dirs).unwrap_or_else(|_| std::env::var_os("PATH").unwrap_or_default())
 }
 
 /// `cargo install --locked CRATE` when `cargo SUBCOMMAND` is missing.
