@@ -302,6 +302,53 @@ pub fn in_flight_slot(tid: u32, family: u8) -> u32 {
     (mixed >> (64 - IN_FLIGHT_SLOTS.trailing_zeros())) as u32
 }
 
+/// In-flight call slots in a thread's own storage ([`ThreadCalls`]).
+pub const THREAD_CALL_SLOTS: usize = 8;
+
+/// A thread's calls between their entry and their return, in BPF
+/// task-local storage where the kernel lets uprobe programs use it: the
+/// thread's own record, created by its first probed call and freed by the
+/// kernel when the thread exits, so saving a call needs no hash, no claim
+/// and no compare-and-swap (only this thread ever touches it, and a thread
+/// runs one program at a time). A call of `family` sits in slot
+/// [`thread_call_slot`] (one per built-in family); when another family's
+/// call is in flight there (a user-declared pair's call nested in or around
+/// the built-in family of the same slot), the call goes to the shared hash
+/// map, counted as `in_flight_spilled`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ThreadCalls {
+    /// Per slot: family + 1 of the call saved there, 0 while free.
+    pub tags: [u32; THREAD_CALL_SLOTS],
+    /// This thread's calls sent to the shared hash map since the record was
+    /// made, so a thread with none never looks there.
+    pub spilled: u32,
+    /// [`THREAD_MADE`] once a call was saved through the record;
+    /// [`THREAD_INHERITED`] when some call was in the hash map then (it may
+    /// be one this thread spilled before it had a record: the thread
+    /// always looks there).
+    pub flags: u32,
+    pub calls: [PendingCall; THREAD_CALL_SLOTS],
+}
+
+/// [`ThreadCalls::flags`]: a call was saved through the record.
+pub const THREAD_MADE: u32 = 1;
+/// [`ThreadCalls::flags`]: the shared hash map held calls when the record
+/// was first used.
+pub const THREAD_INHERITED: u32 = 2;
+
+/// The slot of a call of `family` in its thread's [`ThreadCalls`].
+#[inline(always)]
+pub fn thread_call_slot(family: u8) -> usize {
+    usize::from(family) % THREAD_CALL_SLOTS
+}
+
+/// The tag of a call of `family` in [`ThreadCalls::tags`] (never 0).
+#[inline(always)]
+pub fn thread_call_tag(family: u8) -> u32 {
+    u32::from(family) + 1
+}
+
 /// Slots of the held-allocation table: one per thread (by a hash of its id).
 pub const HELD_SLOTS: u32 = 16384;
 /// Entries of the held table's address index.
@@ -432,8 +479,10 @@ pub enum Counter {
     PyStackMapFull = 21,
     /// Two different Python stacks had the same hash: the later one got none.
     PyHashCollision = 22,
-    /// An allocator call was kept in the in-flight hash map because another
-    /// thread held its slot (slower, nothing lost).
+    /// An allocator call was kept in the in-flight hash map because its slot
+    /// was taken: another thread's (hashed slots), or another family's call
+    /// in the thread's own record, or the record could not be created (per-
+    /// thread storage). Slower, nothing lost.
     InFlightSpilled = 23,
     /// Heap blocks released before their allocation left the kernel: the
     /// pair was settled there (counted in `allocs` and `frees`, never sent).
@@ -662,6 +711,7 @@ const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 88);
 const _: () = assert!(core::mem::size_of::<PendingKey>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
 const _: () = assert!(core::mem::size_of::<HeldSlot>() == 80);
+const _: () = assert!(core::mem::size_of::<ThreadCalls>() == 40 + 8 * 56);
 
 #[cfg(feature = "user")]
 mod user {

@@ -113,7 +113,11 @@ pub fn skip_nested(pid_tgid: u64, sp: u64) {
     // Never over the outer call's own record: a tail call (`realloc(NULL,
     // n)` jumping to `malloc`) enters at the outer call's stack pointer, and
     // both return once, as the outer call.
-    let _ = CALLS.insert(&key(pid_tgid, sp.wrapping_add(crate::arch::RET_SP_DELTA)), &call, BPF_NOEXIST);
+    let _ = CALLS.insert(
+        &key(pid_tgid, sp.wrapping_add(crate::arch::RET_SP_DELTA)),
+        &call,
+        BPF_NOEXIST,
+    );
 }
 
 /// `bpf_map_update_elem` flag: only create.
@@ -123,7 +127,14 @@ const BPF_NOEXIST: u64 = 1;
 #[inline(always)]
 pub fn begin(pid_tgid: u64, family: u8, call: &PendingCall) {
     if CALLS
-        .insert(&key(pid_tgid, call.entry_sp.wrapping_add(crate::arch::RET_SP_DELTA)), call, 0)
+        .insert(
+            &key(
+                pid_tgid,
+                call.entry_sp.wrapping_add(crate::arch::RET_SP_DELTA),
+            ),
+            call,
+            0,
+        )
         .is_err()
     {
         crate::bump(memtrace_common::Counter::PendingFull);

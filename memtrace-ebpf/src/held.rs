@@ -38,8 +38,7 @@ use core::{
 use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
 use memtrace_common::{
     held_freed, held_hint, held_owner, held_slot, held_state, held_version, Counter, HeldSlot,
-    WireEvent, HELD_HINTS,
-    HELD_SLOTS,
+    WireEvent, HELD_HINTS, HELD_SLOTS,
 };
 
 use crate::{bump, now_ns, wakeup_flags, CONTROL, EVENTS};

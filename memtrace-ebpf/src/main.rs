@@ -42,6 +42,8 @@ mod in_flight;
 mod python;
 #[cfg(feature = "tailcall")]
 mod tail;
+#[cfg(not(feature = "compat"))]
+mod task_storage;
 mod usdt;
 
 /// Without compare-and-swap (the `compat` object) no heap block is held in
@@ -77,8 +79,8 @@ mod unwind;
 
 use memtrace_common::{
     unwind::{STACK_MODE_DWARF, STACK_MODE_FP},
-    Counter, EventKind, PendingCall, ProbeSpec, RetKind, SpecKind, SpecQuirk, WireEvent,
-    ARG_NONE, COUNTER_SLOTS, MAX_SPECS, STACK_NONE,
+    Counter, EventKind, PendingCall, ProbeSpec, RetKind, SpecKind, SpecQuirk, WireEvent, ARG_NONE,
+    COUNTER_SLOTS, MAX_SPECS, STACK_NONE,
 };
 
 /// How stacks are captured: `STACK_MODE_NONE` (`--stack-depth 0`),
@@ -379,12 +381,13 @@ fn entry_spec(ctx: &ProbeContext, _pid_tgid: u64) -> Option<&'static ProbeSpec> 
     return compat::entry_spec(ctx, (_pid_tgid >> 32) as u32);
 }
 
-/// Whether a call of `family` is in flight on this thread at a shallower
-/// stack level than `sp` (so the current call runs inside it).
+/// Whether a call of `family` is in flight on this thread (whose record is
+/// `_thread`) at a shallower stack level than `sp` (so the current call
+/// runs inside it).
 #[inline(always)]
-fn outer(pid_tgid: u64, family: u8, sp: u64) -> bool {
+fn outer(_thread: in_flight::Thread, pid_tgid: u64, family: u8, sp: u64) -> bool {
     #[cfg(not(feature = "compat"))]
-    return in_flight::outer(pid_tgid, family, sp);
+    return in_flight::outer(_thread, pid_tgid, family, sp);
     #[cfg(feature = "compat")]
     return compat::outer(pid_tgid, family, sp);
 }
@@ -398,9 +401,11 @@ fn on_enter(ctx: &ProbeContext) {
         return;
     }
     let sp = stack_pointer(ctx);
+    // The thread's record is made by a call that may be saved in it.
+    let thread = in_flight::Thread::current(spec.ret != RetKind::Void as u8);
 
-    if (spec.parent_family != ARG_NONE && outer(pid_tgid, spec.parent_family, sp))
-        || outer(pid_tgid, spec.family, sp)
+    if (spec.parent_family != ARG_NONE && outer(thread, pid_tgid, spec.parent_family, sp))
+        || outer(thread, pid_tgid, spec.family, sp)
     {
         bump(Counter::Nested);
         #[cfg(feature = "compat")]
@@ -447,7 +452,7 @@ fn on_enter(ctx: &ProbeContext) {
         call.count = mul_sat(height, depth);
     }
     #[cfg(not(feature = "compat"))]
-    in_flight::begin(pid_tgid, spec.family, &call);
+    in_flight::begin(thread, pid_tgid, spec.family, &call);
     #[cfg(feature = "compat")]
     compat::begin(pid_tgid, spec.family, &call);
 }
@@ -525,7 +530,8 @@ fn on_exit(ctx: &RetProbeContext) {
         return;
     }
     let pid_tgid = bpf_get_current_pid_tgid();
-    let Some((call, held)) = in_flight::find(pid_tgid, exit_spec.family) else {
+    let thread = in_flight::Thread::current(false);
+    let Some((call, held)) = in_flight::find(thread, pid_tgid, exit_spec.family) else {
         // The return of a call skipped at entry because it ran inside a call
         // of its parent family (the driver under the runtime) is expected;
         // anything else returned without its entry being seen.
@@ -533,7 +539,7 @@ fn on_exit(ctx: &RetProbeContext) {
         let ending = CONTROL.get(0).is_some_and(|&flag| flag != 0);
         if !ending
             && (exit_spec.parent_family == ARG_NONE
-                || !in_flight::outer(pid_tgid, exit_spec.parent_family, sp))
+                || !in_flight::outer(thread, pid_tgid, exit_spec.parent_family, sp))
         {
             bump(Counter::UnpairedReturn);
         }
@@ -545,7 +551,7 @@ fn on_exit(ctx: &RetProbeContext) {
         // The return of a nested call that was skipped at its entry.
         return;
     }
-    in_flight::end(pid_tgid, exit_spec.family, held);
+    in_flight::end(thread, pid_tgid, exit_spec.family, held);
     if sp > expected {
         bump(Counter::StalePending);
         debug!(ctx, "stale in-flight call dropped (spec {})", call.spec);

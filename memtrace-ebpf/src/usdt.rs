@@ -5,8 +5,7 @@
 //! return probe, no in-flight record.
 
 use aya_ebpf::{
-    helpers::bpf_get_current_pid_tgid, helpers::bpf_probe_read_user,
-    programs::ProbeContext,
+    helpers::bpf_get_current_pid_tgid, helpers::bpf_probe_read_user, programs::ProbeContext,
 };
 use memtrace_common::{ArgLoc, PendingCall, SpecKind, LOC_CONST, LOC_MEM, LOC_REG};
 

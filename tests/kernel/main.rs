@@ -16,6 +16,7 @@ mod docker;
 mod forks;
 mod gpu;
 mod headroom;
+mod in_flight;
 mod leak;
 mod outputs;
 mod pairs;

@@ -228,6 +228,11 @@ pub struct Report {
 struct EbpfObject {
     /// `full`, `tailcall` or `compat`.
     variant: &'static str,
+    /// Each thread's in-flight calls are kept in its own task-local storage
+    /// (no hash, no claim, no compare-and-swap per call); false: in hashed
+    /// slots (the compat object, kernels whose uprobe programs may not use
+    /// task storage, or `MEMTRACE_THREAD_STORAGE=0`).
+    thread_storage: bool,
     /// The features of the full object's this kernel lacks (feature keys).
     missing: Vec<&'static str>,
     /// Why this variant, from the probed features.
@@ -258,6 +263,8 @@ fn stack_modes() -> [(&'static str, LoadOptions); 3] {
         settle_in_kernel: true,
         // As a trace attaches by default: `uprobe_multi` links where found.
         attach: crate::trace::loader::AttachMode::Auto,
+        // Set from the kernel when the variant is chosen.
+        thread_storage: false,
     };
     [
         (Mode::Dwarf.key(), default),
@@ -407,7 +414,7 @@ pub fn verdicts(presence: impl Fn(Feature) -> Presence, loads: &[ModeLoad]) -> V
 pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
     let privileges = Privileges::read().with_uprobe_rule(crate::kernel::privilege::uprobe_rule());
     let features = features::probe(privileges.can_trace);
-    let choice = crate::kernel::variant::forced()
+    let choice = crate::kernel::variant::forced(|f| features.presence(f))
         .unwrap_or_else(|| crate::kernel::variant::Choice::from_presence(|f| features.presence(f)));
     let object = loader::object(choice.variant);
     let skip = if object.is_empty() {
@@ -428,6 +435,7 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
     let modes = verdicts(|f| features.presence(f), &load_tests);
     let ebpf_object = EbpfObject {
         variant: choice.variant.key(),
+        thread_storage: choice.thread_storage,
         missing: choice.missing.iter().map(|f| f.key()).collect(),
         why: choice.reason(),
         notice: choice.notice(true),

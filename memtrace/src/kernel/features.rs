@@ -106,13 +106,14 @@ pub enum Feature {
     AttachCookie,
     RawTracepoint,
     TaskStorage,
+    TaskStorageInUprobes,
     UprobeMulti,
     UretprobeSyscall,
     TailCallsWithCalls,
 }
 
 impl Feature {
-    pub const ALL: [Feature; 13] = [
+    pub const ALL: [Feature; 14] = [
         Feature::Btf,
         Feature::UprobePmu,
         Feature::RingBuffer,
@@ -123,6 +124,7 @@ impl Feature {
         Feature::AttachCookie,
         Feature::RawTracepoint,
         Feature::TaskStorage,
+        Feature::TaskStorageInUprobes,
         Feature::UprobeMulti,
         Feature::UretprobeSyscall,
         Feature::TailCallsWithCalls,
@@ -141,6 +143,7 @@ impl Feature {
             Feature::AttachCookie => "attach_cookie",
             Feature::RawTracepoint => "raw_tracepoint",
             Feature::TaskStorage => "task_storage",
+            Feature::TaskStorageInUprobes => "task_storage_in_uprobes",
             Feature::UprobeMulti => "uprobe_multi",
             Feature::UretprobeSyscall => "uretprobe_syscall",
             Feature::TailCallsWithCalls => "tail_calls_with_calls",
@@ -160,6 +163,9 @@ impl Feature {
             Feature::AttachCookie => "bpf_get_attach_cookie",
             Feature::RawTracepoint => "raw tracepoint programs",
             Feature::TaskStorage => "task-local storage map",
+            Feature::TaskStorageInUprobes => {
+                "task-local storage from uprobe programs (each thread's in-flight calls)"
+            }
             Feature::UprobeMulti => {
                 "uprobe_multi links (one BPF link per object and process: fast attach and detach)"
             }
@@ -183,6 +189,7 @@ impl Feature {
             Feature::AttachCookie => "5.15",
             Feature::RawTracepoint => "4.17",
             Feature::TaskStorage => "5.11",
+            Feature::TaskStorageInUprobes => "5.11",
             Feature::UprobeMulti => "6.6",
             Feature::UretprobeSyscall => "6.11",
             // The JITs that keep the tail-call count across calls.
@@ -283,6 +290,7 @@ fn probe_one(feature: Feature, privileged: bool) -> (Presence, String) {
         _ if !privileged => needs_bpf(),
         Feature::RingBuffer => map_probe(MapType::RingBuf),
         Feature::TaskStorage => map_probe(MapType::TaskStorage),
+        Feature::TaskStorageInUprobes => task_storage_in_uprobes_probe(),
         Feature::GlobalData => (
             Presence::of(aya::features().bpf_global_data()),
             "aya feature probe (array map referenced by a program)".to_string(),
@@ -345,6 +353,35 @@ fn map_probe(map: MapType) -> (Presence, String) {
         Ok(found) => (Presence::of(found), "created the map".to_string()),
         Err(err) => (Presence::Unknown, format!("probe failed: {err}")),
     }
+}
+
+/// Whether a kprobe-type program (which uprobe programs are) may call
+/// `bpf_task_storage_get` on the current task (`bpf_get_current_task_btf`):
+/// the map type alone does not say, since the helpers were LSM-only at first.
+fn task_storage_in_uprobes_probe() -> (Presence, String) {
+    if let (Presence::Missing, detail) = map_probe(MapType::TaskStorage) {
+        return (Presence::Missing, format!("no task storage map: {detail}"));
+    }
+    for helper in [
+        BpfHelper::BPF_FUNC_get_current_task_btf,
+        BpfHelper::BPF_FUNC_task_storage_get,
+    ] {
+        match is_helper_supported(ProgramType::KProbe, helper) {
+            Ok(true) => {}
+            Ok(false) => {
+                return (
+                    Presence::Missing,
+                    format!("a kprobe program may not call {helper:?}"),
+                )
+            }
+            Err(err) => return (Presence::Unknown, format!("probe failed: {err}")),
+        }
+    }
+    (
+        Presence::Found,
+        "loaded kprobe programs calling bpf_get_current_task_btf and bpf_task_storage_get"
+            .to_string(),
+    )
 }
 
 fn helper_probe(helper: BpfHelper) -> (Presence, String) {

@@ -11,6 +11,11 @@
 //! pointer, and sends every heap event (no settling in the kernel). The
 //! choice follows what the kernel was probed for, never its version;
 //! `MEMTRACE_EBPF_VARIANT=full|tailcall|compat` overrides it (tests).
+//!
+//! The full and tailcall objects declare a task-local storage map (5.11), so
+//! they need the map type; they keep each thread's in-flight calls in it
+//! where uprobe programs may call its helpers (probed), and in hashed slots
+//! elsewhere, or with `MEMTRACE_THREAD_STORAGE=0` (tests of that path).
 
 use crate::kernel::features::{probe_feature, Feature, Presence};
 
@@ -52,15 +57,20 @@ impl Variant {
 
 /// The features the full object needs (its programs call global BPF
 /// functions and hold a tail call, which arm64 allows from 6.0).
-pub const FULL_NEEDS: [Feature; 4] = [
+pub const FULL_NEEDS: [Feature; 5] = [
     Feature::AttachCookie,
     Feature::AtomicsFetch,
     Feature::BpfLoop,
     Feature::TailCallsWithCalls,
+    Feature::TaskStorage,
 ];
 
 /// The features the `tailcall` object needs.
-pub const TAILCALL_NEEDS: [Feature; 2] = [Feature::AttachCookie, Feature::AtomicsFetch];
+pub const TAILCALL_NEEDS: [Feature; 3] = [
+    Feature::AttachCookie,
+    Feature::AtomicsFetch,
+    Feature::TaskStorage,
+];
 
 /// The variant chosen, and the features whose absence chose it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,6 +80,9 @@ pub struct Choice {
     pub missing: Vec<Feature>,
     /// Chosen by `MEMTRACE_EBPF_VARIANT`, not by the kernel.
     pub forced: bool,
+    /// Each thread's in-flight calls are kept in its task-local storage
+    /// (else in hashed slots).
+    pub thread_storage: bool,
 }
 
 impl Choice {
@@ -92,6 +105,7 @@ impl Choice {
             variant,
             missing,
             forced: false,
+            thread_storage: thread_storage(variant, presence(Feature::TaskStorageInUprobes)),
         }
     }
 
@@ -140,11 +154,13 @@ impl Choice {
 /// Chooses the variant for the running kernel (`privileged`: this process
 /// may load BPF programs, which the probes need).
 pub fn choose(privileged: bool) -> Choice {
-    forced().unwrap_or_else(|| Choice::from_presence(|feature| probe_feature(feature, privileged)))
+    let presence = |feature| probe_feature(feature, privileged);
+    forced(presence).unwrap_or_else(|| Choice::from_presence(presence))
 }
 
-/// The variant `MEMTRACE_EBPF_VARIANT` names, if any.
-pub fn forced() -> Option<Choice> {
+/// The variant `MEMTRACE_EBPF_VARIANT` names, if any (its in-flight calls
+/// where `presence` says).
+pub fn forced(presence: impl Fn(Feature) -> Presence) -> Option<Choice> {
     let variant = std::env::var("MEMTRACE_EBPF_VARIANT")
         .ok()
         .as_deref()
@@ -153,7 +169,17 @@ pub fn forced() -> Option<Choice> {
         variant,
         missing: Vec::new(),
         forced: true,
+        thread_storage: thread_storage(variant, presence(Feature::TaskStorageInUprobes)),
     })
+}
+
+/// Whether `variant` keeps in-flight calls in task-local storage, where the
+/// helpers' use from uprobe programs is `in_uprobes` (unknown: taken as
+/// there, the load then says) and `MEMTRACE_THREAD_STORAGE` is not `0`.
+fn thread_storage(variant: Variant, in_uprobes: Presence) -> bool {
+    variant != Variant::Compat
+        && in_uprobes != Presence::Missing
+        && std::env::var("MEMTRACE_THREAD_STORAGE").as_deref() != Ok("0")
 }
 
 #[cfg(test)]

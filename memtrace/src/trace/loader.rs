@@ -87,6 +87,9 @@ pub struct LoadOptions {
     pub settle_in_kernel: bool,
     /// Perf events or `uprobe_multi` links (hidden `--attach`).
     pub attach: AttachMode,
+    /// Keep each thread's in-flight calls in its task-local storage (set
+    /// from the chosen variant, see [`variant_options`]).
+    pub thread_storage: bool,
 }
 
 /// Where one probed function is attached: enough to attach it again for
@@ -1080,7 +1083,17 @@ fn open(options: &LoadOptions, variant: Variant) -> Result<Ebpf, aya::EbpfError>
         crate::btf::UprobeOffsets::default()
     });
     let ra_mask = crate::kernel::pac::return_address_mask();
+    let thread_storage: u32 = options.thread_storage.into();
+    // Hashed in-flight slots are only used without per-thread storage.
+    let in_flight_slots = if options.thread_storage {
+        1
+    } else {
+        memtrace_common::IN_FLIGHT_SLOTS
+    };
     EbpfLoader::new()
+        // The task-local storage map (`THREADS`), which aya creates from its
+        // BTF but has no type of its own for.
+        .allow_unsupported_maps()
         .override_global("OFF_UTASK", &offsets.task_utask, true)
         .override_global(
             "OFF_RETURN_INSTANCES",
@@ -1098,7 +1111,9 @@ fn open(options: &LoadOptions, variant: Variant) -> Result<Ebpf, aya::EbpfError>
         .override_global("MAX_SIZE", &options.max_size, true)
         .override_global("NULL_MODE", &null_mode, true)
         .override_global("WAKEUP_BYTES", &options.wakeup_bytes, true)
+        .override_global("THREAD_STORAGE", &thread_storage, false)
         .map_max_entries("EVENTS", options.ring_bytes)
+        .map_max_entries("IN_FLIGHT", in_flight_slots)
         .map_max_entries("STACKS", options.stack_entries.max(1))
         .map_max_entries("DWARF_STACKS", options.stack_entries.max(1))
         .map_max_entries("UNWIND_ROWS", unwind_capacity.row_chunks)
@@ -1145,11 +1160,15 @@ fn load_tail_programs(
 /// `options` as the chosen object can serve them: the compat object
 /// settles nothing in the kernel (no compare-and-swap).
 pub fn variant_options(choice: &Choice, options: &LoadOptions) -> LoadOptions {
+    let options = LoadOptions {
+        thread_storage: choice.thread_storage,
+        ..*options
+    };
     match choice.variant {
-        Variant::Full | Variant::TailCall => *options,
+        Variant::Full | Variant::TailCall => options,
         Variant::Compat => LoadOptions {
             settle_in_kernel: false,
-            ..*options
+            ..options
         },
     }
 }

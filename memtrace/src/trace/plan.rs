@@ -123,6 +123,8 @@ fn load_options(args: &TraceArgs) -> LoadOptions {
         wakeup_bytes: WAKEUP_BYTES,
         settle_in_kernel: !args.no_settle,
         attach: args.attach,
+        // Set from the kernel when the variant is chosen.
+        thread_storage: false,
     }
 }
 

@@ -327,6 +327,7 @@ mod tests {
             variant: Variant::Compat,
             missing: Vec::new(),
             forced: true,
+            thread_storage: false,
         };
         let full = Choice {
             variant: Variant::Full,
