@@ -51,11 +51,12 @@ pub(crate) fn value_after(line: &str, key: &str) -> Option<f64> {
 #[derive(Clone, Debug)]
 pub(crate) enum Tracer {
     None,
-    /// memtrace with these extra flags, and the build of its eBPF programs
-    /// forced (`MEMTRACE_EBPF_VARIANT`; `None`: the one the kernel gets).
+    /// memtrace with these extra flags and environment (the build of its
+    /// eBPF programs forced by `MEMTRACE_EBPF_VARIANT`, its hashed in-flight
+    /// slots by `MEMTRACE_THREAD_STORAGE=0`; empty: what the kernel gets).
     Memtrace {
         flags: Vec<String>,
-        variant: Option<&'static str>,
+        env: Vec<(&'static str, &'static str)>,
     },
     /// bpftrace's empty probes on this object's malloc (entry and return)
     /// and free (entry): the naive floor.
@@ -228,13 +229,11 @@ pub(crate) fn attach_with(
             ready_s: 0.0,
             summary: String::new(),
         }),
-        Tracer::Memtrace { flags, variant } => {
+        Tracer::Memtrace { flags, env } => {
             let report = work.join(format!("report-{}.json", next_seq()));
             let _ = std::fs::remove_file(&report);
             let mut cmd = Command::new(memtrace);
-            if let Some(variant) = variant {
-                cmd.env("MEMTRACE_EBPF_VARIANT", variant);
-            }
+            cmd.envs(env.iter().copied());
             cmd.args(["--pid", &pid.to_string(), "--format", "json", "-o"])
                 .arg(&report)
                 .args(flags);
@@ -399,20 +398,26 @@ pub(crate) fn max(values: &[f64]) -> Option<f64> {
 
 /// memtrace with these flags, as a [`Tracer`].
 pub(crate) fn memtrace_flags(flags: &[&str]) -> Tracer {
+    memtrace_env(flags, &[])
+}
+
+/// memtrace with `flags` and the environment `env`.
+pub(crate) fn memtrace_env(flags: &[&str], env: &[(&'static str, &'static str)]) -> Tracer {
     Tracer::Memtrace {
         flags: flags.iter().map(|s| s.to_string()).collect(),
-        variant: None,
+        env: env.to_vec(),
     }
 }
 
 /// memtrace with its default flags and the eBPF object `variant` forced
 /// (the objects of kernels without `bpf_loop`, measured on this one).
 pub(crate) fn memtrace_object(variant: &'static str) -> Tracer {
-    Tracer::Memtrace {
-        flags: Vec::new(),
-        variant: Some(variant),
-    }
+    memtrace_env(&[], &[("MEMTRACE_EBPF_VARIANT", variant)])
 }
+
+/// The environment that keeps in-flight calls in hashed slots instead of
+/// each thread's task-local storage (the path of kernels without it).
+pub(crate) const HASHED_SLOTS: (&str, &str) = ("MEMTRACE_THREAD_STORAGE", "0");
 
 fn next_seq() -> u32 {
     use std::sync::atomic::{AtomicU32, Ordering};

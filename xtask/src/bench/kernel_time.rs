@@ -8,17 +8,27 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use super::common::{median, memtrace_flags, traced_run, Env, Tracer};
+use super::common::{median, memtrace_env, traced_run, Env, Tracer, HASHED_SLOTS};
 
 /// Rounds of each configuration (interleaved).
 const ROUNDS: usize = 3;
 
 /// The configurations compared, as named in the per-pair table, with their
-/// memtrace flags.
-const CONFIGS: [(&str, &[&str]); 3] = [
-    ("placed floor", &["--null-probes"]),
-    ("memtrace --stack-depth 0", &["--stack-depth", "0"]),
-    ("memtrace default", &[]),
+/// memtrace flags and environment.
+type Config = (
+    &'static str,
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+);
+const CONFIGS: [Config; 4] = [
+    ("placed floor", &["--null-probes"], &[]),
+    ("memtrace --stack-depth 0", &["--stack-depth", "0"], &[]),
+    (
+        "memtrace --stack-depth 0, hashed in-flight slots",
+        &["--stack-depth", "0"],
+        &[HASHED_SLOTS],
+    ),
+    ("memtrace default", &[], &[]),
 ];
 
 /// One run's programs as memtrace reported them: (program, runs, run_ns).
@@ -64,7 +74,7 @@ pub(super) fn measure(env: &Env, pairs_of: impl Fn(&str) -> Option<u64>) -> Vec<
     let mut samples: Vec<Vec<Round>> = vec![Vec::new(); CONFIGS.len()];
     let mut errors: Vec<Option<String>> = vec![None; CONFIGS.len()];
     for round in 0..ROUNDS {
-        for (i, (name, flags)) in CONFIGS.iter().enumerate() {
+        for (i, (name, flags, vars)) in CONFIGS.iter().enumerate() {
             let pairs = pairs_of(name).unwrap_or(400_000);
             eprintln!(
                 "xtask bench:   kernel time, round {} {name} ({pairs} pairs)",
@@ -72,7 +82,7 @@ pub(super) fn measure(env: &Env, pairs_of: impl Fn(&str) -> Option<u64>) -> Vec<
             );
             let mut with_stats: Vec<&str> = flags.to_vec();
             with_stats.push("--bpf-stats");
-            let tracer: Tracer = memtrace_flags(&with_stats);
+            let tracer: Tracer = memtrace_env(&with_stats, vars);
             let mut cmd = env.program("mallocbench");
             cmd.arg(pairs.to_string()).arg("60").arg("30");
             let run = traced_run(
@@ -98,7 +108,7 @@ pub(super) fn measure(env: &Env, pairs_of: impl Fn(&str) -> Option<u64>) -> Vec<
         .iter()
         .zip(samples)
         .zip(errors)
-        .map(|(((name, _), rounds), error)| ConfigTime {
+        .map(|(((name, _, _), rounds), error)| ConfigTime {
             name,
             programs: per_program(&rounds),
             error,

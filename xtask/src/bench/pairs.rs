@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::common::{
-    fmt_ns, fmt_ratio, lost_summary, median, memtrace_flags, memtrace_object, min, one_line,
-    traced_run, Env, Report, Tracer, MEMLEAK_RETRIES, TARGET_LOOP_S,
+    fmt_ns, fmt_ratio, lost_summary, median, memtrace_env, memtrace_flags, memtrace_object, min,
+    one_line, traced_run, Env, Report, Tracer, HASHED_SLOTS, MEMLEAK_RETRIES, TARGET_LOOP_S,
 };
 use super::kernel_time;
 
@@ -60,6 +60,18 @@ pub(super) fn bench(
             traced,
         ),
         PairConfig::new("memtrace default", "`memtrace` (64-frame DWARF stacks)".into(), memtrace_flags(&[]), traced),
+        PairConfig::new(
+            "memtrace --stack-depth 0, hashed in-flight slots",
+            "`MEMTRACE_THREAD_STORAGE=0 memtrace --stack-depth 0`: in-flight calls in hashed slots claimed by compare-and-swap (kernels whose uprobe programs may not use task storage) instead of each thread's task-local storage".into(),
+            memtrace_env(&["--stack-depth", "0"], &[HASHED_SLOTS]),
+            traced,
+        ),
+        PairConfig::new(
+            "memtrace, hashed in-flight slots",
+            "`MEMTRACE_THREAD_STORAGE=0 memtrace`".into(),
+            memtrace_env(&[], &[HASHED_SLOTS]),
+            traced,
+        ),
         PairConfig::new(
             "memtrace, tailcall object",
             "`MEMTRACE_EBPF_VARIANT=tailcall memtrace`: the object of kernels without `bpf_loop` (5.15, 5.16), its walk across tail calls".into(),
@@ -285,6 +297,19 @@ pub(super) fn render(p: &PairsResult, s: &mut String) {
         fmt_ratio(p.median_of("memtrace, tailcall object"), memtrace_default),
         fmt_ratio(p.median_of("memtrace, compat object"), memtrace_default),
         fmt_ratio(p.median_of("memtrace, compat object"), p_no_settle)
+    );
+    let _ = writeln!(
+        s,
+        "- in-flight calls in hashed slots / in each thread's task-local storage: {} with \
+         `--stack-depth 0`, {} with stacks (1.00x: the same cost)",
+        fmt_ratio(
+            p.median_of("memtrace --stack-depth 0, hashed in-flight slots"),
+            p.median_of("memtrace --stack-depth 0")
+        ),
+        fmt_ratio(
+            p.median_of("memtrace, hashed in-flight slots"),
+            memtrace_default
+        )
     );
     let _ = writeln!(
         s,
