@@ -14,7 +14,7 @@
 #   MATRIX_FULL=1  run default-mode checks even when the default mode failed to load
 #   MATRIX_TIMEOUT seconds per memtrace run (default 300)
 T=${MATRIX_TIMEOUT:-300}
-ALL="doctor launch fp depth0 pid dwarf python cuda forks"
+ALL="doctor launch fp depth0 pid dwarf python cuda forks hashed"
 # Checks that run only when CHECKS names them.
 EXTRA="acl"
 CHECKS=$(echo "${CHECKS:-$ALL}" | tr ',' ' ')
@@ -97,10 +97,12 @@ check_doctor() {
     [ -n "$verdict" ] || verdict=$(reason "$WORK/doctor.err")
     # Which build of the programs this kernel gets (full, tailcall, compat).
     object=$(grep -E '^ebpf object' "$WORK/doctor.out" 2>/dev/null | sed 's/^ebpf object[[:space:]]*//' | cut -d: -f1 | tail -n 1)
+    # Where in-flight calls live (each thread's task-local storage or hashed slots).
+    inflight=$(grep -E '^in-flight' "$WORK/doctor.out" 2>/dev/null | sed 's/^in-flight[[:space:]]*//' | tail -n 1)
     if grep -q -i -E "unrecognized subcommand|unexpected argument|found argument" "$WORK/doctor.err"; then
         result doctor SKIP "not run: memtrace has no doctor subcommand"
     elif [ "$RC" = 0 ]; then
-        result doctor PASS "$verdict (eBPF object: ${object:-?})"
+        result doctor PASS "$verdict (eBPF object: ${object:-?}; in-flight calls: ${inflight:-?})"
     else
         result doctor FAIL "exit $RC: $verdict"
     fi
@@ -113,6 +115,17 @@ check_launch() {
         LOAD_FAIL=$(reason "$WORK/launch.err")
         [ -n "$LOAD_FAIL" ] || LOAD_FAIL="exit $RC"
     fi
+}
+
+# The default mode with in-flight calls in hashed slots, the path of kernels
+# whose uprobe programs may not use task-local storage.
+check_hashed() {
+    gated hashed && return
+    MEMTRACE_THREAD_STORAGE=0
+    export MEMTRACE_THREAD_STORAGE
+    mt hashed --format json --top 500 --output "$WORK/hashed.json" -- "$FIXTURES/leak_sites" 0 0
+    unset MEMTRACE_THREAD_STORAGE
+    judge hashed "$WORK/hashed.json" $LEAK_SITES
 }
 
 check_fp() {

@@ -160,6 +160,15 @@ pub(super) fn render_text(report: &Report) -> String {
     );
     let _ = writeln!(
         out,
+        "in-flight   {}",
+        if report.ebpf_object.thread_storage {
+            "each thread's task-local storage"
+        } else {
+            "hashed slots"
+        }
+    );
+    let _ = writeln!(
+        out,
         "verdict     {}",
         if report.default_loads {
             "the default mode loads on this kernel"
