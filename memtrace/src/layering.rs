@@ -13,7 +13,16 @@ use std::path::{Path, PathBuf};
 /// top-level module.
 const FLOORS: &[&[&str]] = &[
     &[
-        "arch", "error", "duration", "event", "stats", "btf", "signals", "parallel", "reach",
+        "arch",
+        "error",
+        "duration",
+        "event",
+        "stats",
+        "btf",
+        "signals",
+        "parallel",
+        "reach",
+        "disk_cache",
     ],
     &["kernel", "target"],
     &["probe"],

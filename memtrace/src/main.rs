@@ -7,6 +7,7 @@ mod analysis;
 mod arch;
 mod btf;
 mod cli;
+mod disk_cache;
 mod doctor;
 mod duration;
 mod error;

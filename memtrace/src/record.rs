@@ -64,6 +64,9 @@ struct Footer {
     /// The DWARF unwinder's tables (absent in records of older versions).
     #[serde(default)]
     unwind: Option<crate::unwind::kernel::UnwindSummary>,
+    /// The function cache's counts (absent: off, or an older record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    function_cache: Option<crate::disk_cache::CacheStats>,
     /// memtrace's own BPF cost (`--bpf-stats`; absent otherwise and in older records).
     #[serde(default)]
     bpf_programs: Vec<crate::report::ProgramCost>,
@@ -269,6 +272,7 @@ impl Recorder {
             processes: report.processes.clone(),
             attach_failures: report.attach_failures.clone(),
             unwind: report.unwind.clone(),
+            function_cache: report.function_cache.clone(),
             bpf_programs: report.bpf_programs.clone(),
             python: report.python.clone(),
             device_allocators: report
@@ -451,6 +455,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
         stacks.python.set_interpreter(interpreter.clone(), None);
     }
     let unwind = footer.as_ref().and_then(|f| f.unwind.clone());
+    let function_cache = footer.as_ref().and_then(|f| f.function_cache.clone());
     let bpf_programs = footer
         .as_ref()
         .map(|f| f.bpf_programs.clone())
@@ -498,6 +503,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
             processes,
             attach_failures,
             unwind: _,
+            function_cache: _,
             bpf_programs: _,
             python: _,
             device_allocators: _,
@@ -583,6 +589,7 @@ pub fn replay(path: &Path, options: ReplayOptions) -> Result<Report, Failure> {
     let mut report = report::build(input, &mut symbols);
     report.notes.extend(symbols.notes());
     report.unwind = unwind;
+    report.function_cache = function_cache;
     report.bpf_programs = bpf_programs;
     report.device_cache = device_cache::build(&device_allocators, &table, &specs, &usdt_tags);
     report.usdt = usdt;

@@ -20,7 +20,7 @@ use crate::support::{fixture, privileged, site_totals, sites_of, Fixture, MEMTRA
 const VARIANTS: [&str; 2] = ["compat", "tailcall"];
 
 /// What `leak_sites` leaks: (site, bytes, blocks).
-const LEAKS: [(&str, u64, u64); 7] = [
+pub const LEAKS: [(&str, u64, u64); 7] = [
     ("leak_a", 4800, 100),
     ("leak_b", 10000, 10),
     ("leak_calloc", 1000, 5),

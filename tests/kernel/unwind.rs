@@ -4,13 +4,24 @@
 //! `--stack-depth` and counted; signal handlers and threads; Debian's
 //! stripped, static `python3.11`; frame-pointer code unchanged against
 //! `--stacks fp`; walks replayed only when every stack word they read is
-//! unchanged; a second attach loading the tables from the on-disk cache;
+//! unchanged; a second attach loading the tables from the on-disk cache,
+//! and the search for allocator functions too (the same probes, the same
+//! leaks);
 //! tables built while tracing runs (whole stacks once ready, stacks cut
 //! before counted).
 
 use serde_json::Value;
 
 use crate::support::{fixture, privileged, site_totals, sites_of, Fixture, Tracer};
+
+/// An empty cache directory of this run's own (`memtrace-NAME-PID` in the
+/// temporary directory), and the same as an argument.
+fn empty_cache_dir(name: &str) -> (std::path::PathBuf, String) {
+    let cache = std::env::temp_dir().join(format!("memtrace-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let dir = cache.display().to_string();
+    (cache, dir)
+}
 
 /// The symbols of a site's frames, in order.
 fn symbols(site: &Value) -> Vec<String> {
@@ -139,9 +150,7 @@ fn library_loaded_after_attach_is_built_while_tracing_when_the_rest_was_cached()
     if !privileged() {
         return;
     }
-    let cache = std::env::temp_dir().join(format!("memtrace-dlopen-cache-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&cache);
-    let dir = cache.display().to_string();
+    let (cache, dir) = empty_cache_dir("dlopen-cache");
     let mut target = Fixture::start("late_dlopen", &["30", "30"]);
     let pid = target.pid.to_string();
     let args = [
@@ -431,9 +440,7 @@ fn a_second_attach_loads_every_table_from_the_cache_and_still_finds_the_chain() 
     if !privileged() {
         return;
     }
-    let cache = std::env::temp_dir().join(format!("memtrace-table-cache-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&cache);
-    let dir = cache.display().to_string();
+    let (cache, dir) = empty_cache_dir("table-cache");
     let mut target = Fixture::start("unwind_chain", &["chain", "30", "30"]);
     let pid = target.pid.to_string();
     let args = [
@@ -467,6 +474,55 @@ fn a_second_attach_loads_every_table_from_the_cache_and_still_finds_the_chain() 
     assert_eq!(stats["rejected"], 0, "{stats}");
     assert_eq!(report["unwind"]["objects"], first["unwind"]["objects"]);
     assert_whole_chain(&report, "tables from the cache");
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// `leak_sites` traced by pid with `--table-cache table_cache`.
+fn trace_leak_sites(table_cache: &str) -> Value {
+    crate::support::trace_fixture("leak_sites", &["--table-cache", table_cache])
+}
+
+#[test]
+fn a_second_attach_takes_the_function_search_from_the_cache_and_finds_the_same_leaks() {
+    if !privileged() {
+        return;
+    }
+    let (cache, dir) = empty_cache_dir("fn-cache");
+    // Two runs of the same program: the same objects, two processes.
+    let first = trace_leak_sites(&dir);
+    let stats = &first["function_cache"];
+    let searched = stats["misses"].as_u64().unwrap_or(0);
+    assert!(searched >= 3, "the executable, libc, ld.so: {stats}");
+    assert_eq!(stats["hits"], 0, "{stats}");
+    assert_eq!(stats["stored"], searched, "{stats}");
+    assert_eq!(stats["dir"], dir.as_str(), "{stats}");
+    let files = std::fs::read_dir(&cache)
+        .expect("the cache directory")
+        .filter_map(Result::ok)
+        .filter(|e| e.path().extension().is_some_and(|x| x == "fns"))
+        .count() as u64;
+    assert_eq!(files, searched, "one file per object searched");
+
+    // The second searches nothing, probes the same functions at the same
+    // places, and finds every leak as the first did.
+    let second = trace_leak_sites(&dir);
+    let stats = &second["function_cache"];
+    assert_eq!(stats["hits"], searched, "{stats}");
+    assert_eq!(stats["misses"], 0, "{stats}");
+    assert_eq!(stats["rejected"], 0, "{stats}");
+    assert_eq!(second["libraries"], first["libraries"]);
+    // `off` caches neither: nothing counted, the same leaks.
+    let off = trace_leak_sites("off");
+    assert!(off.get("function_cache").is_none(), "{off}");
+    for report in [&first, &second, &off] {
+        assert_eq!(report["events"]["lost"], 0);
+        for (site, bytes, blocks) in crate::compat::LEAKS {
+            assert_eq!(site_totals(report, site), (bytes, blocks), "{site}");
+        }
+        for freed in ["balanced", "realloc_to_zero", "mmap_balanced"] {
+            assert_eq!(site_totals(report, freed), (0, 0), "{freed} is freed");
+        }
+    }
     let _ = std::fs::remove_dir_all(&cache);
 }
 

@@ -7,6 +7,7 @@ pub mod maps;
 pub mod pairs;
 pub mod placement;
 pub mod plan;
+pub mod plan_cache;
 pub mod usdt;
 pub mod usdt_list;
 pub mod usdt_plan;

@@ -3,14 +3,17 @@
 //! which register each argument is read from there), which functions only
 //! forward to another probed function (and need no probe of their own),
 //! which cannot be probed at all (an entry the kernel refuses), and in which
-//! order to attach. Plans for the architecture memtrace runs on
-//! ([`Arch::HOST`]); [`plan_library_as`] plans for either (tests).
+//! order to attach. [`search_as`] finds what depends on the file alone
+//! ([`Found`], which `probe::plan_cache` keeps on disk) and
+//! [`Found::resolve`] makes it the object's plan; [`plan_library`] does both
+//! for the architecture memtrace runs on ([`Arch::HOST`]),
+//! [`plan_library_as`] for either (tests).
 
 use std::path::{Path, PathBuf};
 
 use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, OpKind};
 use memtrace_common::{ProbeSpec, SpecQuirk, ARG_NONE};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::catalog::{self, Allocator, FuncDef};
 use super::elf::{self, DefinedFunction, ElfError};
@@ -136,7 +139,9 @@ impl LibraryPlan {
 
 /// Plans the probes for one object file; `None` when it defines no known
 /// function. An object of another architecture is an error
-/// ([`ElfError::ForeignArch`], naming the file).
+/// ([`ElfError::ForeignArch`], naming the file). Uncached (the trace plans
+/// through `probe::plan_cache::FunctionSearch`).
+#[cfg(test)]
 pub fn plan_library(
     path: &Path,
     open_path: &Path,
@@ -147,6 +152,7 @@ pub fn plan_library(
 }
 
 /// [`plan_library`] for an object of `arch`.
+#[cfg(test)]
 pub fn plan_library_as(
     arch: Arch,
     path: &Path,
@@ -154,78 +160,191 @@ pub fn plan_library_as(
     catalog: &[&'static FuncDef],
     place: bool,
 ) -> Result<Option<LibraryPlan>, ElfError> {
+    let found = search_as(arch, open_path, catalog, place)?;
+    Ok(found.resolve(path, open_path, catalog))
+}
+
+/// What searching one object for the catalogue's functions finds: what
+/// depends on the file, the catalogue and `place` alone, by name (not on
+/// the path it is mapped at, nor on the process), which is what
+/// `probe::plan_cache` keeps. [`Found::resolve`] makes it a plan.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Found {
+    /// The catalogue functions the object defines (which heap allocator
+    /// it is), by name.
+    pub defined: Vec<String>,
+    /// The functions to probe, releases first, each entry once.
+    pub functions: Vec<FoundProbe>,
+    /// (function, the one it only jumps to).
+    pub forwarders: Vec<(String, String)>,
+    /// (function, why its entry cannot be probed).
+    pub refused: Vec<(String, String)>,
+}
+
+/// One function to probe, as [`Found`] keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FoundProbe {
+    pub function: String,
+    pub aliases: Vec<String>,
+    pub file_offset: u64,
+    pub probe_offset: u64,
+    pub placement: String,
+    pub emulated: bool,
+    pub args: [u8; 6],
+}
+
+/// The catalogue's definition named `name`.
+fn find_def(catalog: &[&'static FuncDef], name: &str) -> Option<&'static FuncDef> {
+    catalog.iter().copied().find(|def| def.name == name)
+}
+
+/// Searches the object at `open_path`, an `arch` object, for `catalog`'s
+/// functions and places their probes (`place`: past the entry where safe).
+pub fn search_as(
+    arch: Arch,
+    open_path: &Path,
+    catalog: &[&'static FuncDef],
+    place: bool,
+) -> Result<Found, ElfError> {
     let names: Vec<&str> = catalog.iter().map(|def| def.name).collect();
     let defined = elf::scan(open_path, &names, arch)?;
-    let find_def = |name: &str| catalog.iter().copied().find(|def| def.name == name);
-    let present: Vec<&FuncDef> = defined
-        .functions
-        .iter()
-        .filter_map(|f| find_def(&f.name))
-        .collect();
-    let heap = catalog::heap_allocator(path, present.iter().copied());
-    let mut functions: Vec<PlannedProbe> = Vec::new();
-    let mut forwarders: Vec<Forwarder> = Vec::new();
-    let mut refused: Vec<RefusedProbe> = Vec::new();
+    let find_def = |name: &str| find_def(catalog, name);
+    let mut functions: Vec<(&FuncDef, FoundProbe)> = Vec::new();
+    let mut found = Found {
+        defined: defined
+            .functions
+            .iter()
+            .filter(|f| find_def(&f.name).is_some())
+            .map(|f| f.name.clone())
+            .collect(),
+        ..Found::default()
+    };
     for &def in catalog {
-        let Some(found) = defined.functions.iter().find(|f| f.name == def.name) else {
+        let Some(function) = defined.functions.iter().find(|f| f.name == def.name) else {
             continue;
         };
-        if let Some(first) = functions
+        if let Some((_, first)) = functions
             .iter_mut()
-            .find(|p| p.file_offset == found.file_offset)
+            .find(|(_, p)| p.file_offset == function.file_offset)
         {
-            first.aliases.push(def.name);
+            first.aliases.push(def.name.to_string());
             continue;
         }
-        if let Some(to) = forward_target(arch, found, &defined, &find_def, def) {
-            forwarders.push(Forwarder {
-                function: def.name,
-                to,
-            });
+        if let Some(to) = forward_target(arch, function, &defined, &find_def, def) {
+            found.forwarders.push((def.name.to_string(), to));
             continue;
         }
-        let placed = placement::choose(arch, &found.code, needs(def));
+        let placed = placement::choose(arch, &function.code, needs(def));
         let placed = if place { placed } else { placed.at_entry() };
         if placed.is_refused() {
-            refused.push(RefusedProbe {
-                function: def.name,
-                why: placed.reason.to_string(),
-            });
+            found
+                .refused
+                .push((def.name.to_string(), placed.reason.to_string()));
             continue;
         }
-        functions.push(PlannedProbe {
+        functions.push((
             def,
-            function: def.name,
-            aliases: Vec::new(),
-            file_offset: found.file_offset,
-            probe_offset: placed.offset,
-            placement: placed.reason.to_string(),
-            emulated: placed.is_emulated(),
-            allocator: if def.allocator.is_heap() {
-                heap
-            } else {
-                def.allocator
+            FoundProbe {
+                function: def.name.to_string(),
+                aliases: Vec::new(),
+                file_offset: function.file_offset,
+                probe_offset: placed.offset,
+                placement: placed.reason.to_string(),
+                emulated: placed.is_emulated(),
+                args: placed.args,
             },
-            args: placed.args,
-        });
-    }
-    if functions.is_empty() && refused.is_empty() {
-        return Ok(None);
+        ));
     }
     // Releases first, so blocks freed during the attach window are not seen
     // allocated-but-never-freed.
-    functions.sort_by_key(|p| {
-        !p.def.is_plain_release() && p.def.kind != memtrace_common::SpecKind::Free
+    functions.sort_by_key(|(def, _)| {
+        !def.is_plain_release() && def.kind != memtrace_common::SpecKind::Free
     });
-    let has_heap = functions.iter().any(|p| p.allocator.is_heap());
-    Ok(Some(LibraryPlan {
-        path: path.to_path_buf(),
-        open_path: open_path.to_path_buf(),
-        allocator: has_heap.then(|| heap.name()),
-        functions,
-        forwarders,
-        refused,
-    }))
+    found.functions = functions.into_iter().map(|(_, probe)| probe).collect();
+    Ok(found)
+}
+
+impl Found {
+    /// Whether every name it holds is one of `catalog`'s.
+    pub fn names_known(&self, catalog: &[&'static FuncDef]) -> bool {
+        let known = |name: &String| find_def(catalog, name).is_some();
+        self.defined.iter().all(known)
+            && self
+                .functions
+                .iter()
+                .all(|f| known(&f.function) && f.aliases.iter().all(known))
+            && self
+                .forwarders
+                .iter()
+                .all(|(from, to)| known(from) && known(to))
+            && self.refused.iter().all(|(function, _)| known(function))
+    }
+
+    /// The plan of the object found at `path` (as the target sees it;
+    /// `open_path` as memtrace opens it), its functions `catalog`'s (a name
+    /// not in it is left out: see [`Found::names_known`]); `None` when
+    /// nothing is to be probed.
+    pub fn resolve(
+        self,
+        path: &Path,
+        open_path: &Path,
+        catalog: &[&'static FuncDef],
+    ) -> Option<LibraryPlan> {
+        let find_def = |name: &str| find_def(catalog, name);
+        let heap = catalog::heap_allocator(path, self.defined.iter().filter_map(|n| find_def(n)));
+        let functions: Vec<PlannedProbe> = self
+            .functions
+            .into_iter()
+            .filter_map(|found| {
+                let def = find_def(&found.function)?;
+                Some(PlannedProbe {
+                    def,
+                    function: def.name,
+                    aliases: found
+                        .aliases
+                        .iter()
+                        .filter_map(|a| find_def(a).map(|d| d.name))
+                        .collect(),
+                    file_offset: found.file_offset,
+                    probe_offset: found.probe_offset,
+                    placement: found.placement,
+                    emulated: found.emulated,
+                    allocator: if def.allocator.is_heap() {
+                        heap
+                    } else {
+                        def.allocator
+                    },
+                    args: found.args,
+                })
+            })
+            .collect();
+        // (function, what is said of it), the function's name the catalogue's.
+        let named = |pairs: Vec<(String, String)>| {
+            pairs
+                .into_iter()
+                .filter_map(move |(function, said)| Some((find_def(&function)?.name, said)))
+        };
+        let refused: Vec<RefusedProbe> = named(self.refused)
+            .map(|(function, why)| RefusedProbe { function, why })
+            .collect();
+        if functions.is_empty() && refused.is_empty() {
+            return None;
+        }
+        let forwarders = named(self.forwarders)
+            .map(|(function, to)| Forwarder { function, to })
+            .collect();
+        let has_heap = functions.iter().any(|p| p.allocator.is_heap());
+        Some(LibraryPlan {
+            path: path.to_path_buf(),
+            open_path: open_path.to_path_buf(),
+            allocator: has_heap.then(|| heap.name()),
+            functions,
+            forwarders,
+            refused,
+        })
+    }
 }
 
 /// What the entry probe of `def` reads, which bounds where it may be placed.

@@ -107,6 +107,7 @@ fn record_text() -> String {
             processes: Vec::new(),
             attach_failures: Vec::new(),
             unwind: None,
+            function_cache: None,
             bpf_programs: Vec::new(),
             python: Vec::new(),
             device_allocators: Vec::new(),

@@ -98,6 +98,7 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     Report {
         stack_truncations_by_cause,
         unwind: None,
+        function_cache: None,
         bpf_programs: Vec::new(),
         device_cache: None,
         usdt: Vec::new(),

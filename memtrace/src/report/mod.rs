@@ -108,6 +108,13 @@ pub struct Report {
     /// The DWARF unwinder's tables (objects, rows, kernel memory); `None` with
     /// `--stacks fp`, `--stack-depth 0` or offline.
     pub unwind: Option<crate::unwind::kernel::UnwindSummary>,
+    /// The on-disk cache of the search of each object for allocator
+    /// functions (`--table-cache`: the directory of `unwind.cache`, whose
+    /// bound it shares): `hits` (objects whose search was read back),
+    /// `misses` (objects searched), `rejected` (files refused: searched
+    /// again), `stored`, `evicted`, `failures`; absent when it is off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub function_cache: Option<crate::disk_cache::CacheStats>,
     /// The CPython interpreters found in traced processes, and whether (or
     /// why not) their Python frames are read.
     pub python: Vec<crate::interp::python::Interpreter>,

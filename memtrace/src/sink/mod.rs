@@ -287,6 +287,7 @@ pub(crate) mod fixture {
         Report {
             stack_truncations_by_cause: BTreeMap::new(),
             unwind: None,
+            function_cache: None,
             bpf_programs: Vec::new(),
             device_cache: None,
             usdt: Vec::new(),

@@ -139,6 +139,16 @@ impl Sink for TextSink {
                 )?;
             }
         }
+        if let Some(cache) = &report.function_cache {
+            writeln!(
+                out,
+                "allocator functions: cache {}: {} hits, {} searched, {} rejected, {} evicted",
+                cache.dir, cache.hits, cache.misses, cache.rejected, cache.evicted
+            )?;
+            for failure in &cache.failures {
+                writeln!(out, "function cache: {failure}")?;
+            }
+        }
         if !report.bpf_programs.is_empty() {
             let programs: Vec<String> = report
                 .bpf_programs
@@ -697,6 +707,25 @@ mod tests {
         unwind.deferred = 0;
         report.unwind = Some(unwind);
         assert!(!render(&report).contains("built while tracing"));
+    }
+
+    #[test]
+    fn the_function_cache_gets_a_line_and_its_failures_one_each() {
+        let mut report = fixture::report();
+        assert!(!render(&report).contains("allocator functions: cache"));
+        report.function_cache = Some(crate::disk_cache::CacheStats {
+            dir: "/var/cache/memtrace/unwind".into(),
+            hits: 85,
+            misses: 1,
+            rejected: 1,
+            failures: vec!["/usr/lib/libx.so: cached functions rejected: checksum mismatch".into()],
+            ..Default::default()
+        });
+        let text = render(&report);
+        assert!(
+            text.contains("\nallocator functions: cache /var/cache/memtrace/unwind: 85 hits, 1 searched, 1 rejected, 0 evicted\nfunction cache: /usr/lib/libx.so: cached functions rejected: checksum mismatch\n"),
+            "{text}"
+        );
     }
 
     #[test]

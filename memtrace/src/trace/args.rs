@@ -106,14 +106,15 @@ pub struct TraceArgs {
     #[arg(help_heading = "Stacks", long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub unwind_table_mib: u32,
 
-    /// Where built unwind tables are cached, by object build-id, for later
+    /// Where built unwind tables, and what the search of each object for
+    /// allocator functions found, are cached, by object build-id, for later
     /// attaches to the same objects (a directory only memtrace's user can
-    /// write; refused otherwise), or `off`.
+    /// write; refused otherwise), or `off` (neither is cached).
     #[arg(help_heading = "Stacks", long, value_name = "DIR|off", default_value = crate::unwind::cache::DEFAULT_DIR)]
     pub table_cache: crate::unwind::cache::Setting,
 
-    /// Bound on the table cache's total size, in MiB (the least recently
-    /// used tables are removed beyond it).
+    /// Bound on the table cache's total size, in MiB, tables and function
+    /// searches together (the least recently used files are removed beyond it).
     #[arg(help_heading = "Stacks", long, default_value_t = crate::unwind::cache::DEFAULT_MIB, value_parser = clap::value_parser!(u64).range(1..))]
     pub table_cache_mib: u64,
 

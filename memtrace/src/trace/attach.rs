@@ -146,6 +146,13 @@ impl<'a> Trace<'a> {
         };
         let mut discovery = Discovery::new(exclude, !args.entry_probes, catalog);
         discovery.heap_allowed = heap_allowed(&args.allocators);
+        // The unwind tables' directory keeps the function search too; a
+        // refused one is said once, by the unwinder when it has tables.
+        discovery.use_cache(
+            &args.table_cache,
+            args.table_cache_mib << 20,
+            probes.unwind.is_none(),
+        );
         // A selection's processes are tried in turn: one with nothing to
         // probe (`docker run --init`'s docker-init) is skipped with a note.
         let candidates: Vec<u32> = std::iter::once(pid).chain(peers).collect();

@@ -3,14 +3,18 @@
 //! runtimes wherever they live), at attach time and again whenever new objects
 //! appear (libraries loaded with `dlopen` after attach); and every object
 //! that carries a USDT probe a pair or preset names (`probe::usdt_plan`).
+//! The search of each object for catalogue functions goes through the
+//! function cache (`probe::plan_cache`) when `--table-cache` is on.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::disk_cache::{CacheStats, Setting};
 use crate::probe::catalog::{Allocator, FuncDef};
 use crate::probe::maps;
-use crate::probe::plan::{self, LibraryPlan};
+use crate::probe::plan::LibraryPlan;
+use crate::probe::plan_cache::FunctionSearch;
 use crate::probe::usdt_plan::{self, UsdtPlan};
 use crate::target::files::{self, FileId};
 use crate::trace::kernel_support::{unsupported_in, Unsupported};
@@ -23,9 +27,11 @@ pub struct Discovery {
     /// paths) is planned once; two files at one path in two containers twice.
     considered: HashSet<FileId>,
     exclude: Option<PathBuf>,
-    place: bool,
-    /// The functions to look for (built-in catalogue, filtered, plus pairs).
-    catalog: Vec<&'static FuncDef>,
+    /// The functions to look for (built-in catalogue, filtered, plus
+    /// pairs), and how: probes placed or at the entry, through the cache.
+    search: FunctionSearch,
+    /// The function cache's counts (`--table-cache`); `None` when it is off.
+    pub function_cache: Option<CacheStats>,
     pub libraries: Vec<LibraryPlan>,
     /// The USDT probes wanted (`usdt =` pairs and presets).
     usdt_defs: Vec<&'static FuncDef>,
@@ -57,8 +63,8 @@ impl Discovery {
             usdt: Vec::new(),
             considered: HashSet::new(),
             exclude,
-            place,
-            catalog,
+            search: FunctionSearch::new(catalog, place),
+            function_cache: None,
             libraries: Vec::new(),
             problems: Vec::new(),
             unsupported: None,
@@ -98,13 +104,48 @@ impl Discovery {
         self.libraries.iter().all(|l| l.functions.is_empty()) && self.usdt.is_empty()
     }
 
+    /// Searches objects through the function cache in the directory
+    /// `setting` names (`--table-cache`, bounded to `max_bytes` with the
+    /// unwind tables); a directory refused is counted in the report and,
+    /// when `say`, a warning.
+    pub fn use_cache(&mut self, setting: &Setting, max_bytes: u64, say: bool) {
+        let Setting::Dir(dir) = setting else {
+            self.function_cache = None;
+            return;
+        };
+        let mut stats = CacheStats::in_dir(dir);
+        if let Err(err) = self.search.use_cache(dir, max_bytes) {
+            let line = format!("--table-cache {err}: allocator functions are searched, not cached");
+            if say {
+                eprintln!("memtrace: warning: {line}");
+            }
+            stats.failures.push(line);
+        }
+        self.function_cache = Some(stats);
+    }
+
+    /// Adds what searching objects did to the function cache, keeping it
+    /// under its bound when files were written.
+    fn count(&mut self, counts: &[(&std::path::Path, CacheStats)]) {
+        let Some(stats) = self.function_cache.as_mut() else {
+            return;
+        };
+        for (path, one) in counts {
+            stats.add(one, path);
+        }
+        if counts.iter().any(|(_, one)| one.stored > 0) {
+            stats.evicted += self.search.evict();
+        }
+    }
+
     /// Plans one object, keeping only the heap allocators wanted.
     fn plan(
         &mut self,
         path: &std::path::Path,
         open_path: &std::path::Path,
     ) -> Result<Option<LibraryPlan>, crate::probe::elf::ElfError> {
-        let found = plan::plan_library(path, open_path, &self.catalog, self.place);
+        let (found, counts) = self.search.plan(path, open_path);
+        self.count(&[(path, counts)]);
         self.accept(found)
     }
 
@@ -193,15 +234,25 @@ impl Discovery {
         let mut attached = 0;
         files.retain(|(_, _, id)| self.considered.insert(*id));
         let objects = files.len();
-        // The objects' symbol tables are read on every core.
+        // The objects' symbol tables are read on every core (or what the
+        // function cache kept of them).
         let started = Instant::now();
-        let (catalog, place) = (&self.catalog, self.place);
+        let search = &self.search;
         let sizes =
             crate::parallel::file_sizes(files.iter().map(|(_, open, _)| Some(open.as_path())));
         let order = crate::parallel::biggest_first(&sizes);
-        let found = crate::parallel::map(&files, &order, |(path, open_path, _)| {
-            plan::plan_library(path, open_path, catalog, place)
-        });
+        let (found, counts): (Vec<_>, Vec<_>) =
+            crate::parallel::map(&files, &order, |(path, open_path, _)| {
+                search.plan(path, open_path)
+            })
+            .into_iter()
+            .unzip();
+        let counted: Vec<(&std::path::Path, CacheStats)> = files
+            .iter()
+            .map(|(path, _, _)| path.as_path())
+            .zip(counts)
+            .collect();
+        self.count(&counted);
         let mut planning = started.elapsed();
         let mut attaching = Duration::ZERO;
         for ((path, open_path, _), found) in files.into_iter().zip(found) {
@@ -351,13 +402,13 @@ impl Discovery {
                     .chain(lib.forwarders.iter().map(|f| f.function))
             })
             .collect();
-        let groups: HashSet<_> = self
-            .catalog
+        let catalog = self.search.catalog();
+        let groups: HashSet<_> = catalog
             .iter()
             .filter(|def| found.contains(def.name))
             .map(|def| def.group())
             .collect();
-        self.catalog
+        catalog
             .iter()
             .filter(|def| groups.contains(&def.group()) && !found.contains(def.name))
             .map(|def| def.name.to_string())

@@ -87,6 +87,7 @@ impl Session<'_> {
         };
         let mut report = report::build(input, &mut self.symbolizer);
         report.unwind = probes.unwind.as_ref().map(|unwind| unwind.summary());
+        report.function_cache = discovery.function_cache.clone();
         if self.args.bpf_stats {
             report.bpf_programs = probes.program_costs();
         }
