@@ -258,6 +258,28 @@ mod tests {
     }
 
     #[test]
+    fn in_flight_calls_go_to_thread_storage_where_uprobe_programs_may_use_it() {
+        assert!(Choice::from_presence(|_| Presence::Found).thread_storage);
+        assert!(Choice::from_presence(|_| Presence::Unknown).thread_storage);
+        let without = lacking(&[Feature::TaskStorageInUprobes]);
+        assert_eq!(without.variant, Variant::Full, "hashed slots instead");
+        assert!(!without.thread_storage);
+        // The compat object declares no task storage map.
+        assert!(!lacking(&[Feature::AttachCookie]).thread_storage);
+    }
+
+    #[test]
+    fn a_kernel_without_the_task_storage_map_gets_compat() {
+        // The full and tailcall objects declare the map: the kernel must
+        // create it for them to load.
+        let choice = lacking(&[Feature::TaskStorage]);
+        assert_eq!(choice.variant, Variant::Compat);
+        assert!(!choice.thread_storage);
+        let notice = choice.notice(true).expect("a notice");
+        assert!(notice.contains("task_storage (5.11+)"), "{notice}");
+    }
+
+    #[test]
     fn variants_round_trip_by_key() {
         for variant in [Variant::Full, Variant::TailCall, Variant::Compat] {
             assert_eq!(Variant::from_key(variant.key()), Some(variant));
