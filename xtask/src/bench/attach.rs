@@ -32,7 +32,20 @@ pub(super) struct AttachBench {
     baseline: Vec<Result<Attach, String>>,
     cold: Vec<Result<Attach, String>>,
     warm: Vec<Result<Attach, String>>,
+    /// A later attach whose function-search files were removed first: the
+    /// search's cost, beside a later attach that finds them.
+    warm_searched: Vec<Result<Attach, String>>,
     depths: Vec<(u32, Result<Attach, String>)>,
+}
+
+/// Removes the function-search files (`*.fns`) of the cache in `dir`,
+/// leaving its unwind tables.
+fn forget_function_search(dir: &std::path::Path) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.path().extension().is_some_and(|e| e == "fns") {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// PyPI's torch wheel and its dependencies in target/pypi/torch-env,
@@ -95,6 +108,7 @@ pub(super) fn bench(env: &Env) -> AttachBench {
         baseline: Vec::new(),
         cold: Vec::new(),
         warm: Vec::new(),
+        warm_searched: Vec::new(),
         depths: Vec::new(),
     };
     let torch = match torch_env().and_then(|dir| start_torch(&dir)) {
@@ -136,6 +150,10 @@ pub(super) fn bench(env: &Env) -> AttachBench {
             .push(one(env, pid, &["--table-cache", &cache_flag], 1));
         result
             .warm
+            .push(one(env, pid, &["--table-cache", &cache_flag], 1));
+        forget_function_search(&cache);
+        result
+            .warm_searched
             .push(one(env, pid, &["--table-cache", &cache_flag], 1));
     }
     for depth in [32u32, 64, 127] {
@@ -222,7 +240,11 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
          again. Tables prepared: \
          loaded from the cache or built, in parallel, before tracing (`unwind.build_ms`); \
          loaded into maps: \
-         copied into the kernel (`unwind.load_ms`). The last column counts the report's sites \
+         copied into the kernel (`unwind.load_ms`). Function search: the objects whose \
+         allocator functions came from the cache (`function_cache.hits`) and those searched \
+         (`function_cache.misses`); the last row removed the cache's function files first \
+         (`*.fns`), keeping its tables: what the search costs a later attach. The last column \
+         counts the report's sites \
          whose Python frames reach the script's lines: the same where every table was in \
          before tracing (the stacks do not depend on where the tables came from); a stack cut \
          while its tables were built (counted) makes a site of its own. \
@@ -231,9 +253,9 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
     );
     let _ = writeln!(
         s,
-        "| Attach | Seconds to tracing | vs baseline | Seconds to every table | Stacks cut while tables were built | Tables prepared (ms) | Loaded into maps (ms) | Cache hits / built | Sites reaching the script's lines |"
+        "| Attach | Seconds to tracing | vs baseline | Seconds to every table | Stacks cut while tables were built | Tables prepared (ms) | Loaded into maps (ms) | Cache hits / built | Function search: cached / searched | Sites reaching the script's lines |"
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let base = seconds(&bench.baseline);
     for (name, runs) in [
         (
@@ -242,11 +264,15 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
         ),
         ("first attach (cold cache)", &bench.cold),
         ("later attach (warm cache)", &bench.warm),
+        (
+            "later attach, function search not cached",
+            &bench.warm_searched,
+        ),
     ] {
         let errors: Vec<&String> = runs.iter().filter_map(|r| r.as_ref().err()).collect();
         let _ = writeln!(
             s,
-            "| {name} | {} | {} | {} | {} | {} | {} | {} / {} | {} |{}",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} |{}",
             seconds(runs).map_or("-".into(), |v| format!("{v:.2}")),
             fmt_ratio(seconds(runs), base),
             ready(runs).map_or("-".into(), |v| format!("{v:.2}")),
@@ -255,6 +281,8 @@ pub(super) fn render(bench: &AttachBench, s: &mut String) {
             figure(runs, "/unwind/load_ms"),
             figure(runs, "/unwind/cache/hits"),
             figure(runs, "/unwind/cache/misses"),
+            figure(runs, "/function_cache/hits"),
+            figure(runs, "/function_cache/misses"),
             leak_sites(runs),
             errors
                 .first()
