@@ -14,7 +14,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use crate::support::{fixture, privileged, site_totals, sites_of, Fixture, MEMTRACE};
+use crate::support::{launch_report, privileged, site_totals, sites_of, Fixture, MEMTRACE};
 
 /// The builds for kernels without `bpf_loop`.
 const VARIANTS: [&str; 2] = ["compat", "tailcall"];
@@ -77,26 +77,15 @@ fn programs_without_bpf_loop_find_every_leak_exactly_in_launch_mode() {
 }
 
 fn leaks_in_launch_mode(variant: &str) {
-    // The command writes on stdout too: the report goes to a file.
-    let path = std::env::temp_dir().join(format!("memtrace-{variant}-{}.json", std::process::id()));
-    let out = Command::new(MEMTRACE)
-        .env("MEMTRACE_EBPF_VARIANT", variant)
-        .args(["--format", "json", "--top", "500", "--output"])
-        .arg(&path)
-        .arg("--")
-        .arg(fixture("leak_sites"))
-        .args(["0", "0"])
-        .output()
-        .expect("memtrace runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    let (report, stderr) = launch_report(
+        &[("MEMTRACE_EBPF_VARIANT", variant)],
+        "leak_sites",
+        &["0", "0"],
+    );
     assert!(
         stderr.contains(&format!("the {variant} eBPF programs are loaded")),
         "one line says so: {stderr}"
     );
-    let text = std::fs::read(&path).expect("the report file");
-    let _ = std::fs::remove_file(&path);
-    let report: Value = serde_json::from_slice(&text).expect("JSON report");
     assert_exact(&report, &stderr, variant);
 }
 

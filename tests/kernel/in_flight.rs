@@ -11,21 +11,11 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use crate::support::{fixture, privileged, site_totals, Fixture, Tracer, MEMTRACE};
+use crate::compat::LEAKS;
+use crate::support::{launch_report, privileged, site_totals, Fixture, Tracer, MEMTRACE};
 
 /// The two homes of in-flight calls, by `MEMTRACE_THREAD_STORAGE`.
 const MODES: [(&str, &str); 2] = [("per-thread storage", "1"), ("hashed slots", "0")];
-
-/// What `leak_sites` leaks: (site, bytes, blocks).
-const LEAKS: [(&str, u64, u64); 7] = [
-    ("leak_a", 4800, 100),
-    ("leak_b", 10000, 10),
-    ("leak_calloc", 1000, 5),
-    ("leak_memalign", 768, 3),
-    ("realloc_chain", 4096, 1),
-    ("leak_in_thread", 4096, 32),
-    ("leak_mmap", 131072, 2),
-];
 
 /// `memtrace doctor`'s JSON with `MEMTRACE_THREAD_STORAGE` at `value`.
 fn doctor(value: &str) -> Value {
@@ -77,24 +67,11 @@ fn both_homes_of_in_flight_calls_find_every_leak_exactly() {
         return;
     }
     for (mode, value) in MODES {
-        let path = std::env::temp_dir().join(format!(
-            "memtrace-in-flight-{value}-{}.json",
-            std::process::id()
-        ));
-        let out = Command::new(MEMTRACE)
-            .env("MEMTRACE_THREAD_STORAGE", value)
-            .args(["--format", "json", "--top", "500", "--output"])
-            .arg(&path)
-            .arg("--")
-            .arg(fixture("leak_sites"))
-            .args(["0", "0"])
-            .output()
-            .expect("memtrace runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{mode}: {stderr}");
-        let text = std::fs::read(&path).expect("the report file");
-        let _ = std::fs::remove_file(&path);
-        let report: Value = serde_json::from_slice(&text).expect("JSON report");
+        let (report, stderr) = launch_report(
+            &[("MEMTRACE_THREAD_STORAGE", value)],
+            "leak_sites",
+            &["0", "0"],
+        );
         assert_eq!(report["events"]["lost"], 0, "{mode}: {stderr}");
         assert_eq!(
             report["kernel_counters"]["in_flight_spilled"]

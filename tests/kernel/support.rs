@@ -345,6 +345,36 @@ pub fn assert_one_clear_line(out: &std::process::Output, code: i32, needle: &str
     assert!(lines <= 2, "a line or two: {stderr}");
 }
 
+/// Runs memtrace in launch mode (`--format json --top 500`) on fixture
+/// `name` with `fixture_args`, `env` set, until it exits successfully; the
+/// report goes to a file (the fixture writes on stdout too). The report and
+/// memtrace's stderr.
+pub fn launch_report(env: &[(&str, &str)], name: &str, fixture_args: &[&str]) -> (Value, String) {
+    let path = std::env::temp_dir().join(format!(
+        "memtrace-{name}-{}-{}.json",
+        std::process::id(),
+        REPORT_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let out = Command::new(MEMTRACE)
+        .envs(env.iter().copied())
+        .args(["--format", "json", "--top", "500", "--output"])
+        .arg(&path)
+        .arg("--")
+        .arg(fixture(name))
+        .args(fixture_args)
+        .output()
+        .expect("memtrace runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{env:?}: {stderr}");
+    let text = std::fs::read(&path).expect("the report file");
+    let _ = std::fs::remove_file(&path);
+    let report = serde_json::from_slice(&text).expect("JSON report");
+    (report, stderr)
+}
+
+/// Numbers the report files of [`launch_report`] (tests run in parallel).
+static REPORT_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Runs memtrace to completion (launch mode) and parses its JSON report.
 pub fn run_json(args: &[&str]) -> Value {
     let out = Command::new(MEMTRACE)
