@@ -36,15 +36,20 @@ fn apt_install(apt: &mut Apt, packages: &[&str]) -> Result<()> {
             packages.join(" ")
         );
     }
+    // apt's progress goes to stderr: a section's Markdown is on stdout.
+    let to_stderr = || std::process::Stdio::from(std::io::stderr());
     if !apt.updated {
         eprintln!("xtask bench: apt-get update");
-        run(Command::new("apt-get").args(["update", "-q"]))?;
+        run(Command::new("apt-get")
+            .args(["update", "-q"])
+            .stdout(to_stderr()))?;
         apt.updated = true;
     }
     eprintln!("xtask bench: apt-get install {}", packages.join(" "));
     run(Command::new("apt-get")
         .args(["install", "-y", "-q", "--no-install-recommends"])
         .args(packages)
+        .stdout(to_stderr())
         .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 
