@@ -8,6 +8,7 @@
 
 pub mod container;
 pub mod files;
+pub mod glibc_heap;
 pub mod maps;
 pub mod pod;
 pub mod roots;

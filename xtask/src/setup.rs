@@ -105,6 +105,9 @@ const TEST_TOOLS: &[Package] = &[
     // The leak check's reference: its four totals are compared with
     // valgrind's on the same binaries (tests/kernel/leak.rs).
     pkg("valgrind", Probe::Command("valgrind")),
+    // Real programs the leak check is compared with valgrind on, besides
+    // python3.11 (tests/kernel/leak.rs): perl and mawk come with Debian.
+    pkg("git", Probe::Command("git")),
 ];
 
 /// The real container runtime and its test image (xtask/src/docker.rs):

@@ -21,6 +21,10 @@
 //! are never read; memory owned by a GPU/NPU runtime (`runtime_owned`
 //! roots and nodes: the driver's tables) never marks a device block.
 //!
+//! Provenance (`Input::provenance`): for each marked node, the word that
+//! gave it its state (a register, a root word, or a word inside another
+//! node), so [`chain`] can say why a block was kept or lost.
+//!
 //! Reads go through [`Memory`]: whole regions in large chunks, block
 //! contents in batches (`read_many`), so a process is read with few system
 //! calls. Nothing here recurses: a chain of millions of blocks is a loop.
@@ -117,6 +121,24 @@ pub trait Memory {
     }
 }
 
+/// Where the word that marked a node was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// Register `index` of [`Input::registers`].
+    Register { index: usize },
+    /// A word of root memory at `at`.
+    Root { at: u64 },
+    /// A word at `at` inside node `node` (an input index).
+    Block { node: usize, at: u64 },
+}
+
+/// One node's mark: the word's value and where it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mark {
+    pub source: Source,
+    pub value: u64,
+}
+
 /// What the classification reads.
 pub struct Input<'a> {
     pub nodes: &'a [Node],
@@ -125,6 +147,8 @@ pub struct Input<'a> {
     pub registers: &'a [u64],
     /// Whether an address may be a vtable's (multiple-inheritance heuristic).
     pub vtable: &'a dyn Fn(u64) -> bool,
+    /// Keep each node's [`Mark`] (for explanations; one entry per node).
+    pub provenance: bool,
 }
 
 /// The classification's result.
@@ -136,6 +160,31 @@ pub struct Outcome {
     pub scanned_bytes: u64,
     /// Words that pointed into some node.
     pub hits: u64,
+    /// With `Input::provenance`: per input node, the word that gave it its
+    /// category (none for a definitely lost block, nor an unmarked one).
+    pub marks: Vec<Option<Mark>>,
+}
+
+/// The chain of marks that kept node `node` (an input index) in its
+/// category, from the node back to a root or register (or to the leader
+/// of its clique, for an indirectly lost block): each step is the node and
+/// the mark that marked it. Empty when the node had no mark.
+pub fn chain(marks: &[Option<Mark>], node: usize) -> Vec<(usize, Mark)> {
+    let mut steps = Vec::new();
+    let mut at = node;
+    // Marks form a forest (a mark always names a node marked earlier);
+    // the bound is a guard, never reached.
+    while steps.len() <= marks.len() {
+        let Some(mark) = marks.get(at).copied().flatten() else {
+            break;
+        };
+        steps.push((at, mark));
+        match mark.source {
+            Source::Block { node, .. } => at = node,
+            _ => break,
+        }
+    }
+    steps
 }
 
 const UNREACHED: u8 = 0;
@@ -178,6 +227,10 @@ struct Marker<'a> {
     first_words: HashMap<u32, (Option<u64>, Option<u64>)>,
     scanned: u64,
     hits: u64,
+    /// Per position: the mark that set its state (with provenance).
+    marks: Option<Vec<Option<Mark>>>,
+    /// Where the words being scanned come from: a root (`None`) or a node.
+    scanning: Option<u32>,
 }
 
 /// Splits the nodes into valgrind's four categories.
@@ -200,10 +253,12 @@ pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
         first_words: HashMap::new(),
         scanned: 0,
         hits: 0,
+        marks: input.provenance.then(|| vec![None; input.nodes.len()]),
+        scanning: None,
     };
     // Pass 1: from the roots.
-    for &word in input.registers {
-        marker.found(word, true, false, memory);
+    for (index, &word) in input.registers.iter().enumerate() {
+        marker.found(word, Source::Register { index }, true, false, memory);
     }
     let mut buf = vec![0u8; CHUNK];
     for root in input.roots {
@@ -216,7 +271,8 @@ pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
             }
             memory.read(at, &mut buf[..len]);
             marker.scanned += len as u64;
-            marker.scan_words(&buf[..len], true, root.runtime_owned, memory);
+            marker.scanning = None;
+            marker.scan_words(&buf[..len], at, true, root.runtime_owned, memory);
             at += len as u64;
         }
     }
@@ -230,6 +286,23 @@ pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
         marker.stack.push(leader);
         marker.drain_clique(leader, memory, &mut buf);
     }
+    let order = marker.index.order();
+    let marks = marker.marks.take().map_or_else(Vec::new, |by_position| {
+        let mut marks = vec![None; input.nodes.len()];
+        for (position, mark) in by_position.into_iter().enumerate() {
+            marks[order[position] as usize] = mark.map(|mark| Mark {
+                source: match mark.source {
+                    Source::Block { node, at } => Source::Block {
+                        node: order[node] as usize,
+                        at,
+                    },
+                    other => other,
+                },
+                ..mark
+            });
+        }
+        marks
+    });
     let mut verdicts = vec![
         Verdict {
             category: Category::DefinitelyLost,
@@ -253,26 +326,57 @@ pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
         verdicts,
         scanned_bytes: marker.scanned,
         hits: marker.hits,
+        marks,
     }
 }
 
 impl Marker<'_> {
     /// Words of memory owned by a reachable block or a root (`definite`),
     /// or a possibly lost block, or the runtime.
-    fn scan_words(&mut self, bytes: &[u8], definite: bool, runtime: bool, memory: &mut dyn Memory) {
-        for word in bytes.chunks_exact(8) {
+    /// `bytes` were read at `base`.
+    fn scan_words(
+        &mut self,
+        bytes: &[u8],
+        base: u64,
+        definite: bool,
+        runtime: bool,
+        memory: &mut dyn Memory,
+    ) {
+        for (k, word) in bytes.chunks_exact(8).enumerate() {
             let value = u64::from_le_bytes([
                 word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
             ]);
             if self.index.may_hit(value) {
-                self.found(value, definite, runtime, memory);
+                let at = base + 8 * k as u64;
+                let source = match self.scanning {
+                    Some(node) => Source::Block {
+                        node: node as usize,
+                        at,
+                    },
+                    None => Source::Root { at },
+                };
+                self.found(value, source, definite, runtime, memory);
             }
+        }
+    }
+
+    /// Notes what set node `n`'s state (with provenance).
+    fn note(&mut self, n: u32, source: Source, value: u64) {
+        if let Some(marks) = self.marks.as_mut() {
+            marks[n as usize] = Some(Mark { source, value });
         }
     }
 
     /// A word found in pass 1.
     #[inline(never)]
-    fn found(&mut self, word: u64, definite: bool, runtime: bool, memory: &mut dyn Memory) {
+    fn found(
+        &mut self,
+        word: u64,
+        source: Source,
+        definite: bool,
+        runtime: bool,
+        memory: &mut dyn Memory,
+    ) {
         let mut targets: [u32; 4] = [0; 4];
         let mut count = 0;
         let mut more: Vec<u32> = Vec::new();
@@ -289,11 +393,19 @@ impl Marker<'_> {
         }
         self.hits += 1;
         for n in targets[..count].iter().copied().chain(more) {
-            self.mark(word, n, definite, runtime, memory);
+            self.mark(word, n, source, definite, runtime, memory);
         }
     }
 
-    fn mark(&mut self, word: u64, n: u32, definite: bool, runtime: bool, memory: &mut dyn Memory) {
+    fn mark(
+        &mut self,
+        word: u64,
+        n: u32,
+        source: Source,
+        definite: bool,
+        runtime: bool,
+        memory: &mut dyn Memory,
+    ) {
         let i = n as usize;
         let node = self.nodes[i];
         if runtime && !node.scan {
@@ -304,8 +416,9 @@ impl Marker<'_> {
         if state == REACHABLE {
             // A start pointer from reachable memory: reachable plainly,
             // not through a heuristic.
-            if start && definite {
+            if start && definite && self.heuristic[i].is_some() {
                 self.heuristic[i] = None;
+                self.note(n, source, word);
             }
             return;
         }
@@ -321,10 +434,12 @@ impl Marker<'_> {
                 self.state[i] = REACHABLE;
                 self.heuristic[i] = heuristic;
                 self.stack.push(n);
+                self.note(n, source, word);
             }
             _ if state == UNREACHED => {
                 self.state[i] = POSSIBLE;
                 self.stack.push(n);
+                self.note(n, source, word);
             }
             _ => {}
         }
@@ -397,7 +512,7 @@ impl Marker<'_> {
         batch: &[u32],
         memory: &mut dyn Memory,
         buf: &mut Vec<u8>,
-        mut each: impl FnMut(&mut Self, u32, &[u8], &mut dyn Memory),
+        mut each: impl FnMut(&mut Self, u32, u64, &[u8], &mut dyn Memory),
     ) {
         if let [one] = batch {
             let node = self.nodes[*one as usize];
@@ -410,7 +525,7 @@ impl Marker<'_> {
                     memory.read(at, &mut buf[..len]);
                     self.scanned += len as u64;
                     let chunk = std::mem::take(buf);
-                    each(self, *one, &chunk[..len], memory);
+                    each(self, *one, at, &chunk[..len], memory);
                     *buf = chunk;
                     at += len as u64;
                 }
@@ -429,8 +544,8 @@ impl Marker<'_> {
         self.scanned += total as u64;
         let chunk = std::mem::take(buf);
         let mut at = 0;
-        for (&n, &(_, len)) in batch.iter().zip(&ranges) {
-            each(self, n, &chunk[at..at + len], memory);
+        for (&n, &(start, len)) in batch.iter().zip(&ranges) {
+            each(self, n, start, &chunk[at..at + len], memory);
             at += len;
         }
         *buf = chunk;
@@ -449,19 +564,21 @@ impl Marker<'_> {
                 return;
             }
             let current = batch.clone();
-            self.read_batch(&current, memory, buf, |marker, n, words, memory| {
-                marker.scan_node(n, words, memory);
+            self.read_batch(&current, memory, buf, |marker, n, base, words, memory| {
+                marker.scan_node(n, base, words, memory);
             });
         }
     }
 
     /// Scans one node's words in pass 1, its state noted.
-    fn scan_node(&mut self, n: u32, words: &[u8], memory: &mut dyn Memory) {
+    fn scan_node(&mut self, n: u32, base: u64, words: &[u8], memory: &mut dyn Memory) {
         let i = n as usize;
         self.scanned_as[i] = self.state[i];
         let definite = self.state[i] == REACHABLE;
         let runtime = self.nodes[i].runtime_owned;
-        self.scan_words(words, definite, runtime, memory);
+        self.scanning = Some(n);
+        self.scan_words(words, base, definite, runtime, memory);
+        self.scanning = None;
     }
 
     /// Scans every waiting node in address order, neighbours read
@@ -513,8 +630,8 @@ impl Marker<'_> {
                     continue;
                 };
                 self.pending[one as usize] = false;
-                self.read_batch(&[one], memory, buf, |marker, n, words, memory| {
-                    marker.scan_node(n, words, memory);
+                self.read_batch(&[one], memory, buf, |marker, n, base, words, memory| {
+                    marker.scan_node(n, base, words, memory);
                 });
                 continue;
             }
@@ -531,7 +648,7 @@ impl Marker<'_> {
                 let words = &window[from..from + (node.size as usize & !7)];
                 self.scanned += words.len() as u64;
                 let before = self.stack.len();
-                self.scan_node(n, words, memory);
+                self.scan_node(n, node.start, words, memory);
                 // Marked ahead of the sweep: scanned by it.
                 let cursor = window_end;
                 for k in before..self.stack.len() {
@@ -555,14 +672,18 @@ impl Marker<'_> {
                 return;
             }
             let current = batch.clone();
-            self.read_batch(&current, memory, buf, |marker, n, words, _| {
+            self.read_batch(&current, memory, buf, |marker, n, base, words, _| {
                 let runtime = marker.nodes[n as usize].runtime_owned;
-                for word in words.chunks_exact(8) {
+                for (k, word) in words.chunks_exact(8).enumerate() {
                     let value = u64::from_le_bytes([
                         word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
                     ]);
                     let mut reached = Vec::new();
                     marker.index.find(value, |m| reached.push(m));
+                    let source = Source::Block {
+                        node: n as usize,
+                        at: base + 8 * k as u64,
+                    };
                     for m in reached {
                         let i = m as usize;
                         if m == leader || (runtime && !marker.nodes[i].scan) {
@@ -572,9 +693,13 @@ impl Marker<'_> {
                             UNREACHED => {
                                 marker.state[i] = INDIRECT;
                                 marker.stack.push(m);
+                                marker.note(m, source, value);
                             }
                             // An earlier leader, and its clique with it.
-                            LEADER => marker.state[i] = INDIRECT,
+                            LEADER => {
+                                marker.state[i] = INDIRECT;
+                                marker.note(m, source, value);
+                            }
                             _ => {}
                         }
                     }

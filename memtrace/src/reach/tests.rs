@@ -80,6 +80,7 @@ fn run(
             roots,
             registers,
             vtable: &vtable,
+            provenance: false,
         },
         memory,
     );
@@ -195,6 +196,7 @@ fn heuristics_make_interior_pointers_reachable() {
             roots: &[root(8)],
             registers: &[],
             vtable: &vtable,
+            provenance: false,
         },
         &mut m,
     );
@@ -245,6 +247,7 @@ fn a_later_start_pointer_clears_the_heuristic() {
             roots: &[root(16)],
             registers: &[],
             vtable: &vtable,
+            provenance: false,
         },
         &mut m,
     );
@@ -430,4 +433,78 @@ fn a_swept_block_reached_first_by_an_interior_pointer_is_rescanned_when_reachabl
         "{:?}",
         &categories[..4]
     );
+}
+
+/// Provenance: the chain from a block back to the register or root word
+/// that kept it, and from an indirectly lost block to its clique's leader.
+#[test]
+fn provenance_names_the_chain_of_words_that_kept_a_block() {
+    let mut m = Fake::default();
+    // Root word -> A (start); A+8 -> B + 16 (interior: possibly lost);
+    // register -> C; D (unreached) -> E.
+    let (c, d, e) = (0x3000, 0x4000, 0x5000);
+    m.put(ROOT + 24, A);
+    m.put(A + 8, B + 16);
+    m.put(d + 16, e);
+    let nodes = [
+        host(A, 64),
+        host(B, 64),
+        host(c, 32),
+        host(d, 32),
+        host(e, 32),
+    ];
+    let vtable = |_: u64| false;
+    let roots = [root(64)];
+    let outcome = classify(
+        &Input {
+            nodes: &nodes,
+            roots: &roots,
+            registers: &[7, c + 8, c],
+            vtable: &vtable,
+            provenance: true,
+        },
+        &mut m,
+    );
+    let categories: Vec<Category> = outcome.verdicts.iter().map(|v| v.category).collect();
+    assert_eq!(categories, vec![SR, PL, SR, DL, IL]);
+    let mark = |source, value| Mark { source, value };
+    assert_eq!(
+        super::chain(&outcome.marks, 1),
+        vec![
+            (1, mark(Source::Block { node: 0, at: A + 8 }, B + 16)),
+            (0, mark(Source::Root { at: ROOT + 24 }, A)),
+        ]
+    );
+    // The interior register word marked C possibly lost first; the start
+    // pointer after it made it reachable, and is what is kept.
+    assert_eq!(
+        super::chain(&outcome.marks, 2),
+        vec![(2, mark(Source::Register { index: 2 }, c))]
+    );
+    assert_eq!(super::chain(&outcome.marks, 3), vec![]);
+    assert_eq!(
+        super::chain(&outcome.marks, 4),
+        vec![(
+            4,
+            mark(
+                Source::Block {
+                    node: 3,
+                    at: d + 16
+                },
+                e
+            )
+        )]
+    );
+    // Without provenance nothing is kept.
+    let plain = classify(
+        &Input {
+            nodes: &nodes,
+            roots: &roots,
+            registers: &[],
+            vtable: &vtable,
+            provenance: false,
+        },
+        &mut m,
+    );
+    assert!(plain.marks.is_empty());
 }

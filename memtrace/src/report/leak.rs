@@ -146,6 +146,55 @@ pub struct LeakCheck {
     pub complete_table: bool,
     /// The `--fail-on` categories this check failed, after `--suppress`.
     pub failed_gates: Vec<String>,
+    /// With `--leak-check-explain`: why each block asked about is in its
+    /// category (the chain of pointers from a root, or that none was found).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub explain: Vec<Explanation>,
+}
+
+/// Why one block is in its category (`--leak-check-explain`), as chap's
+/// `describe` and LeakSanitizer's `report_objects` tell it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Explanation {
+    /// What was asked: an address, or a category whose blocks are explained.
+    pub asked: String,
+    /// The process.
+    pub pid: u32,
+    /// Start of the judged block holding the address; null when no judged
+    /// block holds it.
+    pub block: Option<u64>,
+    /// The block's size in bytes.
+    pub size: u64,
+    /// Its category (`definitely-lost`, `indirectly-lost`, `possibly-lost`,
+    /// `still-reachable`); null when no judged block holds the address.
+    pub category: Option<String>,
+    /// From the block back to what kept it: each link is the pointer that
+    /// gave a block its category. Ends at a root or a register (reachable,
+    /// possibly lost) or at the definitely lost block that leads the
+    /// clique (indirectly lost); empty for a definitely lost block.
+    pub chain: Vec<ExplainLink>,
+    /// The explanation in words, one line per link.
+    pub lines: Vec<String>,
+}
+
+/// One pointer of an explanation's chain.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ExplainLink {
+    /// Start of the block this pointer marked.
+    pub block: u64,
+    /// The pointer's value: the block's start, or an address inside it
+    /// (an interior pointer).
+    pub pointer: u64,
+    /// Where the pointer was: `register`, `root` (memory scanned whole:
+    /// a writable segment, a stack, anonymous memory) or `block` (inside
+    /// another block).
+    pub kind: String,
+    /// The pointer's own address; null for a register.
+    pub at: Option<u64>,
+    /// What holds it, in words: `register rsp of thread 1`, `stack of
+    /// thread 1 (sp+0x40)`, `/usr/lib/x86_64-linux-gnu/libc.so.6 rw-p
+    /// +0x1a0`, `block 0x5555... (96 B) +0x8`.
+    pub holder: String,
 }
 
 impl LeakCheck {

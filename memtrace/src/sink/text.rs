@@ -319,6 +319,10 @@ fn leak_summary_lines(check: &crate::report::LeakCheck) -> Vec<String> {
             check.failed_gates.join(",")
         ));
     }
+    for explanation in &check.explain {
+        lines.push(format!("   explain {}:", explanation.asked));
+        lines.extend(explanation.lines.iter().map(|line| format!("     {line}")));
+    }
     lines
 }
 

@@ -2,12 +2,14 @@
 //! readable, writable mapping (the writable segments of each mapped object,
 //! anonymous memory, shared memory, TLS), each thread's stack from its stack
 //! pointer up, less the tracked blocks themselves (they are the nodes,
-//! scanned only when reached). When memtrace saw every allocation of the
-//! process (launch mode, nothing lost or filtered), the allocator's own
-//! heaps are not roots either: their free chunks hold stale pointers, and
-//! every live block in them is a node. Otherwise (attached by pid) the heap
-//! stays a root: blocks allocated before the attach live there, and may
-//! hold the only pointers to newer ones.
+//! scanned only when reached) and what the caller excludes as the
+//! allocator's own memory ([`super::glibc_heap`]): `main_arena`'s chunk
+//! pointers always, and when memtrace saw every allocation of the process
+//! (launch mode, nothing lost or filtered) the heaps too: their free
+//! chunks hold stale pointers, and every live block in them is a node.
+//! Otherwise (attached by pid) the heap stays a root: blocks allocated
+//! before the attach live there, and may hold the only pointers to newer
+//! ones.
 //!
 //! Memory of a GPU/NPU runtime's own libraries (their writable segments) is
 //! marked runtime-owned: a real driver keeps every allocation's address in
@@ -23,9 +25,8 @@ pub struct RootOptions<'a> {
     /// The lowest live stack address of each stopped thread (its stack
     /// pointer, less the red zone where it may be in use).
     pub stack_starts: &'a [u64],
-    /// The table holds every live block of the process: allocator heaps
-    /// are not roots.
-    pub complete: bool,
+    /// Allocator memory that is no root (sorted or not; may overlap).
+    pub excluded: &'a [(u64, u64)],
     /// Start and end of every scanned node (host blocks), in any order.
     pub nodes: &'a [(u64, u64)],
     /// Whether a mapped file is a GPU/NPU runtime library.
@@ -44,36 +45,14 @@ fn never_read(mapping: &Mapping) -> bool {
     }
 }
 
-/// Whether a mapping is an allocator's heap: `[heap]`, or anonymous memory
-/// holding a tracked block.
-fn allocator_heap(mapping: &Mapping, nodes: &[(u64, u64)]) -> bool {
-    let anonymous = mapping.inode == 0
-        && mapping
-            .path
-            .as_deref()
-            .and_then(Path::to_str)
-            .is_none_or(|p| p == "[heap]" || p.starts_with("[anon"));
-    if !anonymous {
-        return false;
-    }
-    if mapping.path.as_deref() == Some(Path::new("[heap]")) {
-        return true;
-    }
-    let first = nodes.partition_point(|&(start, _)| start < mapping.start);
-    nodes
-        .get(first)
-        .is_some_and(|&(start, _)| start < mapping.end)
-}
-
 /// The root regions of a stopped process.
 pub fn roots(mappings: &[Mapping], options: &RootOptions<'_>) -> Vec<RootRegion> {
-    let nodes = merged(options.nodes);
+    let mut covered = options.nodes.to_vec();
+    covered.extend_from_slice(options.excluded);
+    let nodes = merged(&covered);
     let mut regions = Vec::new();
     for mapping in mappings {
         if !(mapping.readable && mapping.writable) || never_read(mapping) {
-            continue;
-        }
-        if options.complete && allocator_heap(mapping, &nodes) {
             continue;
         }
         // A thread's stack: from its stack pointer up (the lowest, when
@@ -178,12 +157,16 @@ mod tests {
 7ffc00200000-7ffc00201000 r--p 00000000 00:00 0 [vvar]
 ";
 
-    fn regions(complete: bool, sps: &[u64], nodes: &[(u64, u64)]) -> Vec<(u64, u64, bool)> {
+    fn regions(
+        excluded: &[(u64, u64)],
+        sps: &[u64],
+        nodes: &[(u64, u64)],
+    ) -> Vec<(u64, u64, bool)> {
         let maps = parse(MAPS);
         let cuda = |p: &Path| p.to_string_lossy().contains("libcuda");
         let options = RootOptions {
             stack_starts: sps,
-            complete,
+            excluded,
             nodes,
             runtime_library: &cuda,
         };
@@ -196,7 +179,7 @@ mod tests {
     #[test]
     fn by_pid_every_writable_mapping_is_a_root_less_the_nodes() {
         let nodes = [(0x0100_0010, 0x0100_0020), (0x0100_0018, 0x0100_0040)];
-        let got = regions(false, &[0x7ffc_000f_f000], &nodes);
+        let got = regions(&[], &[0x7ffc_000f_f000], &nodes);
         assert_eq!(
             got,
             vec![
@@ -212,9 +195,13 @@ mod tests {
     }
 
     #[test]
-    fn a_complete_table_leaves_the_allocator_heaps_out() {
+    fn excluded_allocator_memory_is_no_root() {
         let nodes = [(0x7f00_0020_0010, 0x7f00_0020_0100)];
-        let got = regions(true, &[], &nodes);
+        let excluded = [
+            (0x0100_0000, 0x0110_0000),
+            (0x7f00_0020_0000, 0x7f00_0030_0000),
+        ];
+        let got = regions(&excluded, &[], &nodes);
         assert!(!got.iter().any(|r| r.0 >= 0x0100_0000 && r.0 < 0x0110_0000));
         assert!(!got
             .iter()

@@ -210,6 +210,20 @@ pub struct TraceArgs {
     )]
     pub fail_on: Vec<crate::report::leak::LeakGate>,
 
+    /// Explain a leak check's verdict: for the block holding ADDR (hex or
+    /// decimal), or for the largest ten blocks of a category
+    /// (`definitely-lost`, `indirectly-lost`, `possibly-lost`,
+    /// `still-reachable`), the chain of pointers from a register or root
+    /// that kept it in its category, or that none did (comma-separated;
+    /// implies `--leak-check`).
+    #[arg(
+        help_heading = "Judgement",
+        long,
+        value_delimiter = ',',
+        value_name = "ADDR|CATEGORY"
+    )]
+    pub leak_check_explain: Vec<super::leak_explain::ExplainTarget>,
+
     /// The longest one leak check may hold the target stopped; what a cut
     /// scan did not reach is not judged (counted as `skipped_bytes`).
     #[arg(help_heading = "Judgement", long, value_parser = parse_duration, default_value = "10s", value_name = "DUR")]

@@ -19,15 +19,19 @@ use std::time::{Duration, Instant};
 
 use aya::maps::{MapData, RingBuf};
 
+use super::leak_explain::{self, ExplainTarget};
 use super::loader::Probes;
 use super::session::Session;
 use crate::probe::catalog::{Allocator, Domain, Memory};
 use crate::probe::SpecEntry;
 use crate::reach::{self, Category, Node};
-use crate::report::leak::{Amount, CheckPoint, LeakCheck, LeakSplit, LeakState, LeakVerdicts};
+use crate::report::leak::{
+    Amount, CheckPoint, Explanation, LeakCheck, LeakSplit, LeakState, LeakVerdicts,
+};
 use crate::report::LOST_CAUSES;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
+use crate::target::glibc_heap;
 use crate::target::roots::{self, RootOptions};
 use crate::target::stop::{ProcessMemory, Stopped, StoppedThread};
 
@@ -44,6 +48,7 @@ struct Judgement {
     unreadable: u64,
     skipped: u64,
     verdicts: Vec<((u32, Domain, u64), Category)>,
+    explanations: Vec<Explanation>,
 }
 
 /// What the judge needs besides the process.
@@ -54,6 +59,8 @@ struct JudgeInput<'a> {
     /// The table holds every block since the process began.
     complete: bool,
     deadline: Instant,
+    /// `--leak-check-explain`.
+    explain: &'a [ExplainTarget],
 }
 
 /// File names of GPU/NPU runtime and driver libraries, whose own memory
@@ -146,11 +153,23 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
         .map(|n| (n.start, n.start.saturating_add(n.size)))
         .collect();
     let stack_starts: Vec<u64> = threads.iter().map(StoppedThread::stack_from).collect();
+    let mut memory = ProcessMemory::new(pid).with_deadline(input.deadline);
+    // glibc's own memory: main_arena's chunk pointers (false interior
+    // pointers into the block before each chunk) always; its heaps when
+    // every block in them is a node.
+    let mut excluded: Vec<(u64, u64)> = glibc_heap::main_arena_pointers(&mappings, &mut memory)
+        .into_iter()
+        .collect();
+    if input.complete {
+        let mut sorted = scanned_ranges.clone();
+        sorted.sort_unstable();
+        excluded.extend(glibc_heap::heap_extents(&mappings, &sorted, &mut memory));
+    }
     let roots = roots::roots(
         &mappings,
         &RootOptions {
             stack_starts: &stack_starts,
-            complete: input.complete,
+            excluded: &excluded,
             nodes: &scanned_ranges,
             runtime_library: &runtime_library,
         },
@@ -160,7 +179,6 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
         .flat_map(|t| t.registers.iter().copied())
         .collect();
     let vtable = roots::vtable_predicate(&mappings);
-    let mut memory = ProcessMemory::new(pid).with_deadline(input.deadline);
     let scan_started = Instant::now();
     log::info!(
         "leak check of pid {pid}: {} nodes, {} root regions ({} bytes)",
@@ -174,6 +192,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
             roots: &roots,
             registers: &registers,
             vtable: &vtable,
+            provenance: !input.explain.is_empty(),
         },
         &mut memory,
     );
@@ -189,6 +208,18 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
     judgement.unreadable = memory.unreadable;
     judgement.skipped = memory.skipped;
     let cut = memory.skipped > 0;
+    if !input.explain.is_empty() {
+        let categories: Vec<Category> = outcome.verdicts.iter().map(|v| v.category).collect();
+        judgement.explanations = leak_explain::Context {
+            pid,
+            nodes: &nodes,
+            categories: &categories,
+            marks: &outcome.marks,
+            mappings: &mappings,
+            threads,
+        }
+        .explain(input.explain);
+    }
     for ((key, size), verdict) in keys.into_iter().zip(outcome.verdicts) {
         // A scan cut short proves only what it reached.
         if cut && verdict.category != Category::StillReachable {
@@ -237,6 +268,7 @@ fn add(state: &mut LeakState, judgement: Judgement, threads: usize) {
     summary.skipped_bytes += judgement.skipped;
     summary.threads += threads as u64;
     summary.processes += 1;
+    summary.explain.extend(judgement.explanations);
     let mut entries = std::mem::take(&mut state.verdicts).into_entries();
     entries.extend(judgement.verdicts);
     state.verdicts = LeakVerdicts::new(entries);
@@ -259,7 +291,10 @@ impl Session<'_> {
         if args.no_leak_check {
             return false;
         }
-        args.leak_check || !args.fail_on.is_empty() || !args.command.is_empty()
+        args.leak_check
+            || !args.fail_on.is_empty()
+            || !args.leak_check_explain.is_empty()
+            || !args.command.is_empty()
     }
 
     /// Whether the table holds every block `pid` ever made and kept: the
@@ -355,6 +390,7 @@ impl Session<'_> {
                     stacks: self.pipeline.stacks(),
                     complete,
                     deadline,
+                    explain: &self.args.leak_check_explain,
                 },
             );
             match judged {
@@ -422,6 +458,7 @@ impl Session<'_> {
                 stacks: self.pipeline.stacks(),
                 complete,
                 deadline: started + self.args.leak_check_max_pause,
+                explain: &self.args.leak_check_explain,
             },
         );
         match judged {

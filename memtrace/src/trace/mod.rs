@@ -31,6 +31,7 @@ mod family;
 mod held;
 mod kernel_support;
 mod leak_check;
+mod leak_explain;
 pub mod loader;
 mod pipeline;
 mod plan;

@@ -1,0 +1,307 @@
+//! What of a stopped process's memory is glibc's allocator's own, found
+//! from outside through the chunk headers of the blocks memtrace tracked
+//! and the empty bins of `main_arena`. The leak check takes none of it as
+//! a root: the arena's chunk pointers point at chunk headers, which lie in
+//! the last bytes of the block before (a false interior pointer), and a
+//! heap's free chunks keep stale pointers.
+//!
+//! - [`heap_extents`]: the parts of anonymous memory that are glibc heaps
+//!   (`[heap]`, each non-main arena's heap from its `heap_info`, each
+//!   mmapped chunk from its header), never a whole mapping on a guess: the
+//!   kernel merges neighbouring anonymous mappings, so one mapping can
+//!   hold a glibc chunk beside a Python arena or a thread's stack.
+//! - [`main_arena_pointers`]: the words of `main_arena` that point at
+//!   chunks (`fastbinsY`, `top`, `last_remainder`, `bins`), found without
+//!   symbols the way chap does: empty bins point at themselves.
+//!
+//! Layouts (glibc 2.26 to 2.41, 64-bit): a chunk header is `prev_size`,
+//! `size` (flags in its low bits: 1 `PREV_INUSE`, 2 `IS_MMAPPED`, 4
+//! `NON_MAIN_ARENA`) before the block; `heap_info` is `ar_ptr`, `prev`,
+//! `size`, `mprotect_size` at a heap's start, heaps aligned to
+//! `HEAP_MAX_SIZE` (64 MiB); `malloc_state` has `fastbinsY[10]`, `top`,
+//! `last_remainder`, `bins[254]` in a row.
+
+use crate::reach::Memory;
+use crate::target::maps::Mapping;
+
+const IS_MMAPPED: u64 = 2;
+const NON_MAIN_ARENA: u64 = 4;
+const FLAGS: u64 = 7;
+/// A non-main heap's alignment and largest size (64-bit glibc).
+const HEAP_MAX_SIZE: u64 = 64 << 20;
+const PAGE: u64 = 4096;
+/// `bins[]` of `malloc_state`: 127 pairs of chunk pointers.
+const BINS_BYTES: u64 = 254 * 8;
+/// `fastbinsY[10]`, `top` and `last_remainder`, just before `bins`.
+const BEFORE_BINS: u64 = 12 * 8;
+
+fn word(memory: &mut dyn Memory, addr: u64) -> Option<u64> {
+    let mut bytes = [0u8; 8];
+    (memory.read(addr, &mut bytes) == 8).then(|| u64::from_le_bytes(bytes))
+}
+
+/// Whether a mapping is anonymous memory (where an allocator's heaps are).
+fn anonymous(mapping: &Mapping) -> bool {
+    mapping.inode == 0
+        && mapping
+            .path
+            .as_deref()
+            .and_then(|p| p.to_str())
+            .is_none_or(|p| p == "[heap]" || p.starts_with("[anon"))
+}
+
+/// The extent of the glibc chunk holding block `[start, end)`: its mmapped
+/// region, or its non-main arena's heap; `None` for a main-arena chunk
+/// outside `[heap]` or memory that is not a glibc chunk.
+fn chunk_extent(
+    memory: &mut dyn Memory,
+    mapping: &Mapping,
+    start: u64,
+    end: u64,
+) -> Option<(u64, u64)> {
+    let header = start.checked_sub(16)?;
+    let prev_size = word(memory, header)?;
+    let size = word(memory, header + 8)?;
+    let chunk = size & !FLAGS;
+    if size & IS_MMAPPED != 0 {
+        // An mmapped chunk: its own mapping, `prev_size` bytes of
+        // alignment slack before it.
+        let base = header.checked_sub(prev_size)?;
+        let len = prev_size.checked_add(chunk)?;
+        let fits = base >= mapping.start && base.checked_add(len)? <= mapping.end;
+        return (base % PAGE == 0 && len % PAGE == 0 && fits && header + chunk >= end)
+            .then_some((base, base + len));
+    }
+    if size & NON_MAIN_ARENA == 0 || chunk < end - header {
+        return None;
+    }
+    let heap = header & !(HEAP_MAX_SIZE - 1);
+    let heap_size = word(memory, heap + 16)?;
+    let valid = heap >= mapping.start
+        && heap_size <= HEAP_MAX_SIZE
+        && heap_size % PAGE == 0
+        && heap + heap_size >= end
+        && heap + heap_size <= mapping.end;
+    valid.then_some((heap, heap + heap_size))
+}
+
+/// The glibc heaps in anonymous memory, as sorted, disjoint ranges:
+/// `[heap]` whole, and around each tracked block (`nodes`: sorted by
+/// start, disjoint) its mmapped chunk or its arena's heap. A block glibc's
+/// headers do not explain adds nothing (its memory stays a root but for
+/// the block itself).
+pub fn heap_extents(
+    mappings: &[Mapping],
+    nodes: &[(u64, u64)],
+    memory: &mut dyn Memory,
+) -> Vec<(u64, u64)> {
+    let mut extents = Vec::new();
+    for mapping in mappings.iter().filter(|m| anonymous(m) && m.writable) {
+        if mapping.path.as_deref() == Some(std::path::Path::new("[heap]")) {
+            extents.push((mapping.start, mapping.end));
+            continue;
+        }
+        let first = nodes.partition_point(|&(start, _)| start < mapping.start);
+        let mut covered_to = mapping.start;
+        for &(start, end) in &nodes[first..] {
+            if start >= mapping.end {
+                break;
+            }
+            if end <= covered_to {
+                continue;
+            }
+            if let Some(extent) = chunk_extent(memory, mapping, start, end) {
+                covered_to = covered_to.max(extent.1);
+                extents.push(extent);
+            }
+        }
+    }
+    extents.sort_unstable();
+    extents.dedup();
+    extents
+}
+
+/// The words of `main_arena` that point at chunks (`fastbinsY`, `top`,
+/// `last_remainder`, `bins`), as one range; `None` when no glibc arena is
+/// found in a writable mapping of libc.
+pub fn main_arena_pointers(mappings: &[Mapping], memory: &mut dyn Memory) -> Option<(u64, u64)> {
+    let libc = |m: &Mapping| {
+        m.writable
+            && m.is_file()
+            && m.path
+                .as_deref()
+                .and_then(|p| p.file_name())
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libc.so") || n.starts_with("libc-2."))
+    };
+    for mapping in mappings.iter().filter(|m| libc(m)) {
+        let len = (mapping.end - mapping.start).min(1 << 20) as usize;
+        let mut bytes = vec![0u8; len];
+        let read = memory.read(mapping.start, &mut bytes);
+        let words: Vec<u64> = bytes[..read & !7]
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+            .collect();
+        if let Some(bins) = find_bins(&words, mapping.start, mappings) {
+            return Some((bins - BEFORE_BINS, bins + BINS_BYTES));
+        }
+    }
+    None
+}
+
+/// The address of `bins[0]` of a `malloc_state` among `words` (read at
+/// `base`): the longest run of empty bins (both words pointing 16 bytes
+/// before themselves), placed so that `top` is the initial top (the
+/// unsorted bin) or points into anonymous memory.
+fn find_bins(words: &[u64], base: u64, mappings: &[Mapping]) -> Option<u64> {
+    let at = |k: usize| base + 8 * k as u64;
+    let empty: Vec<u64> = (0..words.len().saturating_sub(1))
+        .filter(|&k| words[k] == at(k).wrapping_sub(16) && words[k + 1] == words[k])
+        .map(at)
+        .collect();
+    // Clusters of empty bins 16 bytes apart (a multiple), within one array.
+    let mut best: Option<(usize, u64, u64)> = None;
+    let mut i = 0;
+    while i < empty.len() {
+        let mut j = i;
+        while j + 1 < empty.len()
+            && empty[j + 1] - empty[i] < BINS_BYTES
+            && (empty[j + 1] - empty[i]) % 16 == 0
+        {
+            j += 1;
+        }
+        let count = j - i + 1;
+        if best.is_none_or(|b| count > b.0) {
+            best = Some((count, empty[i], empty[j]));
+        }
+        i = j + 1;
+    }
+    let (count, first, last) = best?;
+    // A real arena has most of its 127 bins empty at any time.
+    if count < 16 {
+        return None;
+    }
+    let word_at = |addr: u64| {
+        let k = addr.checked_sub(base)? / 8;
+        words.get(k as usize).copied()
+    };
+    let heap_like = |p: u64| {
+        mappings
+            .iter()
+            .any(|m| p >= m.start && p < m.end && m.writable && anonymous(m))
+    };
+    // bins[0] lies at most 126 pairs before the last empty bin (the last
+    // bin, for the largest chunks, is nearly always empty: tried first),
+    // and at or before the first. `top` (just before `bins`) is the
+    // initial top or a heap chunk; `next` (after `bins` and the 16-byte
+    // `binmap`) is the arena itself (2.27+: 112 bytes before `bins`; 2.26:
+    // 104) or another arena, in a heap.
+    let lowest = last
+        .saturating_sub(BINS_BYTES - 16)
+        .max(base + BEFORE_BINS + 16);
+    let valid = |bins: u64| {
+        let top = word_at(bins - 16);
+        let next = word_at(bins + BINS_BYTES + 16);
+        let top_ok = top.is_some_and(|t| t == bins - 16 || heap_like(t));
+        let next_ok = next.is_some_and(|n| n == bins - 112 || n == bins - 104 || heap_like(n));
+        top_ok && next_ok
+    };
+    std::iter::once(lowest)
+        .chain(
+            (0..)
+                .map(|k| first.wrapping_sub(16 * k))
+                .take_while(|&c| c >= lowest),
+        )
+        .filter(|&c| c <= first && (first - c) % 16 == 0)
+        .find(|&c| valid(c))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::target::maps::parse;
+
+    #[derive(Default)]
+    struct Fake {
+        words: BTreeMap<u64, u64>,
+    }
+
+    impl Memory for Fake {
+        fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+            buf.fill(0);
+            for (k, chunk) in buf.chunks_exact_mut(8).enumerate() {
+                if let Some(v) = self.words.get(&(addr + 8 * k as u64)) {
+                    chunk.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            buf.len()
+        }
+    }
+
+    const MAPS: &str = "\
+55550000000-55550021000 rw-p 00000000 00:00 0 [heap]
+7f0000000000-7f0000200000 rw-p 00000000 00:00 0
+7f0004000000-7f0004100000 rw-p 00000000 00:00 0
+7f1000000000-7f1000004000 rw-p 001d3000 08:01 9 /usr/lib/x86_64-linux-gnu/libc.so.6
+";
+
+    #[test]
+    fn an_mmapped_chunk_is_excluded_alone_not_its_merged_neighbours() {
+        let maps = parse(MAPS);
+        let mut m = Fake::default();
+        // A 256 KiB mmapped chunk at +1 MiB of a 2 MiB mapping that also
+        // holds (merged) some other program's memory.
+        let chunk = 0x7f00_0010_0000u64;
+        m.words.insert(chunk, 0);
+        m.words.insert(chunk + 8, 0x4_1000 | IS_MMAPPED);
+        let block = (chunk + 16, chunk + 16 + 0x4_0000);
+        // A non-main heap at 0x7f0004000000 of 0x21000 bytes in use.
+        let heap = 0x7f00_0400_0000u64;
+        m.words.insert(heap + 16, 0x2_1000);
+        let small = heap + 0x900;
+        m.words.insert(small - 8, 0x30 | NON_MAIN_ARENA | 1);
+        let extents = heap_extents(&maps, &[block, (small, small + 0x20)], &mut m);
+        assert_eq!(
+            extents,
+            vec![
+                (0x5555_0000_000, 0x5555_0021_000),
+                (chunk, chunk + 0x4_1000),
+                (heap, heap + 0x2_1000),
+            ]
+        );
+        // A block glibc's headers do not explain: nothing beyond it.
+        let mut bare = Fake::default();
+        let extents = heap_extents(&maps, &[(chunk + 16, chunk + 64)], &mut bare);
+        assert_eq!(extents, vec![(0x5555_0000_000, 0x5555_0021_000)]);
+    }
+
+    #[test]
+    fn main_arena_is_found_by_its_empty_bins() {
+        let maps = parse(MAPS);
+        let mut m = Fake::default();
+        let libc = 0x7f10_0000_0000u64;
+        let bins = libc + 0x1c80;
+        for pair in 0..127u64 {
+            let at = bins + 16 * pair;
+            // A few bins hold chunks; the rest point at themselves.
+            let value = if pair % 9 == 3 {
+                0x5555_0001_000
+            } else {
+                at - 16
+            };
+            m.words.insert(at, value);
+            m.words.insert(at + 8, value);
+        }
+        // top points into [heap]; next is the arena itself.
+        m.words.insert(bins - 16, 0x5555_0020_000);
+        m.words.insert(bins + BINS_BYTES + 16, bins - 112);
+        assert_eq!(
+            main_arena_pointers(&maps, &mut m),
+            Some((bins - BEFORE_BINS, bins + BINS_BYTES))
+        );
+        // No arena: nothing.
+        assert_eq!(main_arena_pointers(&maps, &mut Fake::default()), None);
+    }
+}
