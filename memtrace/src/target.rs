@@ -9,6 +9,7 @@
 pub mod container;
 pub mod files;
 pub mod glibc_heap;
+pub mod heap_walk;
 pub mod maps;
 pub mod pod;
 pub mod roots;

@@ -16,8 +16,24 @@ use serde_json::Value;
 
 use crate::support::{fixture, privileged, sites_of, Fixture, Tracer, MEMTRACE};
 
-/// Set for valgrind's runs and memtrace's alike: hash seeds fixed, so a
-/// program allocates the same way twice.
+/// The whole environment of valgrind's runs and memtrace's alike: hash
+/// seeds fixed, so a program allocates the same way twice, and nothing of
+/// cargo's (its `LD_LIBRARY_PATH` and the size of the environment change
+/// how ld.so keeps the blocks of python3.11's extension modules' TLS).
+fn clean_env() -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = REAL_PROGRAM_ENV
+        .iter()
+        .map(|&(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    for key in ["PATH", "HOME"] {
+        if let Some(value) = std::env::var_os(key) {
+            env.push((key.to_string(), value.to_string_lossy().into_owned()));
+        }
+    }
+    env
+}
+
+/// Part of [`clean_env`].
 const REAL_PROGRAM_ENV: [(&str, &str); 4] = [
     ("PERL_HASH_SEED", "0"),
     ("PERL_PERTURB_KEYS", "0"),
@@ -26,8 +42,10 @@ const REAL_PROGRAM_ENV: [(&str, &str); 4] = [
 ];
 
 /// What valgrind adds to its client's environment (`valgrind env` shows
-/// it), given to memtrace's run too: programs that copy their environment
-/// (perl's %ENV, git) then allocate the same blocks. `LD_PRELOAD` (its
+/// it), given to memtrace's run of programs that copy their environment
+/// (perl's %ENV, git), which then allocate the same blocks (not to
+/// python3.11's: ld.so keeps its TLS blocks differently under this
+/// `LD_LIBRARY_PATH`, and valgrind's own ld.so run does not). `LD_PRELOAD` (its
 /// preload libraries) becomes a variable of the same length that loads
 /// nothing.
 const VALGRIND_ADDS: [(&str, &str); 4] = [
@@ -57,7 +75,8 @@ fn valgrind_summary_of(program: &Path, args: &[&str]) -> BTreeMap<String, (u64, 
         ])
         .arg(program)
         .args(args)
-        .envs(REAL_PROGRAM_ENV)
+        .env_clear()
+        .envs(clean_env())
         .output()
         .expect("valgrind runs (the test set-up installs Debian's valgrind)");
     let text = String::from_utf8_lossy(&out.stderr);
@@ -106,7 +125,8 @@ fn launched_path(
         .arg("--")
         .arg(program)
         .args(args)
-        .envs(REAL_PROGRAM_ENV)
+        .env_clear()
+        .envs(clean_env())
         .envs(env.iter().copied())
         .output()
         .expect("memtrace runs");
@@ -743,16 +763,21 @@ fn glibc_metadata_is_no_root_and_merged_mappings_keep_their_blocks() {
     );
 }
 
-/// memtrace's four totals of a program next to valgrind's, its
-/// environment made the same as valgrind's client's. Where memtrace cannot
+/// memtrace's four totals of a program next to valgrind's (`env` added to
+/// memtrace's run: [`VALGRIND_ADDS`] for a program that copies its
+/// environment). Where memtrace cannot
 /// know what valgrind knows (which words are defined: a dead frame's
 /// slot, a cached stack of an exited thread; valgrind's realloc always
 /// moves a block), it may find a block reachable that valgrind calls lost,
 /// never the other way: no more bytes definitely lost, no more lost in
 /// all, than valgrind.
-fn assert_never_more_lost_than_valgrind(program: &Path, args: &[&str]) -> Value {
+fn assert_never_more_lost_than_valgrind(
+    program: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Value {
     let valgrind = valgrind_summary_of(program, args);
-    let (report, out) = launched_path(program, args, &[], &VALGRIND_ADDS);
+    let (report, out) = launched_path(program, args, &[], env);
     assert!(out.status.success(), "memtrace {program:?}: {}", out.status);
     let check = &report["leak_check"];
     assert_eq!(check["ran"], true, "{check}");
@@ -782,23 +807,38 @@ fn real_programs_are_never_more_lost_than_valgrind_says() {
     }
     let python = Path::new("/usr/bin/python3.11");
     let script = "import json, re, collections, decimal, sqlite3; print(json.dumps(re.findall('a+', 'aa b aaa')))";
-    let report = assert_never_more_lost_than_valgrind(python, &["-c", script]);
+    let report = assert_never_more_lost_than_valgrind(python, &["-c", script], &[]);
+    // Nothing definitely lost, as valgrind (it was 10,776 bytes falsely),
+    // and every block judged: the same total as valgrind's. (ld.so's two
+    // 2,304-byte TLS blocks of the extension modules are possibly lost for
+    // both in a plain run; in some runs memtrace finds their start in
+    // ld.so's data: the documented direction.)
     let valgrind = valgrind_summary_of(python, &["-c", script]);
-    for (key, name) in [
-        ("definitely_lost", "definitely lost"),
-        ("indirectly_lost", "indirectly lost"),
-        ("possibly_lost", "possibly lost"),
-        ("still_reachable", "still reachable"),
-    ] {
-        assert_eq!(
-            amount(&report["leak_check"][key]),
-            valgrind[name],
-            "python3.11 {name}: {}",
-            report["leak_check"]
-        );
-    }
+    let check = &report["leak_check"];
+    assert_eq!(
+        amount(&check["definitely_lost"]),
+        valgrind["definitely lost"],
+        "python3.11: {check}"
+    );
+    let total =
+        |amounts: [(u64, u64); 4]| amounts.iter().fold((0, 0), |t, a| (t.0 + a.0, t.1 + a.1));
+    assert_eq!(
+        total([
+            amount(&check["definitely_lost"]),
+            amount(&check["indirectly_lost"]),
+            amount(&check["possibly_lost"]),
+            amount(&check["still_reachable"]),
+        ]),
+        total([
+            valgrind["definitely lost"],
+            valgrind["indirectly lost"],
+            valgrind["possibly lost"],
+            valgrind["still reachable"],
+        ]),
+        "python3.11: {check}\nvalgrind {valgrind:?}"
+    );
     let perl = "my %h; $h{$_} = [$_] for 1..1000; print scalar(keys %h), qq(\n)";
-    assert_never_more_lost_than_valgrind(Path::new("/usr/bin/perl"), &["-e", perl]);
+    assert_never_more_lost_than_valgrind(Path::new("/usr/bin/perl"), &["-e", perl], &VALGRIND_ADDS);
     let git = String::from_utf8_lossy(
         &Command::new("sh")
             .args(["-c", "command -v git"])
@@ -809,14 +849,148 @@ fn real_programs_are_never_more_lost_than_valgrind_says() {
     .trim()
     .to_string();
     assert!(!git.is_empty(), "git is installed by the test set-up");
-    assert_never_more_lost_than_valgrind(Path::new(&git), &["--version"]);
+    assert_never_more_lost_than_valgrind(Path::new(&git), &["--version"], &VALGRIND_ADDS);
     assert_never_more_lost_than_valgrind(
         Path::new("/usr/bin/mawk"),
         &[
             "{a[$1]++} END {n = 0; for (k in a) n++; print n}",
             "/etc/services",
         ],
+        &[],
     );
-    assert_never_more_lost_than_valgrind(&fixture("leak_cxx_threads"), &[]);
-    assert_never_more_lost_than_valgrind(&fixture("leak_realloc_o2"), &[]);
+    assert_never_more_lost_than_valgrind(&fixture("leak_cxx_threads"), &[], &[]);
+    assert_never_more_lost_than_valgrind(&fixture("leak_realloc_o2"), &[], &[]);
+}
+
+/// The usable size of a block of `size` bytes glibc mmapped (x86-64 and
+/// arm64 with 4 KiB pages): the chunk is the request plus its header,
+/// rounded up to whole pages, less the 16-byte header.
+fn mmapped_usable(size: u64) -> u64 {
+    (((size + 8 + 15) & !15) + 8).next_multiple_of(4096) - 16
+}
+
+/// The heap walk's group of `size`-byte blocks in `category`, if any.
+fn group(before: &Value, size: u64, category: &str) -> Option<u64> {
+    before["groups"]
+        .as_array()?
+        .iter()
+        .find(|g| g["size"] == size && g["category"] == category)
+        .and_then(|g| g["count"].as_u64())
+}
+
+/// By pid, right after the attach, the blocks allocated before it are
+/// judged (issue 50): glibc's heap is walked (the main arena, a thread's
+/// arena, mmapped chunks; tcache and fastbin members are free), and the
+/// pre-attach lost blocks have valgrind's counts and sizes, the program run
+/// to the same point under valgrind. Sizes are usable sizes: equal to the
+/// request for these blocks, a page-rounded chunk for the mmapped one.
+#[test]
+fn by_pid_blocks_from_before_the_attach_are_judged_as_valgrind_judges_them() {
+    if !privileged() {
+        return;
+    }
+    let valgrind = valgrind_summary("leak_before_attach", &["exit"]);
+    let mut service = Fixture::start("leak_before_attach", &[]);
+    let pid = service.pid.to_string();
+    let tracer = Tracer::attach(&["--pid", pid.as_str(), "--leak-check", "--format", "json"]);
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report_last_line();
+    let check = &report["leak_check"];
+    assert_eq!(check["ran"], true, "{check}\n{stderr}");
+    let before = &check["before_attach"];
+    let walk = &before["heap_walk"];
+    assert_eq!(walk["status"], "complete", "{walk}");
+    assert_eq!(walk["arenas"], 2, "{walk}");
+    assert_eq!(walk["arenas_walked"], 2, "{walk}");
+    assert!(walk["mmapped_chunks"].as_u64() >= Some(2), "{walk}");
+    let version = walk["glibc_version"].as_str().unwrap_or_default();
+    assert!(version.starts_with("2."), "{walk}");
+    // The lost blocks: valgrind's count; its bytes but for the mmapped
+    // block's page rounding.
+    let (lost_bytes, lost_blocks) = amount(&check["definitely_lost"]);
+    let (v_bytes, v_blocks) = valgrind["definitely lost"];
+    assert_eq!(lost_blocks, v_blocks, "{check}\nvalgrind {valgrind:?}");
+    assert_eq!(
+        lost_bytes,
+        v_bytes + mmapped_usable(300_000) - 300_000,
+        "{check}\nvalgrind {valgrind:?}"
+    );
+    assert_eq!(amount(&check["indirectly_lost"]), (0, 0), "{check}");
+    assert_eq!(group(before, 40, "definitely-lost"), Some(50), "{before}");
+    assert_eq!(group(before, 56, "definitely-lost"), Some(20), "{before}");
+    assert_eq!(group(before, 24, "definitely-lost"), Some(1), "{before}");
+    assert_eq!(
+        group(before, mmapped_usable(300_000), "definitely-lost"),
+        Some(1),
+        "{before}"
+    );
+    // The kept ones are reachable; freed ones (tcache, fastbin) are no blocks.
+    assert_eq!(group(before, 24, "still-reachable"), Some(99), "{before}");
+    assert_eq!(group(before, 88, "still-reachable"), Some(1), "{before}");
+    assert_eq!(
+        group(before, mmapped_usable(400_000), "still-reachable"),
+        Some(1),
+        "{before}"
+    );
+    assert!(
+        amount(&check["still_reachable"]).1 >= valgrind["still reachable"].1,
+        "{check}\nvalgrind {valgrind:?}"
+    );
+    // The service runs on.
+    service.go();
+}
+
+/// A target stopped while a thread holds an arena's mutex inside malloc
+/// (malloc_stats blocked writing to a full pipe): the walk says partial and
+/// why, judges nothing of that arena (its heap stays a root), and the
+/// target is not harmed.
+#[test]
+fn by_pid_an_arena_locked_inside_malloc_is_partial_never_wrong() {
+    if !privileged() {
+        return;
+    }
+    let service = Fixture::start("leak_before_attach", &["locked"]);
+    let pid = service.pid.to_string();
+    let tracer = Tracer::attach(&["--pid", pid.as_str(), "--leak-check", "--format", "json"]);
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report_last_line();
+    let before = &report["leak_check"]["before_attach"];
+    let walk = &before["heap_walk"];
+    assert_eq!(walk["status"], "partial", "{walk}\n{stderr}");
+    assert!(
+        walk["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("is locked")),
+        "{walk}"
+    );
+    // Nothing of the main arena is judged: its 40-byte lost blocks are not
+    // called lost, nor its kept 24-byte ones reachable.
+    assert_eq!(group(before, 40, "definitely-lost"), None, "{before}");
+    assert_eq!(group(before, 24, "still-reachable"), None, "{before}");
+    // The thread's arena is walked.
+    assert_eq!(group(before, 56, "definitely-lost"), Some(20), "{before}");
+    assert!(matches!(state(service.pid), Some('S' | 'R')));
+}
+
+/// Launch mode sees every block: walking the heap too (`--heap-walk`)
+/// finds no block from before and gives the same four totals.
+#[test]
+fn launch_mode_with_the_heap_walk_gives_the_same_totals() {
+    if !privileged() {
+        return;
+    }
+    let (plain, _) = launched("leak_shapes", &[]);
+    let (walked, out) = launched("leak_shapes", &["--heap-walk"]);
+    assert!(out.status.success());
+    let walk = &walked["leak_check"]["before_attach"]["heap_walk"];
+    assert_eq!(walk["status"], "complete", "{walk}");
+    assert_eq!(walk["blocks_before_attach"], 0, "{walk}");
+    for key in [
+        "definitely_lost",
+        "indirectly_lost",
+        "possibly_lost",
+        "still_reachable",
+    ] {
+        assert_eq!(walked["leak_check"][key], plain["leak_check"][key], "{key}");
+    }
 }

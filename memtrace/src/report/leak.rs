@@ -150,6 +150,102 @@ pub struct LeakCheck {
     /// category (the chain of pointers from a root, or that none was found).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub explain: Vec<Explanation>,
+    /// By pid: the blocks allocated before memtrace attached, found by
+    /// walking glibc's heap (included in the four totals above; they have
+    /// no allocation stack, so no site); null in launch mode unless
+    /// `--heap-walk`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before_attach: Option<BeforeAttach>,
+}
+
+/// The blocks from before the attach (`leak_check.before_attach`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct BeforeAttach {
+    #[serde(flatten)]
+    pub split: LeakSplit,
+    /// The blocks grouped by size and category, largest total first (at
+    /// most 50 groups).
+    pub groups: Vec<BlockGroup>,
+    /// How the heap was walked.
+    pub heap_walk: HeapWalkSummary,
+    /// Memory no walk covers, in one line each (another allocator's heap,
+    /// Python's obmalloc arenas: roots, not blocks).
+    pub notes: Vec<String>,
+}
+
+impl BeforeAttach {
+    /// The lines of the text report.
+    pub fn lines(&self) -> Vec<String> {
+        let before = self;
+        let walk = &before.heap_walk;
+        let mut lines = vec![match walk.status.as_str() {
+        "not_run" => format!(
+            "   before the attach: heap not walked: {}",
+            walk.reason.as_deref().unwrap_or("no reason given")
+        ),
+        status => format!(
+            "   before the attach (heap walk {status}, glibc {}, {}/{} arenas, {} chunks in use, {} mmapped): {} blocks judged{}",
+            walk.glibc_version.as_deref().unwrap_or("?"),
+            walk.arenas_walked,
+            walk.arenas,
+            walk.chunks,
+            walk.mmapped_chunks,
+            walk.blocks_before_attach,
+            walk.reason
+                .as_deref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default()
+        ),
+    }];
+        for group in before.groups.iter().take(10) {
+            lines.push(format!(
+                "     {}: {} bytes in {} blocks of {} B, no allocation stack",
+                group.category, group.bytes, group.count, group.size
+            ));
+        }
+        lines.extend(before.notes.iter().map(|n| format!("     note: {n}")));
+        lines
+    }
+}
+
+/// Blocks of one size and category from before the attach.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct BlockGroup {
+    /// The blocks' usable size in bytes (`malloc_usable_size`: the size
+    /// asked for, rounded up to glibc's chunk granularity).
+    pub size: u64,
+    /// The category (`definitely-lost` ...).
+    pub category: String,
+    /// How many blocks.
+    pub count: u64,
+    /// Their bytes together.
+    pub bytes: u64,
+}
+
+/// How glibc's heap was walked (`leak_check.before_attach.heap_walk`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct HeapWalkSummary {
+    /// `complete` (every arena walked), `partial` (some arenas were not:
+    /// their heaps stay roots, none of their blocks is judged; `reason`
+    /// says why) or `not_run` (the heap stays a root; `reason` says why).
+    pub status: String,
+    /// The target's glibc (`2.36`).
+    pub glibc_version: Option<String>,
+    /// Arenas found, and walked.
+    pub arenas: u32,
+    pub arenas_walked: u32,
+    /// Chunks in use found (the traced blocks among them), and chunks
+    /// stepped over (free ones included).
+    pub chunks: u64,
+    pub chunks_walked: u64,
+    /// Chunks glibc mmapped for large blocks.
+    pub mmapped_chunks: u64,
+    /// Blocks from before the attach (in use, not traced, not glibc's own).
+    pub blocks_before_attach: u64,
+    /// How long the walk took, in ms (within the pause).
+    pub walk_ms: f64,
+    /// Why the walk is partial or did not run.
+    pub reason: Option<String>,
 }
 
 /// Why one block is in its category (`--leak-check-explain`), as chap's

@@ -319,6 +319,9 @@ fn leak_summary_lines(check: &crate::report::LeakCheck) -> Vec<String> {
             check.failed_gates.join(",")
         ));
     }
+    if let Some(before) = &check.before_attach {
+        lines.extend(before.lines());
+    }
     for explanation in &check.explain {
         lines.push(format!("   explain {}:", explanation.asked));
         lines.extend(explanation.lines.iter().map(|line| format!("     {line}")));

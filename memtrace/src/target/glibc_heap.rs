@@ -121,10 +121,23 @@ pub fn heap_extents(
     extents
 }
 
+/// Where `main_arena` is: its start and its `bins[0]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MainArena {
+    pub arena: u64,
+    pub bins: u64,
+}
+
 /// The words of `main_arena` that point at chunks (`fastbinsY`, `top`,
 /// `last_remainder`, `bins`), as one range; `None` when no glibc arena is
 /// found in a writable mapping of libc.
 pub fn main_arena_pointers(mappings: &[Mapping], memory: &mut dyn Memory) -> Option<(u64, u64)> {
+    find_main_arena(mappings, memory)
+        .map(|found| (found.bins - BEFORE_BINS, found.bins + BINS_BYTES))
+}
+
+/// Finds `main_arena` in a writable mapping of libc by its empty bins.
+pub fn find_main_arena(mappings: &[Mapping], memory: &mut dyn Memory) -> Option<MainArena> {
     let libc = |m: &Mapping| {
         m.writable
             && m.is_file()
@@ -142,8 +155,8 @@ pub fn main_arena_pointers(mappings: &[Mapping], memory: &mut dyn Memory) -> Opt
             .chunks_exact(8)
             .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
             .collect();
-        if let Some(bins) = find_bins(&words, mapping.start, mappings) {
-            return Some((bins - BEFORE_BINS, bins + BINS_BYTES));
+        if let Some(found) = find_bins(&words, mapping.start, mappings) {
+            return Some(found);
         }
     }
     None
@@ -153,7 +166,7 @@ pub fn main_arena_pointers(mappings: &[Mapping], memory: &mut dyn Memory) -> Opt
 /// `base`): the longest run of empty bins (both words pointing 16 bytes
 /// before themselves), placed so that `top` is the initial top (the
 /// unsorted bin) or points into anonymous memory.
-fn find_bins(words: &[u64], base: u64, mappings: &[Mapping]) -> Option<u64> {
+fn find_bins(words: &[u64], base: u64, mappings: &[Mapping]) -> Option<MainArena> {
     let at = |k: usize| base + 8 * k as u64;
     let empty: Vec<u64> = (0..words.len().saturating_sub(1))
         .filter(|&k| words[k] == at(k).wrapping_sub(16) && words[k + 1] == words[k])
@@ -166,7 +179,7 @@ fn find_bins(words: &[u64], base: u64, mappings: &[Mapping]) -> Option<u64> {
         let mut j = i;
         while j + 1 < empty.len()
             && empty[j + 1] - empty[i] < BINS_BYTES
-            && (empty[j + 1] - empty[i]) % 16 == 0
+            && (empty[j + 1] - empty[i]).is_multiple_of(16)
         {
             j += 1;
         }
@@ -199,12 +212,27 @@ fn find_bins(words: &[u64], base: u64, mappings: &[Mapping]) -> Option<u64> {
     let lowest = last
         .saturating_sub(BINS_BYTES - 16)
         .max(base + BEFORE_BINS + 16);
-    let valid = |bins: u64| {
-        let top = word_at(bins - 16);
-        let next = word_at(bins + BINS_BYTES + 16);
-        let top_ok = top.is_some_and(|t| t == bins - 16 || heap_like(t));
-        let next_ok = next.is_some_and(|n| n == bins - 112 || n == bins - 104 || heap_like(n));
-        top_ok && next_ok
+    // The arena's own start: where a lone arena's `next` points; with
+    // several arenas, told by the word after mutex and flags (2.27+:
+    // `have_fastchunks`, 0 or 1).
+    let valid = |bins: u64| -> Option<MainArena> {
+        let top = word_at(bins - 16)?;
+        let next = word_at(bins + BINS_BYTES + 16)?;
+        if !(top == bins - 16 || heap_like(top)) {
+            return None;
+        }
+        let arena = if next == bins - 112 || next == bins - 104 {
+            next
+        } else if heap_like(next) {
+            if word_at(bins - 104)? <= 1 {
+                bins - 112
+            } else {
+                bins - 104
+            }
+        } else {
+            return None;
+        };
+        Some(MainArena { arena, bins })
     };
     std::iter::once(lowest)
         .chain(
@@ -213,7 +241,7 @@ fn find_bins(words: &[u64], base: u64, mappings: &[Mapping]) -> Option<u64> {
                 .take_while(|&c| c >= lowest),
         )
         .filter(|&c| c <= first && (first - c) % 16 == 0)
-        .find(|&c| valid(c))
+        .find_map(valid)
 }
 
 #[cfg(test)]
@@ -266,7 +294,7 @@ mod tests {
         assert_eq!(
             extents,
             vec![
-                (0x5555_0000_000, 0x5555_0021_000),
+                (0x0555_5000_0000, 0x0555_5002_1000),
                 (chunk, chunk + 0x4_1000),
                 (heap, heap + 0x2_1000),
             ]
@@ -274,7 +302,7 @@ mod tests {
         // A block glibc's headers do not explain: nothing beyond it.
         let mut bare = Fake::default();
         let extents = heap_extents(&maps, &[(chunk + 16, chunk + 64)], &mut bare);
-        assert_eq!(extents, vec![(0x5555_0000_000, 0x5555_0021_000)]);
+        assert_eq!(extents, vec![(0x0555_5000_0000, 0x0555_5002_1000)]);
     }
 
     #[test]
@@ -287,7 +315,7 @@ mod tests {
             let at = bins + 16 * pair;
             // A few bins hold chunks; the rest point at themselves.
             let value = if pair % 9 == 3 {
-                0x5555_0001_000
+                0x0555_5000_1000
             } else {
                 at - 16
             };
@@ -295,7 +323,7 @@ mod tests {
             m.words.insert(at + 8, value);
         }
         // top points into [heap]; next is the arena itself.
-        m.words.insert(bins - 16, 0x5555_0020_000);
+        m.words.insert(bins - 16, 0x0555_5002_0000);
         m.words.insert(bins + BINS_BYTES + 16, bins - 112);
         assert_eq!(
             main_arena_pointers(&maps, &mut m),

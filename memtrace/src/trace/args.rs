@@ -224,6 +224,17 @@ pub struct TraceArgs {
     )]
     pub leak_check_explain: Vec<super::leak_explain::ExplainTarget>,
 
+    /// By pid, the leak check walks glibc's heap to judge the blocks
+    /// allocated before the attach too; with this it does not (the heap is
+    /// then a root, as with other allocators).
+    #[arg(help_heading = "Judgement", long, conflicts_with = "heap_walk")]
+    pub no_heap_walk: bool,
+
+    /// Launch mode: walk glibc's heap at the exit check too (a cross-check:
+    /// memtrace saw every block, so the four totals stay the same).
+    #[arg(help_heading = "Judgement", long)]
+    pub heap_walk: bool,
+
     /// The longest one leak check may hold the target stopped; what a cut
     /// scan did not reach is not judged (counted as `skipped_bytes`).
     #[arg(help_heading = "Judgement", long, value_parser = parse_duration, default_value = "10s", value_name = "DUR")]

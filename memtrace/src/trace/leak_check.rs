@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use aya::maps::{MapData, RingBuf};
 
+use super::before_attach;
 use super::leak_explain::{self, ExplainTarget};
 use super::loader::Probes;
 use super::session::Session;
@@ -26,7 +27,7 @@ use crate::probe::catalog::{Allocator, Domain, Memory};
 use crate::probe::SpecEntry;
 use crate::reach::{self, Category, Node};
 use crate::report::leak::{
-    Amount, CheckPoint, Explanation, LeakCheck, LeakSplit, LeakState, LeakVerdicts,
+    Amount, BeforeAttach, CheckPoint, Explanation, LeakCheck, LeakSplit, LeakState, LeakVerdicts,
 };
 use crate::report::LOST_CAUSES;
 use crate::stacks::StackStore;
@@ -49,6 +50,7 @@ struct Judgement {
     skipped: u64,
     verdicts: Vec<((u32, Domain, u64), Category)>,
     explanations: Vec<Explanation>,
+    before_attach: Option<BeforeAttach>,
 }
 
 /// What the judge needs besides the process.
@@ -61,6 +63,8 @@ struct JudgeInput<'a> {
     deadline: Instant,
     /// `--leak-check-explain`.
     explain: &'a [ExplainTarget],
+    /// Walk glibc's heap: the blocks from before the attach become nodes.
+    heap_walk: bool,
 }
 
 /// File names of GPU/NPU runtime and driver libraries, whose own memory
@@ -147,19 +151,43 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
     let Ok(mappings) = crate::target::maps::read_raw(pid) else {
         return Err(gone());
     };
+    let stack_starts: Vec<u64> = threads.iter().map(StoppedThread::stack_from).collect();
+    let mut memory = ProcessMemory::new(pid).with_deadline(input.deadline);
+    // glibc's heap walked: its blocks from before the attach become nodes
+    // (after the traced ones), the heaps walked and glibc's own blocks no
+    // roots.
+    let mut excluded: Vec<(u64, u64)> = Vec::new();
+    let walk_started = Instant::now();
+    let walked = input.heap_walk.then(|| {
+        let sps: Vec<u64> = threads.iter().map(|t| t.sp).collect();
+        before_attach::walk(pid, &mappings, &sps, &mut memory)
+    });
+    let walk_ms = walk_started.elapsed().as_secs_f64() * 1000.0;
+    if let Some(Ok(walk)) = &walked {
+        let traced: std::collections::HashSet<u64> = nodes.iter().map(|n| n.start).collect();
+        nodes.extend(
+            walk.chunks
+                .iter()
+                .filter(|c| !traced.contains(&c.start))
+                .map(|c| Node {
+                    start: c.start,
+                    size: c.size,
+                    scan: true,
+                    runtime_owned: false,
+                }),
+        );
+        excluded.extend_from_slice(&walk.walked);
+        excluded.extend_from_slice(&walk.metadata);
+    }
     let scanned_ranges: Vec<(u64, u64)> = nodes
         .iter()
         .filter(|n| n.scan)
         .map(|n| (n.start, n.start.saturating_add(n.size)))
         .collect();
-    let stack_starts: Vec<u64> = threads.iter().map(StoppedThread::stack_from).collect();
-    let mut memory = ProcessMemory::new(pid).with_deadline(input.deadline);
     // glibc's own memory: main_arena's chunk pointers (false interior
     // pointers into the block before each chunk) always; its heaps when
     // every block in them is a node.
-    let mut excluded: Vec<(u64, u64)> = glibc_heap::main_arena_pointers(&mappings, &mut memory)
-        .into_iter()
-        .collect();
+    excluded.extend(glibc_heap::main_arena_pointers(&mappings, &mut memory));
     if input.complete {
         let mut sorted = scanned_ranges.clone();
         sorted.sort_unstable();
@@ -208,6 +236,28 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
     judgement.unreadable = memory.unreadable;
     judgement.skipped = memory.skipped;
     let cut = memory.skipped > 0;
+    let traced = keys.len();
+    if let Some(walked) = &walked {
+        let blocks: Vec<(u64, Category)> = nodes[traced..]
+            .iter()
+            .zip(&outcome.verdicts[traced..])
+            .filter(|(_, v)| !cut || v.category == Category::StillReachable)
+            .map(|(n, v)| (n.size, v.category))
+            .collect();
+        for (node, verdict) in nodes[traced..].iter().zip(&outcome.verdicts[traced..]) {
+            if cut && verdict.category != Category::StillReachable {
+                judgement.not_judged.add(node.size);
+            } else {
+                judgement.split.add(verdict.category, node.size);
+            }
+        }
+        judgement.before_attach = Some(before_attach::summary(
+            walked,
+            walk_ms,
+            &blocks,
+            before_attach::notes(&mappings),
+        ));
+    }
     if !input.explain.is_empty() {
         let categories: Vec<Category> = outcome.verdicts.iter().map(|v| v.category).collect();
         judgement.explanations = leak_explain::Context {
@@ -269,6 +319,16 @@ fn add(state: &mut LeakState, judgement: Judgement, threads: usize) {
     summary.threads += threads as u64;
     summary.processes += 1;
     summary.explain.extend(judgement.explanations);
+    if let Some(before) = judgement.before_attach {
+        match summary.before_attach.as_mut() {
+            Some(all) => {
+                all.split.merge(&before.split);
+                all.groups.extend(before.groups);
+                all.notes.extend(before.notes);
+            }
+            None => summary.before_attach = Some(before),
+        }
+    }
     let mut entries = std::mem::take(&mut state.verdicts).into_entries();
     entries.extend(judgement.verdicts);
     state.verdicts = LeakVerdicts::new(entries);
@@ -391,6 +451,7 @@ impl Session<'_> {
                     complete,
                     deadline,
                     explain: &self.args.leak_check_explain,
+                    heap_walk: !self.args.no_heap_walk,
                 },
             );
             match judged {
@@ -459,6 +520,7 @@ impl Session<'_> {
                 complete,
                 deadline: started + self.args.leak_check_max_pause,
                 explain: &self.args.leak_check_explain,
+                heap_walk: self.args.heap_walk,
             },
         );
         match judged {

@@ -23,6 +23,7 @@
 
 mod args;
 mod attach;
+mod before_attach;
 mod by_name;
 pub mod discovery;
 mod end;

@@ -7,7 +7,10 @@
 //! word a pointer to another block, all reachable. memtrace traces it in
 //! launch mode (`--stack-depth 0`, a 64 MiB ring: nothing may be lost, or
 //! the check refuses to judge) and checks it at its exit; the pause and the
-//! bytes scanned are the report's `leak_check`.
+//! bytes scanned are the report's `leak_check`. The same heap, untraced,
+//! is then checked by pid: every block is from before the attach, found by
+//! walking glibc's heap (`leak_check.before_attach.heap_walk`), whose rate
+//! in chunks per second is set beside the copy rate.
 
 use std::fmt::Write as _;
 use std::process::Command;
@@ -74,6 +77,17 @@ struct Measured {
     lost_blocks: u64,
     /// GB/s of `process_vm_readv` over the same heap.
     copy_gbps: f64,
+    /// The same heap checked by pid (every block from before the attach).
+    walk: std::result::Result<Walked, String>,
+}
+
+/// A check by pid of an untraced heap.
+struct Walked {
+    chunks_walked: u64,
+    walk_ms: f64,
+    pause_ms: f64,
+    blocks_before_attach: u64,
+    reachable_blocks: u64,
 }
 
 /// Copies every readable, writable mapping of `pid` with
@@ -122,8 +136,58 @@ fn copy_all(pid: i32) -> Result<(u64, f64)> {
     Ok((total, started.elapsed().as_secs_f64()))
 }
 
-/// The copy rate of this machine on `case`'s heap, untraced.
-fn copy_rate(env: &Env, case: &Case) -> Result<f64> {
+/// memtrace attached to `pid` for a moment, its leak check at the end.
+fn walk_by_pid(env: &Env, pid: i32) -> Result<Walked> {
+    let out = env.work.join("leak-check-by-pid.json");
+    let _ = std::fs::remove_file(&out);
+    let status = Command::new("timeout")
+        .arg("900")
+        .arg(&env.memtrace)
+        .args(["--pid", &pid.to_string()])
+        .args([
+            "--leak-check",
+            "--duration",
+            "1s",
+            "--format",
+            "json",
+            "--stack-depth",
+            "0",
+            "--leak-check-max-pause",
+            "10m",
+            "--output",
+        ])
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .context("memtrace runs")?;
+    if !status.success() {
+        bail!("memtrace --pid: {status}");
+    }
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out)?)?;
+    let check = &report["leak_check"];
+    let walk = &check["before_attach"]["heap_walk"];
+    if walk["status"] != "complete" {
+        bail!(
+            "the heap walk was {}: {}",
+            walk["status"].as_str().unwrap_or("?"),
+            walk["reason"].as_str().unwrap_or("?")
+        );
+    }
+    Ok(Walked {
+        chunks_walked: walk["chunks_walked"].as_u64().unwrap_or(0),
+        walk_ms: walk["walk_ms"].as_f64().unwrap_or(f64::NAN),
+        pause_ms: check["pause_ms"].as_f64().unwrap_or(f64::NAN),
+        blocks_before_attach: walk["blocks_before_attach"].as_u64().unwrap_or(0),
+        reachable_blocks: check["before_attach"]["still_reachable"]["blocks"]
+            .as_u64()
+            .unwrap_or(0),
+    })
+}
+
+/// The copy rate of this machine on `case`'s heap, untraced, and the same
+/// heap checked by pid.
+fn copy_rate(env: &Env, case: &Case) -> Result<(f64, std::result::Result<Walked, String>)> {
     let mut prog = Proc::spawn(
         "heapscan",
         env.program("heapscan")
@@ -139,11 +203,12 @@ fn copy_rate(env: &Env, case: &Case) -> Result<f64> {
     // the second is the one kept (warm caches, as the check's own read).
     copy_all(prog.pid())?;
     let (bytes, seconds) = copy_all(prog.pid())?;
+    let walk = walk_by_pid(env, prog.pid()).map_err(|e| format!("{e:#}"));
     let _ = prog.send_line();
     if seconds <= 0.0 {
         bail!("nothing copied");
     }
-    Ok(bytes as f64 / seconds / 1e9)
+    Ok((bytes as f64 / seconds / 1e9, walk))
 }
 
 /// One traced run: memtrace launches heapscan and checks it at its exit.
@@ -197,7 +262,7 @@ fn check_run(env: &Env, case: &Case) -> Result<(f64, u64, u64, u64)> {
 
 fn measure(env: &Env, case: &Case) -> Result<Measured> {
     let rounds = env.rounds.clamp(1, 3);
-    let copy_gbps = copy_rate(env, case)?;
+    let (copy_gbps, walk) = copy_rate(env, case)?;
     let mut pauses = Vec::new();
     let mut last = (0, 0, 0);
     for _ in 0..rounds {
@@ -211,6 +276,7 @@ fn measure(env: &Env, case: &Case) -> Result<Measured> {
         reachable_blocks: last.1,
         lost_blocks: last.2,
         copy_gbps,
+        walk,
     })
 }
 
@@ -268,6 +334,54 @@ pub(super) fn render(rows: &[Row], s: &mut String) {
             }
             Err(err) => {
                 let _ = writeln!(s, "| {heap} | {} | failed: {err} | | | | | |", row.blocks);
+            }
+        }
+    }
+    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "By pid, the same heap untraced: every block is from before the attach, found by \
+         walking glibc's heap. The walk rate is the chunks stepped over per second and the \
+         heap's bytes per second over the walk's time (it reads headers, not the blocks); \
+         the pause is the whole check (walk, scan of the blocks as nodes, judgement).\n"
+    );
+    let _ = writeln!(
+        s,
+        "| live heap | blocks | chunks walked | walk | chunks/s | heap bytes/s | copy rate | walk / copy | pause | judged reachable |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
+    for row in rows {
+        let heap = format!("{} MiB", row.bytes / MIB);
+        match &row.outcome {
+            Ok(m) => match &m.walk {
+                Ok(w) => {
+                    let seconds = w.walk_ms / 1000.0;
+                    let heap_gbps = row.bytes as f64 / seconds / 1e9;
+                    let _ = writeln!(
+                        s,
+                        "| {heap} | {} | {} | {:.1} ms | {:.1} M | {:.2} GB/s | {:.2} GB/s | {:.2} | {:.0} ms | {} of {} |",
+                        row.blocks,
+                        w.chunks_walked,
+                        w.walk_ms,
+                        w.chunks_walked as f64 / seconds / 1e6,
+                        heap_gbps,
+                        m.copy_gbps,
+                        heap_gbps / m.copy_gbps,
+                        w.pause_ms,
+                        w.reachable_blocks,
+                        w.blocks_before_attach
+                    );
+                }
+                Err(err) => {
+                    let _ = writeln!(
+                        s,
+                        "| {heap} | {} | failed: {err} | | | | | | | |",
+                        row.blocks
+                    );
+                }
+            },
+            Err(_) => {
+                let _ = writeln!(s, "| {heap} | {} | (see above) | | | | | | | |", row.blocks);
             }
         }
     }

@@ -1,0 +1,188 @@
+//! The blocks from before the attach: a leak check by pid walks glibc's
+//! heap ([`crate::target::heap_walk`]) so that the blocks allocated before
+//! memtrace came become nodes of the check too, and this module says what
+//! the walk covered and how those blocks were judged
+//! (`leak_check.before_attach`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::reach::{Category, Memory};
+use crate::report::leak::{category_name, Amount, BeforeAttach, BlockGroup, HeapWalkSummary};
+use crate::target::heap_walk::{self, HeapWalk};
+use crate::target::maps::Mapping;
+
+/// Groups kept in the report.
+const GROUPS: usize = 50;
+
+fn file_name(mapping: &Mapping) -> Option<&str> {
+    mapping
+        .path
+        .as_deref()
+        .and_then(Path::file_name)
+        .and_then(|n| n.to_str())
+}
+
+/// Walks the heap of stopped process `pid`.
+pub fn walk(
+    pid: u32,
+    mappings: &[Mapping],
+    stacks: &[u64],
+    memory: &mut dyn Memory,
+) -> Result<HeapWalk, String> {
+    let libc = mappings
+        .iter()
+        .find(|m| {
+            m.is_file()
+                && file_name(m)
+                    .is_some_and(|n| n.starts_with("libc.so") || n.starts_with("libc-2."))
+        })
+        .ok_or("the process has no glibc mapped: its heap stays a root")?;
+    let path = crate::target::files::open(pid, libc).map_err(|_| {
+        format!(
+            "{} cannot be opened",
+            libc.path.as_deref().unwrap_or(Path::new("libc")).display()
+        )
+    })?;
+    let image = std::fs::read(&path).map_err(|err| format!("{}: {err}", path.display()))?;
+    heap_walk::walk(mappings, &image, stacks, memory)
+}
+
+/// One line for each allocator or runtime whose memory no walk covers.
+pub fn notes(mappings: &[Mapping]) -> Vec<String> {
+    let mut notes = Vec::new();
+    let mapped = |prefix: &str| {
+        mappings
+            .iter()
+            .any(|m| file_name(m).is_some_and(|n| n.starts_with(prefix)))
+    };
+    for (prefix, name) in [
+        ("libjemalloc", "jemalloc"),
+        ("libtcmalloc", "tcmalloc"),
+        ("libmimalloc", "mimalloc"),
+    ] {
+        if mapped(prefix) {
+            notes.push(format!(
+                "{name} is mapped: its heap is not walked (a root): blocks it allocated before the attach are not judged"
+            ));
+        }
+    }
+    if mapped("libpython")
+        || mappings
+            .iter()
+            .any(|m| file_name(m).is_some_and(|n| n.starts_with("python")))
+    {
+        notes.push(
+            "Python's obmalloc arenas are roots, not walked: small objects allocated before the attach are not judged"
+                .to_string(),
+        );
+    }
+    notes
+}
+
+/// The summary of a walk and of the judged blocks from before the attach
+/// (`blocks`: size and category of each).
+pub fn summary(
+    walked: &Result<HeapWalk, String>,
+    walk_ms: f64,
+    blocks: &[(u64, Category)],
+    notes: Vec<String>,
+) -> BeforeAttach {
+    let mut split = crate::report::LeakSplit::default();
+    let mut groups: BTreeMap<(u64, Category), Amount> = BTreeMap::new();
+    for &(size, category) in blocks {
+        split.add(category, size);
+        groups.entry((size, category)).or_default().add(size);
+    }
+    let mut groups: Vec<BlockGroup> = groups
+        .into_iter()
+        .map(|((size, category), amount)| BlockGroup {
+            size,
+            category: category_name(category).to_string(),
+            count: amount.blocks,
+            bytes: amount.bytes,
+        })
+        .collect();
+    groups.sort_by_key(|g| (std::cmp::Reverse(g.bytes), g.size));
+    groups.truncate(GROUPS);
+    let heap_walk = match walked {
+        Ok(walk) => HeapWalkSummary {
+            status: if walk.partial.is_empty() {
+                "complete"
+            } else {
+                "partial"
+            }
+            .to_string(),
+            glibc_version: walk
+                .layout
+                .map(|l| format!("{}.{}", l.version.0, l.version.1)),
+            arenas: walk.arenas,
+            arenas_walked: walk.arenas_walked,
+            chunks: walk.chunks.len() as u64,
+            chunks_walked: walk.chunks_walked,
+            mmapped_chunks: walk.mmapped_chunks,
+            blocks_before_attach: blocks.len() as u64,
+            walk_ms,
+            reason: (!walk.partial.is_empty()).then(|| walk.partial.join("; ")),
+        },
+        Err(reason) => HeapWalkSummary {
+            status: "not_run".to_string(),
+            reason: Some(reason.clone()),
+            ..HeapWalkSummary::default()
+        },
+    };
+    BeforeAttach {
+        split,
+        groups,
+        heap_walk,
+        notes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_grouped_by_size_and_category() {
+        let walk = Ok(HeapWalk {
+            arenas: 2,
+            arenas_walked: 1,
+            partial: vec!["arena 0x1 is locked".to_string()],
+            ..HeapWalk::default()
+        });
+        let blocks = [
+            (24, Category::DefinitelyLost),
+            (24, Category::DefinitelyLost),
+            (40, Category::StillReachable),
+        ];
+        let before = summary(&walk, 1.0, &blocks, vec![]);
+        assert_eq!(
+            before.split.definitely_lost,
+            Amount {
+                bytes: 48,
+                blocks: 2
+            }
+        );
+        assert_eq!(before.groups[0].count, 2);
+        assert_eq!(before.groups[0].category, "definitely-lost");
+        assert_eq!(before.heap_walk.status, "partial");
+        assert!(before.lines()[0].contains("arena 0x1 is locked"));
+        let refused = summary(
+            &Err("glibc 2.42 is not known".to_string()),
+            0.0,
+            &[],
+            vec![],
+        );
+        assert_eq!(refused.heap_walk.status, "not_run");
+        assert!(refused.lines()[0].contains("2.42"));
+    }
+
+    #[test]
+    fn other_allocators_are_named() {
+        let maps = crate::target::maps::parse(
+            "7f0000000000-7f0000001000 r-xp 00000000 08:01 5 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n",
+        );
+        assert!(notes(&maps)[0].starts_with("jemalloc"));
+    }
+}
