@@ -24,7 +24,7 @@ const FLOORS: &[&[&str]] = &[
         "reach",
         "disk_cache",
     ],
-    &["kernel", "target"],
+    &["kernel", "tracee"],
     &["probe"],
     &[
         "model",

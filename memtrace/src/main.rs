@@ -34,8 +34,8 @@ mod stacks;
 mod stats;
 mod symbolize;
 mod table;
-mod target;
 mod trace;
+mod tracee;
 mod unwind;
 mod watch;
 

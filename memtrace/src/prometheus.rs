@@ -20,7 +20,7 @@ use tokio::sync::{watch, Semaphore};
 
 use crate::report::Report;
 use crate::sink::frame_name;
-use crate::target::container::Placement;
+use crate::tracee::container::Placement;
 
 /// At most this many sites get a `memtrace_site_live_bytes` series.
 pub const TOP_SITES: usize = 20;
@@ -762,7 +762,7 @@ mod tests {
             pid: 4242,
             comm: "server".into(),
             live_bytes: 64,
-            placement: crate::target::container::Placement::sample_pod(),
+            placement: crate::tracee::container::Placement::sample_pod(),
             ..Default::default()
         }];
         let samples = parse(&render(&report));

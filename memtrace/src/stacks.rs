@@ -106,7 +106,7 @@ impl StackStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::target::maps::parse;
+    use crate::tracee::maps::parse;
 
     #[test]
     fn normalizes_at_insert_and_stops_at_zero() {

@@ -2,18 +2,18 @@
 //! can be opened as the target sees it), and turning a process address into
 //! (module, file offset) — the normalized form stacks are kept in, so they can
 //! be symbolized after the target is gone. The parsing itself is
-//! [`crate::target::maps`], below both this and [`crate::target::files`].
+//! [`crate::tracee::maps`], below both this and [`crate::tracee::files`].
 
 use std::path::{Path, PathBuf};
 
-pub use crate::target::maps::{read_raw, Mapping};
+pub use crate::tracee::maps::{read_raw, Mapping};
 
 /// Reads and parses `/proc/PID/maps`, and notes where each file mapped can
-/// be opened as the target sees it ([`crate::target::files`]): the moment
+/// be opened as the target sees it ([`crate::tracee::files`]): the moment
 /// its maps are read, the process is known to map them.
 pub fn read(pid: u32) -> std::io::Result<Vec<Mapping>> {
     let mappings = read_raw(pid)?;
-    crate::target::files::observe(pid, &mappings);
+    crate::tracee::files::observe(pid, &mappings);
     Ok(mappings)
 }
 
@@ -84,16 +84,16 @@ impl AddressSpace {
 
 /// The path through which memtrace reads `path` as process `pid` sees it:
 /// the file it maps there, checked by device and inode (see
-/// [`crate::target::files`]); `None` when it cannot be reached (links leading
+/// [`crate::tracee::files`]); `None` when it cannot be reached (links leading
 /// outside its root, another file at that path, the process gone).
 pub fn path_in_target_root(pid: u32, path: &Path) -> Option<PathBuf> {
-    crate::target::files::open_path(pid, path)
+    crate::tracee::files::open_path(pid, path)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::target::maps::parse;
+    use crate::tracee::maps::parse;
 
     const SAMPLE: &str = "\
 55d0c0de0000-55d0c0de1000 r--p 00000000 fe:01 1234 /usr/bin/app

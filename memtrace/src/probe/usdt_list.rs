@@ -97,13 +97,13 @@ fn collect(target: &str) -> anyhow::Result<Vec<ObjectProbes>> {
             probes: probes.into_iter().map(ProbeOut::from).collect(),
         }]);
     };
-    crate::target::inspect(pid)?;
+    crate::tracee::inspect(pid)?;
     let mappings = super::maps::read(pid)
         .map_err(|err| Failure::usage(format!("cannot read the mappings of pid {pid}: {err}")))?;
     let mut objects = Vec::new();
     for mapping in super::maps::executable_file_mappings(&mappings) {
         let shown: PathBuf = mapping.path.clone().unwrap_or_default();
-        let path = match crate::target::files::open(pid, mapping) {
+        let path = match crate::tracee::files::open(pid, mapping) {
             Ok(path) => path,
             Err(why) => {
                 log::warn!(

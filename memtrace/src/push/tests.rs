@@ -310,7 +310,7 @@ fn watch_passes_the_push_options_to_its_tracer() {
 #[test]
 fn push_request_carries_the_labels_sample_types_and_the_leak() {
     let mut report = fixture::report();
-    report.target.placement = crate::target::container::Placement::sample_pod();
+    report.target.placement = crate::tracee::container::Placement::sample_pod();
     let body = request::push_request(
         &report,
         &config("http://store"),
@@ -681,7 +681,7 @@ fn otlp_urls_are_checked() {
 #[test]
 fn otlp_request_carries_the_resource_sample_types_and_the_leak() {
     let mut report = fixture::report();
-    report.target.placement = crate::target::container::Placement::sample_pod();
+    report.target.placement = crate::tracee::container::Placement::sample_pod();
     let request = otlp_request(
         &report,
         &otlp_config("http://c"),

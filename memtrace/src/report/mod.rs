@@ -21,8 +21,8 @@ use crate::probe::catalog::{Allocator, Memory};
 use crate::probe::SpecEntry;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
-use crate::target::container::Placement;
-pub use crate::target::TargetInfo;
+use crate::tracee::container::Placement;
+pub use crate::tracee::TargetInfo;
 
 /// The whole report; field names are a stable JSON contract (add, never rename).
 #[derive(Clone, Debug, Serialize, schemars::JsonSchema)]

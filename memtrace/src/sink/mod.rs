@@ -402,7 +402,7 @@ mod tests {
     #[test]
     fn every_format_but_folded_names_the_pod() {
         let mut report = fixture::report();
-        report.target.placement = crate::target::container::Placement::sample_pod();
+        report.target.placement = crate::tracee::container::Placement::sample_pod();
         for format in [
             Format::Text,
             Format::Json,

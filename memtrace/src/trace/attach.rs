@@ -29,7 +29,7 @@ use crate::analysis::history::History;
 use crate::error::Failure;
 use crate::report::{ProcessInfo, TargetInfo};
 use crate::symbolize::BlazeSymbolizer;
-use crate::target::{self, HeldChild};
+use crate::tracee::{self, HeldChild};
 
 /// The process a trace starts from.
 struct Chosen {
@@ -46,7 +46,7 @@ struct Chosen {
 fn choose_target(args: &TraceArgs, names: Option<&mut by_name::Watch>) -> anyhow::Result<Chosen> {
     Ok(match (args.pid, names) {
         (Some(pid), _) => {
-            target::inspect(pid)?;
+            tracee::inspect(pid)?;
             Chosen {
                 held: None,
                 pid,
@@ -197,7 +197,7 @@ impl<'a> Trace<'a> {
                 }
             }
             Ok(by_name::Tried::Nothing {
-                comm: target::inspect(candidate)
+                comm: tracee::inspect(candidate)
                     .map(|info| info.comm)
                     .unwrap_or_default(),
                 why: why.join("; "),
@@ -237,10 +237,10 @@ impl<'a> Trace<'a> {
                     pid,
                     comm: exe.rsplit('/').next().unwrap_or(&exe).to_string(),
                     exe,
-                    placement: target::container::Placement::of(pid),
+                    placement: tracee::container::Placement::of(pid),
                 }
             }
-            None => target::inspect(pid)?,
+            None => tracee::inspect(pid)?,
         };
         // Signal handlers first: a Ctrl-C right after the announcement must still
         // produce a report.

@@ -1,5 +1,5 @@
 //! The blocks from before the attach: a leak check by pid walks glibc's
-//! heap ([`crate::target::heap_walk`]) so that the blocks allocated before
+//! heap ([`crate::tracee::heap_walk`]) so that the blocks allocated before
 //! memtrace came become nodes of the check too, and this module says what
 //! the walk covered and how those blocks were judged
 //! (`leak_check.before_attach`).
@@ -9,8 +9,8 @@ use std::path::Path;
 
 use crate::reach::{Category, Memory};
 use crate::report::leak::{category_name, Amount, BeforeAttach, BlockGroup, HeapWalkSummary};
-use crate::target::heap_walk::{self, HeapWalk};
-use crate::target::maps::Mapping;
+use crate::tracee::heap_walk::{self, HeapWalk};
+use crate::tracee::maps::Mapping;
 
 /// Groups kept in the report.
 const GROUPS: usize = 50;
@@ -38,7 +38,7 @@ pub fn walk(
                     .is_some_and(|n| n.starts_with("libc.so") || n.starts_with("libc-2."))
         })
         .ok_or("the process has no glibc mapped: its heap stays a root")?;
-    let path = crate::target::files::open(pid, libc).map_err(|_| {
+    let path = crate::tracee::files::open(pid, libc).map_err(|_| {
         format!(
             "{} cannot be opened",
             libc.path.as_deref().unwrap_or(Path::new("libc")).display()
@@ -180,7 +180,7 @@ mod tests {
 
     #[test]
     fn other_allocators_are_named() {
-        let maps = crate::target::maps::parse(
+        let maps = crate::tracee::maps::parse(
             "7f0000000000-7f0000001000 r-xp 00000000 08:01 5 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n",
         );
         assert!(notes(&maps)[0].starts_with("jemalloc"));

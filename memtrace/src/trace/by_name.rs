@@ -1,5 +1,5 @@
 //! The selections of a trace besides `--pid` and launch mode: they live in
-//! [`crate::target::select`] (shared with `memtrace watch`) and are
+//! [`crate::tracee::select`] (shared with `memtrace watch`) and are
 //! re-exported here under the names the tracer uses; the tracer polls
 //! [`Watch::find`] for processes that join a selection later. Owns which
 //! process of a selection the trace starts from ([`first_traceable`]): a
@@ -7,7 +7,7 @@
 //! `docker-init`, tini, dumb-init) is skipped with a note, and the trace
 //! fails only when no process of the selection can be traced.
 
-pub use crate::target::select::{Finder as Watch, Selector};
+pub use crate::tracee::select::{Finder as Watch, Selector};
 
 use crate::error::Failure;
 
@@ -114,7 +114,7 @@ pub fn started_ms_ago(start_ticks: u64) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::target;
+    use crate::tracee;
 
     fn nothing(comm: &str, why: &str) -> Tried {
         Tried::Nothing {
@@ -195,7 +195,7 @@ mod tests {
 
     #[test]
     fn own_start_is_some_time_ago() {
-        let start = target::start_time(std::process::id()).expect("start time");
+        let start = tracee::start_time(std::process::id()).expect("start time");
         assert!(started_ms_ago(start).is_some());
     }
 }

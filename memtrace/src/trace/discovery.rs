@@ -16,9 +16,9 @@ use crate::probe::maps;
 use crate::probe::plan::LibraryPlan;
 use crate::probe::plan_cache::FunctionSearch;
 use crate::probe::usdt_plan::{self, UsdtPlan};
-use crate::target::files::{self, FileId};
 use crate::trace::kernel_support::{unsupported_in, Unsupported};
 use crate::trace::loader::Probes;
+use crate::tracee::files::{self, FileId};
 
 /// The objects considered so far and the ones probed (shared by every
 /// traced process: an object probed for one is probed for all).
@@ -214,7 +214,7 @@ impl Discovery {
             if self.exclude.as_ref() == Some(&path) {
                 continue;
             }
-            // Unopenable files are counted by `target::files` (its note).
+            // Unopenable files are counted by `tracee::files` (its note).
             if let Ok(open_path) = files::open(pid, mapping) {
                 files.push((path, open_path, (mapping.dev, mapping.inode)));
             }

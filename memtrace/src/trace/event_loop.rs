@@ -18,7 +18,7 @@ use super::loader::Probes;
 use super::status::StatusLine;
 use super::{usdt_probes, Trace};
 use crate::report;
-use crate::target::{ChildEvent, HeldChild};
+use crate::tracee::{ChildEvent, HeldChild};
 
 /// How often the target's mappings are rescanned for newly loaded libraries.
 const RESCAN_EVERY: Duration = Duration::from_millis(500);

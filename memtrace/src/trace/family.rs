@@ -10,11 +10,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use aya::maps::{MapData, RingBuf};
 
 use crate::report::ProcessInfo;
-use crate::target;
 use crate::trace::by_name::{Selector, Skipped};
 use crate::trace::discovery::Discovery;
 use crate::trace::loader::Probes;
 use crate::trace::pipeline::Pipeline;
+use crate::tracee;
 
 /// What became of a child memtrace saw.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,7 +87,7 @@ pub struct Family {
 
 impl Family {
     pub fn new(target: u32, info: ProcessInfo, follow: bool, max_processes: u32) -> Self {
-        let start_time = target::start_time(target);
+        let start_time = tracee::start_time(target);
         Family {
             target,
             follow,
@@ -185,7 +185,7 @@ impl Family {
             .filter(|(&pid, m)| {
                 pid != self.target
                     && !m.info.exited
-                    && (!target::is_alive(pid) || target::start_time(pid) != m.start_time)
+                    && (!tracee::is_alive(pid) || tracee::start_time(pid) != m.start_time)
             })
             .map(|(&pid, _)| pid)
             .collect();
@@ -209,7 +209,7 @@ impl Family {
         let mut seen = Vec::new();
         let mut queue = vec![parent];
         while let Some(parent) = queue.pop() {
-            for child in target::children(parent) {
+            for child in tracee::children(parent) {
                 if self.members.contains_key(&child)
                     || self.over_cap.contains(&child)
                     || self.failed.contains_key(&child)
@@ -281,9 +281,9 @@ impl Family {
         }
         // A process of the name forked by a traced one is still its child,
         // and traced for its name even without --follow-forks.
-        let parent = target::parent(pid).filter(|ppid| self.members.contains_key(ppid));
+        let parent = tracee::parent(pid).filter(|ppid| self.members.contains_key(ppid));
         self.not_followed.remove(&pid);
-        let started = target::start_time(pid);
+        let started = tracee::start_time(pid);
         self.attach(pid, parent, tools, |_| ProcessInfo {
             attach_delay_ms: if late {
                 started.and_then(super::by_name::started_ms_ago)
@@ -319,7 +319,7 @@ impl Family {
                 if let Err(err) = tools.discovery.scan(pid, tools.probes, &[]) {
                     log::debug!("pid {pid}: cannot read its mappings: {err}");
                 }
-                let found = target::inspect(pid).unwrap_or_default();
+                let found = tracee::inspect(pid).unwrap_or_default();
                 self.members.insert(
                     pid,
                     Member {
@@ -332,12 +332,12 @@ impl Family {
                             traced_from_ms: since_start_ms,
                             ..describe(now_ns)
                         },
-                        start_time: target::start_time(pid),
+                        start_time: tracee::start_time(pid),
                     },
                 );
                 Adoption::Followed
             }
-            Err(_) if !target::is_alive(pid) => {
+            Err(_) if !tracee::is_alive(pid) => {
                 self.gone_early.insert(pid);
                 Adoption::Gone
             }
@@ -359,7 +359,7 @@ impl Family {
             return None;
         }
         let was = std::mem::replace(&mut member.info.exe, exe.clone());
-        if let Ok(info) = target::inspect(pid) {
+        if let Ok(info) = tracee::inspect(pid) {
             member.info.comm = info.comm;
             member.info.exe = info.exe;
         }

@@ -1,7 +1,7 @@
 //! When the leak check runs and how its result joins the report.
 //!
 //! By pid (`--leak-check`): at the final report and at each `--interval`
-//! report, every traced process is stopped ([`crate::target::stop`]), the
+//! report, every traced process is stopped ([`crate::tracee::stop`]), the
 //! events made before the stop are drained into the live table (so the
 //! table is exactly the memory's state), each process is judged, and the
 //! threads resume. In launch mode the check runs by default when the
@@ -11,7 +11,7 @@
 //! A judgement: the nodes are the process's live blocks in the table (host
 //! blocks are scanned when reached, device blocks never; mappings and
 //! handles are not judged: mappings are roots, as in valgrind); the roots
-//! come from [`crate::target::roots`]; [`crate::reach`] splits the blocks.
+//! come from [`crate::tracee::roots`]; [`crate::reach`] splits the blocks.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -32,9 +32,9 @@ use crate::report::leak::{
 use crate::report::LOST_CAUSES;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
-use crate::target::glibc_heap;
-use crate::target::roots::{self, RootOptions};
-use crate::target::stop::{ProcessMemory, Stopped, StoppedThread};
+use crate::tracee::glibc_heap;
+use crate::tracee::roots::{self, RootOptions};
+use crate::tracee::stop::{ProcessMemory, Stopped, StoppedThread};
 
 /// How long a thread may take to reach its stop before the check gives up.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
@@ -148,7 +148,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
         keys.push(((pid, domain, addr), block.size));
     }
     let gone = || format!("pid {pid} exited during the check: nothing of it is judged");
-    let Ok(mappings) = crate::target::maps::read_raw(pid) else {
+    let Ok(mappings) = crate::tracee::maps::read_raw(pid) else {
         return Err(gone());
     };
     let stack_starts: Vec<u64> = threads.iter().map(StoppedThread::stack_from).collect();
@@ -229,7 +229,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
         outcome.scanned_bytes,
         scan_started.elapsed().as_millis()
     );
-    if memory.gone || !crate::target::is_alive(pid) {
+    if memory.gone || !crate::tracee::is_alive(pid) {
         return Err(gone());
     }
     judgement.scanned = outcome.scanned_bytes;
@@ -501,7 +501,7 @@ impl Session<'_> {
         }
         let threads: Vec<StoppedThread> = registers
             .map(|registers| StoppedThread {
-                sp: crate::target::stop::stack_pointer(&registers),
+                sp: crate::tracee::stop::stack_pointer(&registers),
                 registers,
             })
             .into_iter()

@@ -10,8 +10,8 @@ use std::str::FromStr;
 
 use crate::reach::{self, Category, Mark, Node, Source};
 use crate::report::leak::{category_name, ExplainLink, Explanation};
-use crate::target::maps::Mapping;
-use crate::target::stop::StoppedThread;
+use crate::tracee::maps::Mapping;
+use crate::tracee::stop::StoppedThread;
 
 /// At most this many blocks are explained for a category.
 const PER_CATEGORY: usize = 10;
@@ -252,7 +252,7 @@ impl Context<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::target::maps::parse;
+    use crate::tracee::maps::parse;
 
     const MAPS: &str = "\
 00400000-00401000 r--p 00000000 08:01 100 /app/prog

@@ -51,7 +51,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::Signal;
 
 use crate::output::Output;
-use crate::target::HeldChild;
+use crate::tracee::HeldChild;
 use args::StackMode;
 pub use args::TraceArgs;
 use discovery::Discovery;

@@ -59,7 +59,7 @@ impl PythonWatch {
     /// Where the kernel finds the `pthread_t` of a thread of `pid`.
     fn thread(&self, pid: u32) -> Option<python::layout::ThreadPointer> {
         let task_offset = self.thread_pointer?;
-        let below = crate::target::tls::pthread_below_tp(pid, crate::arch::Arch::HOST);
+        let below = crate::tracee::tls::pthread_below_tp(pid, crate::arch::Arch::HOST);
         if below.is_none() {
             log::info!("pid {pid}: glibc's pthread size is unknown (no _thread_db_sizeof_pthread): Python threads are matched by native_thread_id (3.11+ only)");
         }

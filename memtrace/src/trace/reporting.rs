@@ -18,7 +18,7 @@ impl Session<'_> {
     pub fn report(&mut self, probes: &Probes, discovery: &Discovery) -> report::Report {
         let mut notes = self.notes.clone();
         notes.extend(discovery.problems.iter().cloned());
-        notes.extend(crate::target::files::note());
+        notes.extend(crate::tracee::files::note());
         notes.extend(self.family.notes());
         let exited = self.pipeline.exited_threads();
         if !exited.is_empty() {

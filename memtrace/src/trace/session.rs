@@ -18,7 +18,7 @@ use crate::analysis::history::History;
 use crate::analysis::Suppressions;
 use crate::report::TargetInfo;
 use crate::symbolize::BlazeSymbolizer;
-use crate::target;
+use crate::tracee;
 
 /// Everything one trace accumulates.
 pub struct Session<'a> {
@@ -75,7 +75,7 @@ impl Session<'_> {
             eprintln!("memtrace: {note}");
             self.notes.push(note);
             if pid == target {
-                match target::inspect(pid) {
+                match tracee::inspect(pid) {
                     Ok(info) => self.target = info,
                     Err(_) => self.target.exe = exe,
                 }
@@ -94,9 +94,9 @@ impl Session<'_> {
         if self.family.target_exited() {
             return false;
         }
-        let reused = if !target::is_alive(pid) {
+        let reused = if !tracee::is_alive(pid) {
             false
-        } else if target::start_time(pid) != self.family.target_start() {
+        } else if tracee::start_time(pid) != self.family.target_start() {
             true
         } else {
             return false;
@@ -172,7 +172,7 @@ impl Session<'_> {
             .unwrap_or_default();
         match adoption {
             Adoption::Followed => {
-                let comm = target::inspect(pid).map(|t| t.comm).unwrap_or_default();
+                let comm = tracee::inspect(pid).map(|t| t.comm).unwrap_or_default();
                 let since = if late {
                     " and started during the trace"
                 } else {

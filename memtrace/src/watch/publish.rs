@@ -63,7 +63,7 @@ pub struct MetricView {
 pub struct WatchedProcess {
     pub pid: u32,
     #[serde(flatten)]
-    pub placement: crate::target::container::Placement,
+    pub placement: crate::tracee::container::Placement,
 }
 
 /// The last episode, for the heartbeat and Prometheus.
@@ -286,9 +286,9 @@ mod tests {
             pids: vec![42],
             processes: vec![WatchedProcess {
                 pid: 42,
-                placement: crate::target::container::Placement {
+                placement: crate::tracee::container::Placement {
                     ns_pid: None,
-                    ..crate::target::container::Placement::sample_pod()
+                    ..crate::tracee::container::Placement::sample_pod()
                 },
             }],
             restarts_seen: 0,

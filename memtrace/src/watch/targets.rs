@@ -1,13 +1,13 @@
 //! Which processes the watch samples: one pid (the watch ends with it), the
 //! lowest pid with a name (followed across its restarts), or every process
 //! of a container, cgroup or pod (members join and leave; each is judged on its
-//! own). The selections are the tracer's ([`crate::target::select`]).
+//! own). The selections are the tracer's ([`crate::tracee::select`]).
 
 use std::collections::BTreeSet;
 use std::path::Path;
 
 use crate::monitor::sources::procfs;
-use crate::target::select::{Finder, Selector};
+use crate::tracee::select::{Finder, Selector};
 use crate::watch::args::WatchArgs;
 use crate::watch::WatchError;
 

@@ -27,7 +27,7 @@ pub struct Watched {
     pub judge_from: f64,
     pub windows: BTreeMap<(Family, String), Window>,
     /// Its container and pod, read when it was found.
-    pub placement: crate::target::container::Placement,
+    pub placement: crate::tracee::container::Placement,
 }
 
 pub struct Watcher {
@@ -246,7 +246,7 @@ impl Watcher {
                 Watched {
                     judge_from,
                     windows: BTreeMap::new(),
-                    placement: crate::target::container::Placement::of(pid),
+                    placement: crate::tracee::container::Placement::of(pid),
                 },
             );
             self.last_hold_note = None;

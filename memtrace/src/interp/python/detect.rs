@@ -143,7 +143,7 @@ pub fn find_in(
             .entry((mapping.dev, mapping.inode))
             .or_insert_with(|| {
                 // As the target sees it (a container's file), checked.
-                let open = crate::target::files::open(pid, mapping).ok()?;
+                let open = crate::tracee::files::open(pid, mapping).ok()?;
                 exports(&std::fs::read(open).ok()?)
             })
             .clone();
@@ -191,7 +191,7 @@ mod tests {
 
     #[test]
     fn bias_of_a_shared_object_and_a_fixed_executable() {
-        let maps = crate::target::maps::parse(
+        let maps = crate::tracee::maps::parse(
             "400000-401000 r--p 00000000 fe:01 7 /usr/bin/python3.11\n\
              7f0000000000-7f0000001000 r--p 00000000 fe:01 8 /lib/libpython3.12.so.1.0\n\
              7f0000001000-7f0000100000 r-xp 00001000 fe:01 8 /lib/libpython3.12.so.1.0\n",

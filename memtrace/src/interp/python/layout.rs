@@ -272,7 +272,7 @@ pub const NO_THREAD_MATCH: &str =
 
 /// Where the kernel finds a thread's `pthread_t`: the thread pointer's
 /// offset in `task_struct`, minus `pthread_below_tp` bytes
-/// (see `target::tls`).
+/// (see `tracee::tls`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ThreadPointer {
     pub task_offset: u64,

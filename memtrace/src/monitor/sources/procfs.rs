@@ -126,7 +126,7 @@ pub fn read_meminfo(proc_root: &Path) -> std::io::Result<Vec<(String, f64)>> {
 
 // Process names and the pid list live with the selectors (`--name` of the
 // tracer, the monitor and the watcher alike).
-pub use crate::target::select::{list_pids, name_matches, process_names};
+pub use crate::tracee::select::{list_pids, name_matches, process_names};
 
 /// Live (non-zombie) processes named `name`, excluding `exclude`.
 pub fn find_by_name(proc_root: &Path, name: &str, exclude: u32) -> std::io::Result<Vec<u32>> {

@@ -5,7 +5,7 @@ use crate::event::{Action, Event};
 use crate::probe::catalog::Domain;
 use crate::probe::maps::AddressSpace;
 use crate::symbolize::{SymInfo, Symbolize};
-use crate::target::maps::parse;
+use crate::tracee::maps::parse;
 
 struct FakeSymbols;
 impl Symbolize for FakeSymbols {

@@ -1,7 +1,7 @@
 //! `--pod NAMESPACE/NAME` (or `NAME` alone): which pod it means, and
 //! whether a process is in it. A process is in a pod when its
 //! `/proc/PID/cgroup` names a pod uid and the node's files name that pod
-//! ([`crate::target::pod`], the names the reports show); the pod is matched
+//! ([`crate::tracee::pod`], the names the reports show); the pod is matched
 //! by namespace and name, so a pod recreated under the same name (a new
 //! uid) is still the one selected.
 //!
@@ -13,8 +13,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use crate::target::container;
-use crate::target::pod::{self, PodNames};
+use crate::tracee::container;
+use crate::tracee::pod::{self, PodNames};
 
 /// A pod `--pod` resolved to, and where its processes' pod names are read.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -162,7 +162,7 @@ pub fn resolve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::target::select::{resolve_pod, Finder, Selector};
+    use crate::tracee::select::{resolve_pod, Finder, Selector};
     use std::collections::BTreeSet;
 
     const UID_SHOP: &str = "0a1b2c3d-4e5f-6789-abcd-ef0123456789";

@@ -21,8 +21,8 @@ use std::path::{Path, PathBuf};
 pub use pods::PodSpec;
 
 use crate::error::Failure;
-use crate::target;
-use crate::target::container;
+use crate::tracee;
+use crate::tracee::container;
 
 /// The processes a trace selects besides `--pid` and launch mode.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -133,7 +133,7 @@ impl Selector {
                 .map_err(Failure::usage);
         }
         if let Some(given) = pod {
-            return resolve_pod(given, Path::new("/proc"), target::pod::host_roots()).map(Some);
+            return resolve_pod(given, Path::new("/proc"), tracee::pod::host_roots()).map(Some);
         }
         Ok(None)
     }
@@ -317,7 +317,7 @@ impl Finder {
     /// The running processes selected, by ascending pid, leaving out those
     /// in `known`.
     pub fn find(&mut self, known: &BTreeSet<u32>) -> Vec<u32> {
-        self.find_with(known, |pid| target::inspect(pid).is_ok())
+        self.find_with(known, |pid| tracee::inspect(pid).is_ok())
     }
 
     /// [`Finder::find`], with `traceable` saying whether a process that

@@ -142,7 +142,7 @@ pub fn vtable_predicate(mappings: &[Mapping]) -> impl Fn(u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::target::maps::parse;
+    use crate::tracee::maps::parse;
 
     const MAPS: &str = "\
 00400000-00401000 r--p 00000000 08:01 100 /app/prog

@@ -14,7 +14,7 @@ use std::path::Path;
 use object::{Object, ObjectSegment, ObjectSymbol};
 
 use crate::arch::Arch;
-use crate::target::{files, maps};
+use crate::tracee::{files, maps};
 
 /// Bytes from `pthread_self()` up to the thread pointer in process `pid`;
 /// `None` when they cannot be known (no glibc mapped, a libc without the

@@ -22,7 +22,7 @@
 //! `last_remainder`, `bins[254]` in a row.
 
 use crate::reach::Memory;
-use crate::target::maps::Mapping;
+use crate::tracee::maps::Mapping;
 
 const IS_MMAPPED: u64 = 2;
 const NON_MAIN_ARENA: u64 = 4;
@@ -249,7 +249,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::target::maps::parse;
+    use crate::tracee::maps::parse;
 
     #[derive(Default)]
     struct Fake {

@@ -22,7 +22,7 @@ use std::collections::HashSet;
 
 use super::glibc_heap::{self, MainArena};
 use crate::reach::Memory;
-use crate::target::maps::Mapping;
+use crate::tracee::maps::Mapping;
 
 const PREV_INUSE: u64 = 1;
 const IS_MMAPPED: u64 = 2;
@@ -34,6 +34,8 @@ const PAGE: u64 = 4096;
 const MMAP_MIN: u64 = 128 << 10;
 /// At most this many arenas in the ring.
 const MAX_ARENAS: usize = 4096;
+/// Page headers read in one batch (`process_vm_readv` takes 1024 ranges).
+const HEADER_BATCH: usize = 1024;
 /// tcache bins (`TCACHE_MAX_BINS`).
 const TCACHE_BINS: u64 = 64;
 
@@ -325,27 +327,34 @@ fn mmapped_chunks(
         if in_walked || a_stack || mapping.path.is_some() {
             continue;
         }
+        // Each page's first 16 bytes, read a batch of pages at a time.
         let mut candidates = Vec::new();
         let mut at = mapping.start;
+        let mut headers = vec![0u8; 16 * HEADER_BATCH];
         while at + PAGE <= mapping.end {
-            let mut header = [0u8; 16];
-            if memory.read(at, &mut header) < 16 {
-                at += PAGE;
-                continue;
-            }
-            let prev = u64::from_le_bytes(header[..8].try_into().unwrap_or([0; 8]));
-            let head = u64::from_le_bytes(header[8..].try_into().unwrap_or([0; 8]));
-            let size = head & !FLAGS;
-            if prev == 0
-                && head & IS_MMAPPED != 0
-                && size.is_multiple_of(PAGE)
-                && size >= MMAP_MIN
-                && at + size <= mapping.end
-            {
-                candidates.push((at, size));
-                at += size;
-            } else {
-                at += PAGE;
+            let pages = ((mapping.end - at) / PAGE).min(HEADER_BATCH as u64) as usize;
+            let ranges: Vec<(u64, usize)> =
+                (0..pages).map(|k| (at + k as u64 * PAGE, 16)).collect();
+            memory.read_many(&ranges, &mut headers[..16 * pages]);
+            let batch_end = at + pages as u64 * PAGE;
+            while at < batch_end {
+                let k = ((at - ranges[0].0) / PAGE) as usize * 16;
+                let word = |o: usize| {
+                    u64::from_le_bytes(headers[k + o..k + o + 8].try_into().unwrap_or([0; 8]))
+                };
+                let (prev, head) = (word(0), word(8));
+                let size = head & !FLAGS;
+                if prev == 0
+                    && head & IS_MMAPPED != 0
+                    && size.is_multiple_of(PAGE)
+                    && size >= MMAP_MIN
+                    && at + size <= mapping.end
+                {
+                    candidates.push((at, size));
+                    at += size;
+                } else {
+                    at += PAGE;
+                }
             }
         }
         for (k, &(start, size)) in candidates.iter().enumerate() {
@@ -532,6 +541,49 @@ mod tests {
             let version = glibc_version(&libc).expect("the host's libc has a banner");
             assert_eq!(version.0, 2);
         }
+    }
+
+    /// Words at addresses; the rest reads as zeros.
+    struct Fake(std::collections::BTreeMap<u64, u64>);
+
+    impl Memory for Fake {
+        fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+            buf.fill(0);
+            for (k, chunk) in buf.chunks_exact_mut(8).enumerate() {
+                if let Some(v) = self.0.get(&(addr + 8 * k as u64)) {
+                    chunk.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            buf.len()
+        }
+    }
+
+    #[test]
+    fn mmapped_chunks_are_taken_only_at_a_mapping_edge_or_beside_another() {
+        let maps = crate::tracee::maps::parse("7f0000000000-7f0000800000 rw-p 00000000 00:00 0\n");
+        let base = 0x7f00_0000_0000u64;
+        let mut words = std::collections::BTreeMap::new();
+        // At the mapping's start, 256 KiB; right after it, 128 KiB; in the
+        // middle of the rest, alone, a header-like page: not taken.
+        words.insert(base + 8, 0x4_0000 | IS_MMAPPED);
+        words.insert(base + 0x4_0000 + 8, 0x2_0000 | IS_MMAPPED);
+        words.insert(base + 0x40_0000 + 8, 0x2_0000 | IS_MMAPPED);
+        let found = mmapped_chunks(&maps, &[], &[], &mut Fake(words));
+        assert_eq!(
+            found,
+            vec![
+                Chunk {
+                    start: base + 16,
+                    size: 0x4_0000 - 16,
+                    mmapped: true
+                },
+                Chunk {
+                    start: base + 0x4_0000 + 16,
+                    size: 0x2_0000 - 16,
+                    mmapped: true
+                },
+            ]
+        );
     }
 
     #[test]
