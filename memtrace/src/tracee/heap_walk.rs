@@ -249,9 +249,12 @@ fn tcache(
     chunk: &Chunk,
     free: &mut HashSet<u64>,
 ) -> bool {
-    let len = chunk.size.min(layout.tcache_chunk()) as usize;
+    if chunk.mmapped || chunk.size + 8 != layout.tcache_chunk() {
+        return false;
+    }
+    let len = chunk.size as usize;
     let mut bytes = vec![0u8; len];
-    if memory.read(chunk.start, &mut bytes) < len || chunk.size + 8 != layout.tcache_chunk() {
+    if memory.read(chunk.start, &mut bytes) < len {
         return false;
     }
     let count_bytes = if layout.tcache_counts_u16 { 2 } else { 1 };
