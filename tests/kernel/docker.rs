@@ -676,3 +676,23 @@ fn the_containerfile_image_traces_another_container_with_the_daemonsets_capabili
     assert_leaks(&report, 1, &stderr);
     assert_placement(&report, &target);
 }
+
+/// The heap walk on the test image's own glibc (trixie's 2.41): a program
+/// in a container leaks before memtrace attaches by its host pid; the
+/// check finds those blocks as on the host's glibc.
+#[test]
+fn the_heap_walk_judges_a_containers_blocks_from_before_the_attach_on_its_own_glibc() {
+    let Some(image) = image() else { return };
+    let mut container = Container::run(&image, &[], &["/fixtures/leak_before_attach"]);
+    let pid = container.host_pid.to_string();
+    let tracer = Tracer::attach(&["--pid", &pid, "--leak-check", "--format", "json"]);
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report_last_line();
+    assert_eq!(
+        report["leak_check"]["ran"], true,
+        "{}\n{stderr}",
+        report["leak_check"]
+    );
+    crate::leak::assert_walked_before_attach(&report, "2.41");
+    container.main.go();
+}
