@@ -16,6 +16,7 @@ pub mod roots;
 pub mod select;
 pub mod stop;
 pub mod tls;
+pub mod vtables;
 
 use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

@@ -1019,3 +1019,36 @@ fn launch_mode_with_the_heap_walk_gives_the_same_totals() {
         assert_eq!(walked["leak_check"][key], plain["leak_check"][key], "{key}");
     }
 }
+
+/// Blocks from before the attach whose first word points into a vtable
+/// are grouped by the type its symbol names: a user's class (the
+/// executable's own `.symtab`) and a libstdc++ class (its `.dynsym`).
+#[test]
+fn by_pid_blocks_from_before_the_attach_are_grouped_by_their_cxx_type() {
+    if !privileged() {
+        return;
+    }
+    let mut service = Fixture::start("leak_before_attach_cxx", &[]);
+    let pid = service.pid.to_string();
+    let tracer = Tracer::attach(&["--pid", pid.as_str(), "--leak-check", "--format", "json"]);
+    tracer.signal(libc::SIGINT);
+    let (report, stderr) = tracer.report_last_line();
+    let before = &report["leak_check"]["before_attach"];
+    let groups = before["groups"].as_array().cloned().unwrap_or_default();
+    let typed = |name: &str, category: &str| {
+        groups
+            .iter()
+            .filter(|g| {
+                g["type"].as_str().is_some_and(|t| t.contains(name)) && g["category"] == category
+            })
+            .filter_map(|g| g["count"].as_u64())
+            .sum::<u64>()
+    };
+    assert_eq!(typed("Square", "definitely-lost"), 30, "{before}\n{stderr}");
+    assert_eq!(typed("Square", "still-reachable"), 1, "{before}");
+    assert!(
+        typed("basic_stringstream", "definitely-lost") >= 4,
+        "{before}"
+    );
+    service.go();
+}

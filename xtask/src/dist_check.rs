@@ -262,6 +262,11 @@ impl Drop for Mounts {
 
 /// `zig cc` of the target fixture for `target` (`x86_64-linux-gnu.2.17`).
 fn build_target_fixture(target: &str, out: &Path) -> Result<()> {
+    build_with_zig(target, "tests/fixtures/dist/leak_by_pid.c", out)
+}
+
+/// `zig cc` of the C file `source` (relative to the workspace) for `target`.
+fn build_with_zig(target: &str, source: &str, out: &Path) -> Result<()> {
     run(Command::new("python3")
         .args([
             "-m",
@@ -275,7 +280,70 @@ fn build_target_fixture(target: &str, out: &Path) -> Result<()> {
             "-o",
         ])
         .arg(out)
-        .arg(root().join("tests/fixtures/dist/leak_by_pid.c")))
+        .arg(root().join(source))
+        .arg("-lpthread"))
+}
+
+/// The leak check's heap walk on bullseye's glibc 2.31: a program that
+/// leaked before the attach (tests/fixtures/leak_check/before_attach.c),
+/// checked by pid; its blocks from before are found as on newer glibcs.
+fn heap_walk_in_bullseye(rootfs: &Path, chroot: &dyn Fn(&[&str]) -> Command) -> Result<()> {
+    let opt = rootfs.join("opt/memtrace-dist");
+    build_with_zig(
+        "x86_64-linux-gnu.2.17",
+        "tests/fixtures/leak_check/before_attach.c",
+        &opt.join("leak_before_attach"),
+    )?;
+    let mut target = chroot(&["/opt/memtrace-dist/leak_before_attach"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting leak_before_attach in the root")?;
+    let _kill = KillOnDrop(target.id());
+    let mut line = String::new();
+    BufReader::new(target.stdout.take().context("its stdout")?).read_line(&mut line)?;
+    let pid = line
+        .trim()
+        .strip_prefix("ready ")
+        .with_context(|| format!("leak_before_attach printed {line:?}"))?
+        .to_string();
+    let report = output(&mut chroot(&[
+        "/opt/memtrace-dist/memtrace",
+        "--pid",
+        &pid,
+        "--leak-check",
+        "--duration",
+        "1s",
+        "--format",
+        "json",
+    ]))?;
+    let report: Value = serde_json::from_str(&report).context("the report's JSON")?;
+    let before = &report["leak_check"]["before_attach"];
+    let walk = &before["heap_walk"];
+    if walk["status"] != "complete" || walk["glibc_version"] != "2.31" || walk["arenas_walked"] != 2
+    {
+        bail!("bullseye: the heap walk was not complete on glibc 2.31: {walk}");
+    }
+    let count = |size: u64, category: &str| {
+        before["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|g| g["size"] == size && g["category"] == category)
+            .and_then(|g| g["count"].as_u64())
+    };
+    for (size, category, expected) in [
+        (40, "definitely-lost", 50),
+        (56, "definitely-lost", 20),
+        (24, "still-reachable", 99),
+        (88, "still-reachable", 1),
+    ] {
+        if count(size, category) != Some(expected) {
+            bail!("bullseye: {expected} blocks of {size} B {category} expected: {before}");
+        }
+    }
+    eprintln!("xtask: test-dist: in bullseye, the heap walk found leak_before_attach's blocks from before the attach on glibc 2.31");
+    Ok(())
 }
 
 fn in_bullseye(rootfs: &Path, binary: &Path) -> Result<()> {
@@ -357,7 +425,7 @@ fn in_bullseye(rootfs: &Path, binary: &Path) -> Result<()> {
         bail!("the probed libraries name no libc: {}", report["libraries"]);
     }
     eprintln!("xtask: test-dist: in bullseye, dist_leak holds {bytes} bytes in {count} blocks");
-    Ok(())
+    heap_walk_in_bullseye(rootfs, &chroot)
 }
 
 struct KillOnDrop(u32);

@@ -163,8 +163,8 @@ pub struct LeakCheck {
 pub struct BeforeAttach {
     #[serde(flatten)]
     pub split: LeakSplit,
-    /// The blocks grouped by size and category, largest total first (at
-    /// most 50 groups).
+    /// The blocks grouped by size, type and category, largest total first
+    /// (at most 50 groups).
     pub groups: Vec<BlockGroup>,
     /// How the heap was walked.
     pub heap_walk: HeapWalkSummary,
@@ -199,8 +199,12 @@ impl BeforeAttach {
     }];
         for group in before.groups.iter().take(10) {
             lines.push(format!(
-                "     {}: {} bytes in {} blocks of {} B, no allocation stack",
-                group.category, group.bytes, group.count, group.size
+                "     {}: {} bytes in {} blocks of {} B, {}, no allocation stack",
+                group.category,
+                group.bytes,
+                group.count,
+                group.size,
+                group.type_name.as_deref().unwrap_or("no type")
             ));
         }
         lines.extend(before.notes.iter().map(|n| format!("     note: {n}")));
@@ -214,6 +218,11 @@ pub struct BlockGroup {
     /// The blocks' usable size in bytes (`malloc_usable_size`: the size
     /// asked for, rounded up to glibc's chunk granularity).
     pub size: u64,
+    /// Their C++ type, when their first word points into a vtable a
+    /// symbol names (`std::basic_ios<char, std::char_traits<char> >`);
+    /// null otherwise.
+    #[serde(rename = "type")]
+    pub type_name: Option<String>,
     /// The category (`definitely-lost` ...).
     pub category: String,
     /// How many blocks.

@@ -4,7 +4,7 @@
 //! the walk covered and how those blocks were judged
 //! (`leak_check.before_attach`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use crate::reach::{Category, Memory};
@@ -14,6 +14,34 @@ use crate::tracee::maps::Mapping;
 
 /// Groups kept in the report.
 const GROUPS: usize = 50;
+
+/// One judged block from before the attach.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Block {
+    pub size: u64,
+    pub category: Category,
+    /// Its C++ type, by the vtable its first word points into.
+    pub type_name: Option<String>,
+}
+
+/// The C++ type of each block by its first word (`first_words`, one per
+/// block), where a vtable symbol names it.
+pub fn type_names(pid: u32, mappings: &[Mapping], first_words: &[u64]) -> Vec<Option<String>> {
+    let mut names = crate::tracee::vtables::VtableNames::new(pid, mappings);
+    let mut known: HashMap<u64, Option<String>> = HashMap::new();
+    first_words
+        .iter()
+        .map(|&word| {
+            if word == 0 {
+                return None;
+            }
+            known
+                .entry(word)
+                .or_insert_with(|| names.type_of(word))
+                .clone()
+        })
+        .collect()
+}
 
 fn file_name(mapping: &Mapping) -> Option<&str> {
     mapping
@@ -85,19 +113,23 @@ pub fn notes(mappings: &[Mapping]) -> Vec<String> {
 pub fn summary(
     walked: &Result<HeapWalk, String>,
     walk_ms: f64,
-    blocks: &[(u64, Category)],
+    blocks: &[Block],
     notes: Vec<String>,
 ) -> BeforeAttach {
     let mut split = crate::report::LeakSplit::default();
-    let mut groups: BTreeMap<(u64, Category), Amount> = BTreeMap::new();
-    for &(size, category) in blocks {
-        split.add(category, size);
-        groups.entry((size, category)).or_default().add(size);
+    let mut groups: BTreeMap<(u64, Option<&str>, Category), Amount> = BTreeMap::new();
+    for block in blocks {
+        split.add(block.category, block.size);
+        groups
+            .entry((block.size, block.type_name.as_deref(), block.category))
+            .or_default()
+            .add(block.size);
     }
     let mut groups: Vec<BlockGroup> = groups
         .into_iter()
-        .map(|((size, category), amount)| BlockGroup {
+        .map(|((size, type_name, category), amount)| BlockGroup {
             size,
+            type_name: type_name.map(str::to_string),
             category: category_name(category).to_string(),
             count: amount.blocks,
             bytes: amount.bytes,
@@ -151,20 +183,34 @@ mod tests {
             partial: vec!["arena 0x1 is locked".to_string()],
             ..HeapWalk::default()
         });
+        let block = |size, category| Block {
+            size,
+            category,
+            type_name: None,
+        };
         let blocks = [
-            (24, Category::DefinitelyLost),
-            (24, Category::DefinitelyLost),
-            (40, Category::StillReachable),
+            block(24, Category::DefinitelyLost),
+            block(24, Category::DefinitelyLost),
+            Block {
+                type_name: Some("std::exception".to_string()),
+                ..block(24, Category::DefinitelyLost)
+            },
+            block(40, Category::StillReachable),
         ];
         let before = summary(&walk, 1.0, &blocks, vec![]);
         assert_eq!(
             before.split.definitely_lost,
             Amount {
-                bytes: 48,
-                blocks: 2
+                bytes: 72,
+                blocks: 3
             }
         );
         assert_eq!(before.groups[0].count, 2);
+        assert_eq!(before.groups[0].type_name, None);
+        assert!(before
+            .groups
+            .iter()
+            .any(|g| g.type_name.as_deref() == Some("std::exception") && g.count == 1));
         assert_eq!(before.groups[0].category, "definitely-lost");
         assert_eq!(before.heap_walk.status, "partial");
         assert!(before.lines()[0].contains("arena 0x1 is locked"));

@@ -238,11 +238,26 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
     let cut = memory.skipped > 0;
     let traced = keys.len();
     if let Some(walked) = &walked {
-        let blocks: Vec<(u64, Category)> = nodes[traced..]
+        // Each block's first word (pre-attach blocks are 24 bytes or
+        // more), read in batches: a vtable pointer names its type.
+        let ranges: Vec<(u64, usize)> = nodes[traced..].iter().map(|n| (n.start, 8)).collect();
+        let mut words = vec![0u8; 8 * ranges.len()];
+        reach::Memory::read_many(&mut memory, &ranges, &mut words);
+        let first_words: Vec<u64> = words
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+            .collect();
+        let types = before_attach::type_names(pid, &mappings, &first_words);
+        let blocks: Vec<before_attach::Block> = nodes[traced..]
             .iter()
             .zip(&outcome.verdicts[traced..])
-            .filter(|(_, v)| !cut || v.category == Category::StillReachable)
-            .map(|(n, v)| (n.size, v.category))
+            .zip(types)
+            .filter(|((_, v), _)| !cut || v.category == Category::StillReachable)
+            .map(|((n, v), type_name)| before_attach::Block {
+                size: n.size,
+                category: v.category,
+                type_name,
+            })
             .collect();
         for (node, verdict) in nodes[traced..].iter().zip(&outcome.verdicts[traced..]) {
             if cut && verdict.category != Category::StillReachable {
