@@ -294,19 +294,7 @@ fn heap_walk_in_bullseye(rootfs: &Path, chroot: &dyn Fn(&[&str]) -> Command) -> 
         "tests/fixtures/leak_check/before_attach.c",
         &opt.join("leak_before_attach"),
     )?;
-    let mut target = chroot(&["/opt/memtrace-dist/leak_before_attach"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting leak_before_attach in the root")?;
-    let _kill = KillOnDrop(target.id());
-    let mut line = String::new();
-    BufReader::new(target.stdout.take().context("its stdout")?).read_line(&mut line)?;
-    let pid = line
-        .trim()
-        .strip_prefix("ready ")
-        .with_context(|| format!("leak_before_attach printed {line:?}"))?
-        .to_string();
+    let (_kill, pid) = start_ready(chroot(&["/opt/memtrace-dist/leak_before_attach"]))?;
     let report = output(&mut chroot(&[
         "/opt/memtrace-dist/memtrace",
         "--pid",
@@ -377,18 +365,7 @@ fn in_bullseye(rootfs: &Path, binary: &Path) -> Result<()> {
     }
 
     // The target runs on the root's own libc.
-    let mut target = chroot(&["/opt/memtrace-dist/leak_by_pid"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting the target in the root")?;
-    let _kill = KillOnDrop(target.id());
-    let mut line = String::new();
-    BufReader::new(target.stdout.take().context("its stdout")?).read_line(&mut line)?;
-    let pid = line
-        .trim()
-        .strip_prefix("ready ")
-        .with_context(|| format!("the target printed {line:?}"))?
-        .to_string();
+    let (_kill, pid) = start_ready(chroot(&["/opt/memtrace-dist/leak_by_pid"]))?;
     let report = output(&mut chroot(&[
         "/opt/memtrace-dist/memtrace",
         "--pid",
@@ -429,6 +406,36 @@ fn in_bullseye(rootfs: &Path, binary: &Path) -> Result<()> {
 }
 
 struct KillOnDrop(u32);
+
+/// A fixture started in the root: killed first, then its stdin (a pipe it
+/// may wait on) closed, on drop.
+struct Ready {
+    _kill: KillOnDrop,
+    _child: std::process::Child,
+}
+
+/// Starts a fixture and reads its `ready <pid>` line: the guard and the pid.
+fn start_ready(mut command: Command) -> Result<(Ready, String)> {
+    let mut target = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {command:?}"))?;
+    let kill = KillOnDrop(target.id());
+    let stdout = target.stdout.take().context("its stdout")?;
+    let ready = Ready {
+        _kill: kill,
+        _child: target,
+    };
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    let pid = line
+        .trim()
+        .strip_prefix("ready ")
+        .with_context(|| format!("{command:?} printed {line:?}"))?
+        .to_string();
+    Ok((ready, pid))
+}
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
