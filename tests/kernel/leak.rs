@@ -985,7 +985,7 @@ fn by_pid_an_arena_locked_inside_malloc_is_partial_never_wrong() {
     assert!(
         walk["reason"]
             .as_str()
-            .is_some_and(|r| r.contains("is locked")),
+            .is_some_and(|r| r.contains("is locked") && r.contains("still held after")),
         "{walk}"
     );
     // Nothing of the main arena is judged: its 40-byte lost blocks are not

@@ -38,6 +38,9 @@ use crate::tracee::stop::{ProcessMemory, Stopped, StoppedThread};
 
 /// How long a thread may take to reach its stop before the check gives up.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a process whose heap walk met a locked arena runs before it is
+/// stopped again, once (the thread inside malloc leaves it meanwhile).
+const LOCKED_ARENA_RESUME: Duration = Duration::from_millis(10);
 
 /// One process judged.
 #[derive(Default)]
@@ -51,6 +54,8 @@ struct Judgement {
     verdicts: Vec<((u32, Domain, u64), Category)>,
     explanations: Vec<Explanation>,
     before_attach: Option<BeforeAttach>,
+    /// The heap walk met an arena locked (a thread stopped inside malloc).
+    arena_locked: bool,
 }
 
 /// What the judge needs besides the process.
@@ -164,6 +169,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
     });
     let walk_ms = walk_started.elapsed().as_secs_f64() * 1000.0;
     if let Some(Ok(walk)) = &walked {
+        judgement.arena_locked = walk.locked;
         let traced: std::collections::HashSet<u64> = nodes.iter().map(|n| n.start).collect();
         nodes.extend(
             walk.chunks
@@ -454,27 +460,54 @@ impl Session<'_> {
         }
         let deadline = started + self.args.leak_check_max_pause;
         begin(&mut self.leak, when);
-        for process in &stopped {
-            let complete = self.table_complete(process.pid, probes);
-            let judged = judge(
-                process.pid,
-                &process.threads,
-                &JudgeInput {
-                    table: self.pipeline.table(),
-                    specs: probes.specs(),
-                    stacks: self.pipeline.stacks(),
-                    complete,
-                    deadline,
-                    explain: &self.args.leak_check_explain,
-                    heap_walk: !self.args.no_heap_walk,
-                },
-            );
+        let mut k = 0;
+        while k < stopped.len() {
+            let mut judged = self.judge_stopped(&stopped[k], probes, deadline);
+            // False when the process could not be stopped again: it left
+            // `stopped`, the next one is at `k` now.
+            let mut still_stopped = true;
+            if judged.as_ref().is_ok_and(|j| j.arena_locked) {
+                // A thread was stopped inside malloc: resume the process
+                // briefly, stop it again, bring the table up to the new
+                // stop and judge once more (a lock still held is partial).
+                let pid = stopped[k].pid;
+                drop(stopped.remove(k));
+                std::thread::sleep(LOCKED_ARENA_RESUME);
+                match Stopped::stop(pid, STOP_TIMEOUT) {
+                    Ok(again) => {
+                        stopped.insert(k, again);
+                        self.pipeline.drain_all(ring, probes);
+                        judged = self.judge_stopped(&stopped[k], probes, deadline);
+                        if let Some(judgement) = judged.as_mut().ok().filter(|j| j.arena_locked) {
+                            let walk = judgement.before_attach.as_mut().map(|b| &mut b.heap_walk);
+                            if let Some(reason) = walk.and_then(|w| w.reason.as_mut()) {
+                                reason.push_str(&format!(
+                                    " (still held after the process ran {} ms more)",
+                                    LOCKED_ARENA_RESUME.as_millis()
+                                ));
+                            }
+                        }
+                    }
+                    Err(err) => {
+                        judged = Err(err.to_string());
+                        still_stopped = false;
+                    }
+                }
+            }
+            let threads = if still_stopped {
+                stopped[k].threads.len()
+            } else {
+                0
+            };
             match judged {
-                Ok(judgement) => add(&mut self.leak, judgement, process.threads.len()),
+                Ok(judgement) => add(&mut self.leak, judgement, threads),
                 Err(line) => {
                     eprintln!("memtrace: leak check: {line}");
                     refusal.get_or_insert(line);
                 }
+            }
+            if still_stopped {
+                k += 1;
             }
         }
         let stopped_count = stopped.len();
@@ -485,6 +518,28 @@ impl Session<'_> {
             return;
         }
         self.finish_check(started, stopped_count, refusal);
+    }
+
+    /// Judges one process stopped by pid.
+    fn judge_stopped(
+        &self,
+        process: &Stopped,
+        probes: &Probes,
+        deadline: Instant,
+    ) -> Result<Judgement, String> {
+        judge(
+            process.pid,
+            &process.threads,
+            &JudgeInput {
+                table: self.pipeline.table(),
+                specs: probes.specs(),
+                stacks: self.pipeline.stacks(),
+                complete: self.table_complete(process.pid, probes),
+                deadline,
+                explain: &self.args.leak_check_explain,
+                heap_walk: !self.args.no_heap_walk,
+            },
+        )
     }
 
     /// Launch mode: `pid` is stopped just before it exits (its exiting

@@ -141,6 +141,8 @@ pub struct HeapWalk {
     pub mmapped_chunks: u64,
     /// Why the walk is partial (empty when complete).
     pub partial: Vec<String>,
+    /// Some arena's mutex was held: a brief resume may let its holder out.
+    pub locked: bool,
 }
 
 /// A buffered reader of words: a heap is read a window at a time.
@@ -420,6 +422,7 @@ pub fn walk(
             break;
         };
         let arena_walk = if mutex != 0 {
+            walk.locked = true;
             Err(format!(
                 "arena {current:#x} is locked (a thread was stopped inside malloc)"
             ))
