@@ -188,12 +188,7 @@ mod tests {
     use super::*;
 
     fn node(start: u64, size: u64) -> Node {
-        Node {
-            start,
-            size,
-            scan: true,
-            runtime_owned: false,
-        }
+        Node::host(start, size)
     }
 
     fn hits(index: &Index, word: u64) -> Vec<u32> {

@@ -48,6 +48,18 @@ pub struct Node {
     pub runtime_owned: bool,
 }
 
+impl Node {
+    /// A host block: scanned when reached, the program's own.
+    pub fn host(start: u64, size: u64) -> Node {
+        Node {
+            start,
+            size,
+            scan: true,
+            runtime_owned: false,
+        }
+    }
+}
+
 /// Memory scanned whole for pointers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RootRegion {

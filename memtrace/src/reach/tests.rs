@@ -44,12 +44,7 @@ impl Memory for Fake {
 const ROOT: u64 = 0x10_0000;
 
 fn host(start: u64, size: u64) -> Node {
-    Node {
-        start,
-        size,
-        scan: true,
-        runtime_owned: false,
-    }
+    Node::host(start, size)
 }
 
 fn device(start: u64, size: u64) -> Node {

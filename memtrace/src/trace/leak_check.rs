@@ -175,12 +175,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
             walk.chunks
                 .iter()
                 .filter(|c| !traced.contains(&c.start))
-                .map(|c| Node {
-                    start: c.start,
-                    size: c.size,
-                    scan: true,
-                    runtime_owned: false,
-                }),
+                .map(|c| Node::host(c.start, c.size)),
         );
         excluded.extend_from_slice(&walk.walked);
         excluded.extend_from_slice(&walk.metadata);

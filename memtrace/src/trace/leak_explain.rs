@@ -262,12 +262,7 @@ mod tests {
 ";
 
     fn node(start: u64, size: u64) -> Node {
-        Node {
-            start,
-            size,
-            scan: true,
-            runtime_owned: false,
-        }
+        Node::host(start, size)
     }
 
     #[test]
