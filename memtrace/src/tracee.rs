@@ -14,6 +14,7 @@ pub mod maps;
 pub mod pod;
 pub mod roots;
 pub mod select;
+pub mod snapshot;
 pub mod stop;
 pub mod tls;
 pub mod vtables;

@@ -131,6 +131,30 @@ pub struct LeakCheck {
     pub not_judged: Amount,
     /// How long the target was stopped, in ms (all processes together).
     pub pause_ms: f64,
+    /// How the memory was read: `snapshot` (a copy-on-write child cloned
+    /// during the stop and scanned while the target runs: the pause is the
+    /// stop and the clone) or `stopped` (the target stopped for the whole
+    /// scan: launch mode's exit check, `--leak-check-mode stopped`, or a
+    /// snapshot that could not be taken, `fallback` saying why); null when
+    /// the check did not run.
+    #[serde(default)]
+    pub mode: Option<CheckMode>,
+    /// Why a snapshot was not taken, or was given up, when one was wanted.
+    #[serde(default)]
+    pub fallback: Option<String>,
+    /// How long the scan and the judgement took, in ms (in `snapshot` mode
+    /// the target ran meanwhile).
+    #[serde(default)]
+    pub scan_ms: f64,
+    /// `snapshot` mode: how long the injected clone took, in ms (in the
+    /// pause).
+    #[serde(default)]
+    pub clone_ms: f64,
+    /// `snapshot` mode: bytes copied from the target during the stop (ranges
+    /// a child does not see as the target has them: `MADV_DONTFORK`,
+    /// `MADV_WIPEONFORK`, userfaultfd-registered).
+    #[serde(default)]
+    pub copied_at_stop_bytes: u64,
     /// Bytes of the target's memory scanned for pointers.
     pub scanned_bytes: u64,
     /// Bytes that could not be read (unmapped meanwhile): read as zeros.
@@ -300,6 +324,18 @@ pub struct ExplainLink {
     /// thread 1 (sp+0x40)`, `/usr/lib/x86_64-linux-gnu/libc.so.6 rw-p
     /// +0x1a0`, `block 0x5555... (96 B) +0x8`.
     pub holder: String,
+}
+
+/// How a leak check read the target's memory (`leak_check.mode`).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema, clap::ValueEnum,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckMode {
+    /// A copy-on-write child of the target, scanned while the target runs.
+    Snapshot,
+    /// The target stopped for the whole scan.
+    Stopped,
 }
 
 impl LeakCheck {

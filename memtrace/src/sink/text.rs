@@ -285,19 +285,29 @@ fn leak_summary_lines(check: &crate::report::LeakCheck) -> Vec<String> {
         )
     };
     let split = &check.split;
-    let mut lines = vec![
-        format!(
-            "leak check {when}: {} thread(s) of {} process(es) stopped {:.1} ms, {} scanned",
-            check.threads,
-            check.processes,
-            check.pause_ms,
-            human_bytes(check.scanned_bytes)
+    let how = match check.mode {
+        Some(crate::report::leak::CheckMode::Snapshot) => format!(
+            " (snapshot: clone {:.1} ms; scanned in {:.1} ms while it ran)",
+            check.clone_ms, check.scan_ms
         ),
+        _ => String::new(),
+    };
+    let mut lines = vec![format!(
+        "leak check {when}: {} thread(s) of {} process(es) stopped {:.1} ms{how}, {} scanned",
+        check.threads,
+        check.processes,
+        check.pause_ms,
+        human_bytes(check.scanned_bytes)
+    )];
+    if let Some(fallback) = &check.fallback {
+        lines.push(format!("   stopped for the whole scan: {fallback}"));
+    }
+    lines.extend([
         format!("   definitely lost: {}", amount(split.definitely_lost)),
         format!("   indirectly lost: {}", amount(split.indirectly_lost)),
         format!("     possibly lost: {}", amount(split.possibly_lost)),
         format!("   still reachable: {}", amount(split.still_reachable)),
-    ];
+    ]);
     for (heuristic, reached) in &check.reachable_via_heuristic {
         lines.push(format!(
             "                      of which reachable via heuristic {heuristic}: {}",

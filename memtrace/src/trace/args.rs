@@ -240,6 +240,21 @@ pub struct TraceArgs {
     #[arg(help_heading = "Judgement", long, value_parser = parse_duration, default_value = "10s", value_name = "DUR")]
     pub leak_check_max_pause: Duration,
 
+    /// By pid, how the leak check reads the process: `snapshot` stops it
+    /// only to clone a copy-on-write child (one injected `clone`, no
+    /// atfork handler runs) and scans the child while the process runs;
+    /// `stopped` holds it stopped for the whole scan. A snapshot that is
+    /// not safe (seccomp, cgroup or overcommit headroom, ranges a child
+    /// does not share) falls back to `stopped`, and the report says why.
+    #[arg(
+        help_heading = "Judgement",
+        long,
+        value_enum,
+        default_value = "snapshot",
+        value_name = "MODE"
+    )]
+    pub leak_check_mode: crate::report::leak::CheckMode,
+
     /// Record the event stream (and what is needed to symbolize it) to FILE,
     /// for `memtrace report FILE` later, offline.
     #[arg(help_heading = "Output", long, value_name = "FILE")]

@@ -27,15 +27,20 @@ use crate::probe::catalog::{Allocator, Domain, Memory};
 use crate::probe::SpecEntry;
 use crate::reach::{self, Category, Node};
 use crate::report::leak::{
-    Amount, BeforeAttach, CheckPoint, Explanation, LeakCheck, LeakSplit, LeakState, LeakVerdicts,
+    Amount, BeforeAttach, CheckMode, CheckPoint, Explanation, LeakCheck, LeakSplit, LeakState,
+    LeakVerdicts,
 };
 use crate::report::LOST_CAUSES;
 use crate::stacks::StackStore;
 use crate::table::LiveTable;
 use crate::tracee::glibc_heap;
+use crate::tracee::maps::Mapping;
 use crate::tracee::roots::{self, RootOptions};
+use crate::tracee::snapshot::{self, Snapshot};
 use crate::tracee::stop::{ProcessMemory, Stopped, StoppedThread};
 
+/// How often the ring is read while a snapshot is scanned.
+const SCAN_POLL: Duration = Duration::from_millis(10);
 /// How long a thread may take to reach its stop before the check gives up.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a process whose heap walk met a locked arena runs before it is
@@ -58,6 +63,64 @@ struct Judgement {
     arena_locked: bool,
 }
 
+/// Why a process was not judged.
+enum Refused {
+    /// Events were lost or the table is full: no process can be judged.
+    NotExact(String),
+    /// It could not be stopped.
+    Stop(String),
+    /// It could not be read (it exited).
+    Process(String),
+}
+
+/// How one process was read.
+#[derive(Default)]
+struct Reading {
+    mode: Option<CheckMode>,
+    fallback: Option<String>,
+    threads: usize,
+    pause: Duration,
+    clone: Duration,
+    scan: Duration,
+    copied: u64,
+}
+
+impl Reading {
+    /// Adds this process's reading to the check's summary.
+    fn note(&self, summary: &mut LeakCheck) {
+        summary.mode = match (summary.mode, self.mode) {
+            (Some(CheckMode::Stopped), _) | (_, Some(CheckMode::Stopped)) => {
+                Some(CheckMode::Stopped)
+            }
+            (a, b) => b.or(a),
+        };
+        if summary.fallback.is_none() {
+            summary.fallback.clone_from(&self.fallback);
+        }
+        summary.clone_ms += self.clone.as_secs_f64() * 1000.0;
+        summary.scan_ms += self.scan.as_secs_f64() * 1000.0;
+        summary.copied_at_stop_bytes += self.copied;
+    }
+}
+
+/// Ranges copied from a process during its stop, with their bytes.
+type Copies = Vec<(u64, Vec<u8>)>;
+
+/// Takes the snapshot of stopped process `prepared.pid`: the ranges a
+/// child would not show copied first, then the clone.
+fn take_snapshot(
+    prepared: &Prepared,
+    stopped: &Stopped,
+    plan: &mut snapshot::Plan,
+) -> Result<(Snapshot, Copies), String> {
+    let pid = prepared.pid;
+    plan.refresh(pid, &prepared.mappings)?;
+    let ranges = plan.to_copy(&prepared.mappings)?;
+    let copies = ProcessMemory::new(pid).copy_ranges(&ranges);
+    let taken = Snapshot::take(pid, &stopped.threads, &prepared.mappings, plan)?;
+    Ok((taken, copies))
+}
+
 /// What the judge needs besides the process.
 struct JudgeInput<'a> {
     table: &'a LiveTable,
@@ -65,7 +128,6 @@ struct JudgeInput<'a> {
     stacks: &'a StackStore,
     /// The table holds every block since the process began.
     complete: bool,
-    deadline: Instant,
     /// `--leak-check-explain`.
     explain: &'a [ExplainTarget],
     /// Walk glibc's heap: the blocks from before the attach become nodes.
@@ -106,23 +168,44 @@ fn node_kind(entry: &SpecEntry) -> Option<bool> {
     }
 }
 
-/// Judges one stopped process; an error (one line) when it could not be
-/// read (it exited meanwhile: killed while stopped).
-fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<Judgement, String> {
-    let mut judgement = Judgement::default();
+/// What the judge reads of one process, taken while it is stopped: the
+/// judgement itself may then read a snapshot while the process runs.
+struct Prepared {
+    pid: u32,
+    threads: Vec<StoppedThread>,
+    mappings: Vec<Mapping>,
+    nodes: Vec<Node>,
+    keys: Vec<((u32, Domain, u64), u64)>,
+    not_judged: Amount,
+    /// File names of the objects defining a device allocator memtrace probes.
+    device_modules: Vec<String>,
+    complete: bool,
+    explain: Vec<ExplainTarget>,
+    heap_walk: bool,
+}
+
+/// Reads what the judge needs of stopped process `pid`: its blocks in the
+/// table, its mappings; an error (one line) when it exited.
+fn prepare(
+    pid: u32,
+    threads: &[StoppedThread],
+    input: &JudgeInput<'_>,
+) -> Result<Prepared, String> {
     // The runtime libraries: by name, and every object defining a device
     // allocator memtrace probes.
-    let device_modules: Vec<&str> = input
+    let device_modules: Vec<String> = input
         .specs
         .iter()
         .filter(|s| matches!(s.memory, Memory::Device | Memory::Managed | Memory::Pinned))
         .filter_map(|s| s.module)
-        .map(|m| file_name(Path::new(m)))
+        .map(|m| file_name(Path::new(m)).to_string())
         .collect();
-    let runtime_library =
-        |path: &Path| runtime_name(file_name(path)) || device_modules.contains(&file_name(path));
+    let runtime_library = |path: &Path| {
+        runtime_name(file_name(path)) || device_modules.iter().any(|m| m == file_name(path))
+    };
     let mut nodes = Vec::new();
     let mut keys = Vec::new();
+    let mut not_judged = Amount::default();
     for (owner, domain, addr, block) in input.table.blocks() {
         if owner != pid {
             continue;
@@ -131,7 +214,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
             continue;
         };
         let Some(scan) = node_kind(entry) else {
-            judgement.not_judged.add(block.size);
+            not_judged.add(block.size);
             continue;
         };
         let runtime_owned = scan
@@ -152,20 +235,59 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
         });
         keys.push(((pid, domain, addr), block.size));
     }
-    let gone = || format!("pid {pid} exited during the check: nothing of it is judged");
     let Ok(mappings) = crate::tracee::maps::read_raw(pid) else {
-        return Err(gone());
+        return Err(format!(
+            "pid {pid} exited during the check: nothing of it is judged"
+        ));
+    };
+    Ok(Prepared {
+        pid,
+        threads: threads.to_vec(),
+        mappings,
+        nodes,
+        keys,
+        not_judged,
+        device_modules,
+        complete: input.complete,
+        explain: input.explain.to_vec(),
+        heap_walk: input.heap_walk,
+    })
+}
+
+/// Judges a prepared process, reading its memory through `memory` (the
+/// process itself, stopped, or its snapshot); an error (one line) when it
+/// could not be read (it exited meanwhile: killed while stopped).
+fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, String> {
+    let pid = prepared.pid;
+    let threads = &prepared.threads[..];
+    let mappings = &prepared.mappings;
+    let runtime_library = |path: &Path| {
+        runtime_name(file_name(path))
+            || prepared.device_modules.iter().any(|m| m == file_name(path))
+    };
+    let mut judgement = Judgement {
+        not_judged: prepared.not_judged,
+        ..Judgement::default()
+    };
+    let mut nodes = prepared.nodes.clone();
+    let keys = prepared.keys.clone();
+    let memory_pid = memory.pid;
+    let gone = || {
+        if memory_pid != pid {
+            format!("the snapshot of pid {pid} was killed during the scan: nothing of it is judged")
+        } else {
+            format!("pid {pid} exited during the check: nothing of it is judged")
+        }
     };
     let stack_starts: Vec<u64> = threads.iter().map(StoppedThread::stack_from).collect();
-    let mut memory = ProcessMemory::new(pid).with_deadline(input.deadline);
     // glibc's heap walked: its blocks from before the attach become nodes
     // (after the traced ones), the heaps walked and glibc's own blocks no
     // roots.
     let mut excluded: Vec<(u64, u64)> = Vec::new();
     let walk_started = Instant::now();
-    let walked = input.heap_walk.then(|| {
+    let walked = prepared.heap_walk.then(|| {
         let sps: Vec<u64> = threads.iter().map(|t| t.sp).collect();
-        before_attach::walk(pid, &mappings, &sps, &mut memory)
+        before_attach::walk(pid, mappings, &sps, &mut memory)
     });
     let walk_ms = walk_started.elapsed().as_secs_f64() * 1000.0;
     if let Some(Ok(walk)) = &walked {
@@ -188,14 +310,14 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
     // glibc's own memory: main_arena's chunk pointers (false interior
     // pointers into the block before each chunk) always; its heaps when
     // every block in them is a node.
-    excluded.extend(glibc_heap::main_arena_pointers(&mappings, &mut memory));
-    if input.complete {
+    excluded.extend(glibc_heap::main_arena_pointers(mappings, &mut memory));
+    if prepared.complete {
         let mut sorted = scanned_ranges.clone();
         sorted.sort_unstable();
-        excluded.extend(glibc_heap::heap_extents(&mappings, &sorted, &mut memory));
+        excluded.extend(glibc_heap::heap_extents(mappings, &sorted, &mut memory));
     }
     let roots = roots::roots(
-        &mappings,
+        mappings,
         &RootOptions {
             stack_starts: &stack_starts,
             excluded: &excluded,
@@ -203,11 +325,8 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
             runtime_library: &runtime_library,
         },
     );
-    let registers: Vec<u64> = threads
-        .iter()
-        .flat_map(|t| t.registers.iter().copied())
-        .collect();
-    let vtable = roots::vtable_predicate(&mappings);
+    let registers: Vec<u64> = threads.iter().flat_map(StoppedThread::root_words).collect();
+    let vtable = roots::vtable_predicate(mappings);
     let scan_started = Instant::now();
     log::info!(
         "leak check of pid {pid}: {} nodes, {} root regions ({} bytes)",
@@ -221,7 +340,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
             roots: &roots,
             registers: &registers,
             vtable: &vtable,
-            provenance: !input.explain.is_empty(),
+            provenance: !prepared.explain.is_empty(),
         },
         &mut memory,
     );
@@ -230,7 +349,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
         outcome.scanned_bytes,
         scan_started.elapsed().as_millis()
     );
-    if memory.gone || !crate::tracee::is_alive(pid) {
+    if memory.gone || !crate::tracee::is_alive(memory_pid) {
         return Err(gone());
     }
     judgement.scanned = outcome.scanned_bytes;
@@ -248,7 +367,7 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
             .chunks_exact(8)
             .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
             .collect();
-        let types = before_attach::type_names(pid, &mappings, &first_words);
+        let types = before_attach::type_names(pid, mappings, &first_words);
         let blocks: Vec<before_attach::Block> = nodes[traced..]
             .iter()
             .zip(&outcome.verdicts[traced..])
@@ -271,20 +390,20 @@ fn judge(pid: u32, threads: &[StoppedThread], input: &JudgeInput<'_>) -> Result<
             walked,
             walk_ms,
             &blocks,
-            before_attach::notes(&mappings),
+            before_attach::notes(mappings),
         ));
     }
-    if !input.explain.is_empty() {
+    if !prepared.explain.is_empty() {
         let categories: Vec<Category> = outcome.verdicts.iter().map(|v| v.category).collect();
         judgement.explanations = leak_explain::Context {
             pid,
             nodes: &nodes,
             categories: &categories,
             marks: &outcome.marks,
-            mappings: &mappings,
+            mappings,
             threads,
         }
-        .explain(input.explain);
+        .explain(&prepared.explain);
     }
     for ((key, size), verdict) in keys.into_iter().zip(outcome.verdicts) {
         // A scan cut short proves only what it reached.
@@ -388,8 +507,10 @@ impl Session<'_> {
             && self.pipeline.table().counts().table_full == 0
     }
 
-    /// By pid: stops every traced process, brings the table up to the
-    /// stop, judges, resumes; the result replaces the last check's.
+    /// By pid: each traced process in turn is stopped, the table brought
+    /// up to the stop, and the process judged, from a snapshot while it
+    /// runs again or stopped for the whole scan; the result replaces the
+    /// last check's.
     pub fn leak_check_live(
         &mut self,
         ring: &mut RingBuf<MapData>,
@@ -415,126 +536,192 @@ impl Session<'_> {
             }
             return;
         }
-        let started = Instant::now();
-        let mut stopped = Vec::new();
+        begin(&mut self.leak, when);
         let mut refusal = None;
+        let mut pause = Duration::ZERO;
         for pid in running {
-            match Stopped::stop(pid, STOP_TIMEOUT) {
-                Ok(process) => stopped.push(process),
-                Err(err) => {
-                    let line = err.to_string();
+            let mode = self.args.leak_check_mode;
+            match self.check_process(pid, ring, probes, mode, true) {
+                Ok((judgement, reading)) => {
+                    pause += reading.pause;
+                    add(&mut self.leak, judgement, reading.threads);
+                    if let Some(summary) = self.leak.summary.as_mut() {
+                        reading.note(summary);
+                    }
+                }
+                Err(Refused::NotExact(reason)) => {
+                    self.leak.summary = Some(LeakCheck::not_run(when, reason));
+                    self.leak.verdicts = LeakVerdicts::default();
+                    return;
+                }
+                Err(Refused::Stop(line)) => {
                     if refusal.is_none() {
                         eprintln!("memtrace: leak check skipped: {line}");
                     }
                     refusal.get_or_insert(line);
                 }
-            }
-        }
-        if stopped.is_empty() {
-            let reason = refusal.unwrap_or_else(|| "no traced process is running".to_string());
-            self.leak.summary = Some(LeakCheck::not_run(when, reason));
-            self.leak.verdicts = LeakVerdicts::default();
-            return;
-        }
-        // Every event made before the stop, and what the kernel holds.
-        self.pipeline.drain_all(ring, probes);
-        let lost = lost(probes);
-        if lost > 0 || self.pipeline.table().counts().table_full > 0 {
-            drop(stopped);
-            let reason = if lost > 0 {
-                format!(
-                    "{lost} events were lost: the live table is not exact, so nothing is judged"
-                )
-            } else {
-                "the live table reached --max-live: blocks are missing, so nothing is judged"
-                    .to_string()
-            };
-            self.leak.summary = Some(LeakCheck::not_run(when, reason));
-            self.leak.verdicts = LeakVerdicts::default();
-            return;
-        }
-        let deadline = started + self.args.leak_check_max_pause;
-        begin(&mut self.leak, when);
-        let mut k = 0;
-        while k < stopped.len() {
-            let mut judged = self.judge_stopped(&stopped[k], probes, deadline);
-            // False when the process could not be stopped again: it left
-            // `stopped`, the next one is at `k` now.
-            let mut still_stopped = true;
-            if judged.as_ref().is_ok_and(|j| j.arena_locked) {
-                // A thread was stopped inside malloc: resume the process
-                // briefly, stop it again, bring the table up to the new
-                // stop and judge once more (a lock still held is partial).
-                let pid = stopped[k].pid;
-                drop(stopped.remove(k));
-                std::thread::sleep(LOCKED_ARENA_RESUME);
-                match Stopped::stop(pid, STOP_TIMEOUT) {
-                    Ok(again) => {
-                        stopped.insert(k, again);
-                        self.pipeline.drain_all(ring, probes);
-                        judged = self.judge_stopped(&stopped[k], probes, deadline);
-                        if let Some(judgement) = judged.as_mut().ok().filter(|j| j.arena_locked) {
-                            let walk = judgement.before_attach.as_mut().map(|b| &mut b.heap_walk);
-                            if let Some(reason) = walk.and_then(|w| w.reason.as_mut()) {
-                                reason.push_str(&format!(
-                                    " (still held after the process ran {} ms more)",
-                                    LOCKED_ARENA_RESUME.as_millis()
-                                ));
-                            }
-                        }
-                    }
-                    Err(err) => {
-                        judged = Err(err.to_string());
-                        still_stopped = false;
-                    }
-                }
-            }
-            let threads = if still_stopped {
-                stopped[k].threads.len()
-            } else {
-                0
-            };
-            match judged {
-                Ok(judgement) => add(&mut self.leak, judgement, threads),
-                Err(line) => {
+                Err(Refused::Process(line)) => {
                     eprintln!("memtrace: leak check: {line}");
                     refusal.get_or_insert(line);
                 }
             }
-            if still_stopped {
-                k += 1;
-            }
         }
-        let stopped_count = stopped.len();
-        drop(stopped);
         if self.leak.summary.as_ref().is_some_and(|s| s.processes == 0) {
             let reason = refusal.unwrap_or_else(|| "no process could be checked".to_string());
             self.leak.summary = Some(LeakCheck::not_run(when, reason));
+            self.leak.verdicts = LeakVerdicts::default();
             return;
         }
-        self.finish_check(started, stopped_count, refusal);
+        self.finish_check(pause, refusal);
     }
 
-    /// Judges one process stopped by pid.
-    fn judge_stopped(
-        &self,
-        process: &Stopped,
+    /// Checks one process by pid: stops it, brings the table up to the
+    /// stop, then judges a snapshot while it runs (`mode` snapshot, when
+    /// the preflight and the clone succeed) or judges it stopped. An arena
+    /// locked at the stop (`retry_locked`) makes it run 10 ms and be
+    /// checked once more.
+    fn check_process(
+        &mut self,
+        pid: u32,
+        ring: &mut RingBuf<MapData>,
         probes: &Probes,
-        deadline: Instant,
-    ) -> Result<Judgement, String> {
-        judge(
-            process.pid,
-            &process.threads,
+        mode: CheckMode,
+        retry_locked: bool,
+    ) -> Result<(Judgement, Reading), Refused> {
+        // The preflight reads smaps before the stop: no pause for it.
+        let mut plan = (mode == CheckMode::Snapshot).then(|| {
+            crate::tracee::maps::read_raw(pid)
+                .map_err(|_| format!("pid {pid} exited"))
+                .and_then(|mappings| snapshot::preflight(pid, &mappings))
+        });
+        let stop_started = Instant::now();
+        let stopped = Stopped::stop(pid, STOP_TIMEOUT).map_err(|e| Refused::Stop(e.to_string()))?;
+        // Every event made before the stop, and what the kernel holds.
+        self.pipeline.drain_all(ring, probes);
+        let lost = lost(probes);
+        if lost > 0 {
+            return Err(Refused::NotExact(format!(
+                "{lost} events were lost: the live table is not exact, so nothing is judged"
+            )));
+        }
+        if self.pipeline.table().counts().table_full > 0 {
+            return Err(Refused::NotExact(
+                "the live table reached --max-live: blocks are missing, so nothing is judged"
+                    .to_string(),
+            ));
+        }
+        let prepared = prepare(
+            pid,
+            &stopped.threads,
             &JudgeInput {
                 table: self.pipeline.table(),
                 specs: probes.specs(),
                 stacks: self.pipeline.stacks(),
-                complete: self.table_complete(process.pid, probes),
-                deadline,
+                complete: self.table_complete(pid, probes),
                 explain: &self.args.leak_check_explain,
                 heap_walk: !self.args.no_heap_walk,
             },
         )
+        .map_err(Refused::Process)?;
+        let mut reading = Reading {
+            threads: stopped.threads.len(),
+            ..Reading::default()
+        };
+        let taken = match plan.as_mut() {
+            Some(Ok(plan)) => take_snapshot(&prepared, &stopped, plan),
+            Some(Err(reason)) => Err(reason.clone()),
+            None => Err(String::new()),
+        };
+        let judged = match taken {
+            Ok((taken, copies)) => {
+                reading.mode = Some(CheckMode::Snapshot);
+                reading.clone = taken.clone_time;
+                reading.copied = copies.iter().map(|(_, b)| b.len() as u64).sum();
+                drop(stopped);
+                reading.pause = stop_started.elapsed();
+                let scan_started = Instant::now();
+                let memory = ProcessMemory::new(taken.child).with_copies(copies);
+                let (judged, killed) =
+                    self.judge_while_running(&prepared, memory, taken.child, ring, probes);
+                reading.scan = scan_started.elapsed();
+                if let Err(line) = taken.release() {
+                    eprintln!("memtrace: leak check: {line}");
+                }
+                if let Some(reason) = killed {
+                    // The copy cost too much: checked again, stopped.
+                    let (judgement, mut again) =
+                        self.check_process(pid, ring, probes, CheckMode::Stopped, retry_locked)?;
+                    again.pause += reading.pause;
+                    again.fallback = Some(reason);
+                    return Ok((judgement, again));
+                }
+                judged
+            }
+            Err(reason) => {
+                reading.mode = Some(CheckMode::Stopped);
+                reading.fallback = (!reason.is_empty()).then_some(reason);
+                let scan_started = Instant::now();
+                let deadline = stop_started + self.args.leak_check_max_pause;
+                let judged = judge(&prepared, ProcessMemory::new(pid).with_deadline(deadline));
+                reading.scan = scan_started.elapsed();
+                drop(stopped);
+                reading.pause = stop_started.elapsed();
+                judged
+            }
+        };
+        let judgement = judged.map_err(Refused::Process)?;
+        if judgement.arena_locked && retry_locked {
+            // A thread was stopped inside malloc: the process runs briefly
+            // and is checked again (a lock still held is partial).
+            std::thread::sleep(LOCKED_ARENA_RESUME);
+            let (mut judgement, mut again) = self.check_process(pid, ring, probes, mode, false)?;
+            again.pause += reading.pause;
+            if judgement.arena_locked {
+                let walk = judgement.before_attach.as_mut().map(|b| &mut b.heap_walk);
+                if let Some(reason) = walk.and_then(|w| w.reason.as_mut()) {
+                    reason.push_str(&format!(
+                        " (still held after the process ran {} ms more)",
+                        LOCKED_ARENA_RESUME.as_millis()
+                    ));
+                }
+            }
+            return Ok((judgement, again));
+        }
+        Ok((judgement, reading))
+    }
+
+    /// Judges a snapshot in a thread of its own while this one keeps
+    /// reading the ring (the process runs and allocates meanwhile) and
+    /// watches its memory cgroup: near the limit, the snapshot is killed
+    /// (the scan then fails) and the reason returned.
+    fn judge_while_running(
+        &mut self,
+        prepared: &Prepared,
+        memory: ProcessMemory,
+        child: u32,
+        ring: &mut RingBuf<MapData>,
+        probes: &Probes,
+    ) -> (Result<Judgement, String>, Option<String>) {
+        let mut killed = None;
+        let judged = std::thread::scope(|scope| {
+            let worker = scope.spawn(move || judge(prepared, memory));
+            while !worker.is_finished() {
+                self.pipeline.drain_all(ring, probes);
+                let left = snapshot::memory_headroom(prepared.pid);
+                if killed.is_none() && left.is_some_and(|left| left < snapshot::CGROUP_MARGIN / 2) {
+                    Snapshot::kill_now(child);
+                    killed = Some(format!(
+                        "the snapshot was given up: its memory cgroup came within {} MiB of its limit during the scan",
+                        left.unwrap_or(0) >> 20
+                    ));
+                }
+                std::thread::sleep(SCAN_POLL);
+            }
+            worker
+                .join()
+                .unwrap_or_else(|_| Err("the scan of the snapshot failed".to_string()))
+        });
+        (judged, killed)
     }
 
     /// Launch mode: `pid` is stopped just before it exits (its exiting
@@ -565,17 +752,14 @@ impl Session<'_> {
             begin(&mut self.leak, CheckPoint::Exit);
         }
         let threads: Vec<StoppedThread> = registers
-            .map(|registers| StoppedThread {
-                sp: crate::tracee::stop::stack_pointer(&registers),
-                registers,
-            })
+            .map(StoppedThread::from_registers)
             .into_iter()
             .collect();
         let complete = self.table_complete(pid, probes);
         if let Some(summary) = self.leak.summary.as_mut() {
             summary.complete_table |= complete;
         }
-        let judged = judge(
+        let judged = prepare(
             pid,
             &threads,
             &JudgeInput {
@@ -583,11 +767,18 @@ impl Session<'_> {
                 specs: probes.specs(),
                 stacks: self.pipeline.stacks(),
                 complete,
-                deadline: started + self.args.leak_check_max_pause,
                 explain: &self.args.leak_check_explain,
                 heap_walk: self.args.heap_walk,
             },
-        );
+        )
+        .and_then(|prepared| {
+            let deadline = started + self.args.leak_check_max_pause;
+            judge(&prepared, ProcessMemory::new(pid).with_deadline(deadline))
+        });
+        if let Some(summary) = self.leak.summary.as_mut() {
+            summary.mode = Some(CheckMode::Stopped);
+            summary.scan_ms += started.elapsed().as_secs_f64() * 1000.0;
+        }
         match judged {
             // The other threads are already gone: only the exiting one counts.
             Ok(judgement) => add(&mut self.leak, judgement, 1),
@@ -598,7 +789,7 @@ impl Session<'_> {
                 return;
             }
         }
-        self.finish_check(started, 1, None);
+        self.finish_check(started.elapsed(), None);
     }
 
     /// Launch mode at the end: a command that never reached its exit stop
@@ -616,8 +807,7 @@ impl Session<'_> {
     }
 
     /// Records the pause and says what a cut scan left out.
-    fn finish_check(&mut self, started: Instant, processes: usize, refusal: Option<String>) {
-        let pause = started.elapsed();
+    fn finish_check(&mut self, pause: Duration, refusal: Option<String>) {
         if let Some(summary) = self.leak.summary.as_mut() {
             summary.pause_ms += pause.as_secs_f64() * 1000.0;
             if summary.skipped_bytes > 0 {
@@ -631,7 +821,7 @@ impl Session<'_> {
             }
         }
         log::info!(
-            "leak check: {processes} process(es) stopped for {:.1} ms",
+            "leak check: stopped {:.1} ms in all",
             pause.as_secs_f64() * 1000.0
         );
     }

@@ -68,6 +68,18 @@ fn register_name(index: usize) -> String {
         .map_or_else(|| format!("register word {index}"), |n| (*n).to_string())
 }
 
+/// A vector register's half by its index among the vector words read
+/// (`xmm3.hi` is the upper 8 bytes of xmm3).
+fn vector_name(index: usize) -> String {
+    let prefix = if cfg!(target_arch = "x86_64") {
+        "xmm"
+    } else {
+        "v"
+    };
+    let half = if index.is_multiple_of(2) { "lo" } else { "hi" };
+    format!("{prefix}{}.{half}", index / 2)
+}
+
 /// What the explanation reads of the judged process.
 pub struct Context<'a> {
     pub pid: u32,
@@ -122,13 +134,18 @@ impl Context<'_> {
         }
     }
 
-    /// Names register `index` of the flattened register words.
+    /// Names register `index` of the flattened register words (each
+    /// thread's general-purpose words, then its vector words).
     fn register_holder(&self, mut index: usize) -> String {
         for (k, thread) in self.threads.iter().enumerate() {
             if index < thread.registers.len() {
                 return format!("register {} of thread {}", register_name(index), k + 1);
             }
             index -= thread.registers.len();
+            if index < thread.vector.len() {
+                return format!("register {} of thread {}", vector_name(index), k + 1);
+            }
+            index -= thread.vector.len();
         }
         format!("register word {index}")
     }
@@ -301,10 +318,7 @@ mod tests {
         ];
         let mut registers = vec![0; 27];
         registers[19] = 0x7ffc_0000_0f80;
-        let threads = [StoppedThread {
-            sp: 0x7ffc_0000_0f80,
-            registers,
-        }];
+        let threads = [StoppedThread::from_registers(registers)];
         let context = Context {
             pid: 7,
             nodes: &nodes,

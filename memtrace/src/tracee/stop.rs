@@ -28,17 +28,24 @@ pub enum StopError {
 }
 
 /// One stopped thread.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct StoppedThread {
+    /// Its thread id (0 when not known: launch mode's exiting thread).
+    pub tid: i32,
     /// Its stack pointer.
     pub sp: u64,
-    /// Every general-purpose register (and the thread pointer), as words.
+    /// Every general-purpose register (and the thread pointer), as words
+    /// (`NT_PRSTATUS`).
     pub registers: Vec<u64>,
+    /// Its vector registers as words (`NT_PRFPREG`: x86-64's xmm0-15, arm64's
+    /// v0-31): compilers keep pointers there too (a struct copied by SSE).
+    pub vector: Vec<u64>,
+    /// The signal it stopped with, given back when it resumes (0: none).
+    pub signal: i32,
 }
 
 /// A process with every thread stopped; resumed on drop.
 pub struct Stopped {
-    pub pid: u32,
     pub threads: Vec<StoppedThread>,
     /// Seized threads and the signal to give back to each on detach.
     seized: Vec<(libc::pid_t, i32)>,
@@ -82,6 +89,26 @@ fn in_system_call(registers: &[u64]) -> bool {
 }
 
 impl StoppedThread {
+    /// A thread known by its general-purpose registers only.
+    pub fn from_registers(registers: Vec<u64>) -> StoppedThread {
+        StoppedThread {
+            sp: stack_pointer(&registers),
+            registers,
+            ..StoppedThread::default()
+        }
+    }
+
+    /// The words its registers hold, general-purpose then vector: roots of
+    /// the leak check.
+    pub fn root_words(&self) -> impl Iterator<Item = u64> + '_ {
+        self.registers.iter().chain(&self.vector).copied()
+    }
+
+    /// Whether it was stopped inside a system call.
+    pub fn in_system_call(&self) -> bool {
+        in_system_call(&self.registers)
+    }
+
     /// The lowest address of its stack that may hold live data: the stack
     /// pointer, less the red zone when it was stopped in user code (a leaf
     /// function may keep data there; below a system call's stack pointer
@@ -106,7 +133,6 @@ impl Stopped {
         let started = Instant::now();
         let deadline = started + timeout;
         let mut stopped = Stopped {
-            pid,
             threads: Vec::new(),
             seized: Vec::new(),
             stop_time: Duration::ZERO,
@@ -166,11 +192,14 @@ impl Stopped {
         if stopped.seized.is_empty() {
             return Err(StopError::Gone(pid));
         }
-        for &(tid, _) in &stopped.seized {
+        for &(tid, signal) in &stopped.seized {
             if let Some(registers) = registers(tid) {
                 stopped.threads.push(StoppedThread {
+                    tid,
                     sp: stack_pointer(&registers),
                     registers,
+                    vector: vector_registers(tid).unwrap_or_default(),
+                    signal,
                 });
             }
         }
@@ -207,7 +236,7 @@ fn list_threads(pid: u32) -> Option<Vec<libc::pid_t>> {
 }
 
 /// `PTRACE_SEIZE` + `PTRACE_INTERRUPT`; the errno on failure.
-fn seize(tid: libc::pid_t) -> Result<(), i32> {
+pub(crate) fn seize(tid: libc::pid_t) -> Result<(), i32> {
     // SAFETY: PTRACE_SEIZE with no options; no memory is passed.
     let seized = unsafe {
         libc::ptrace(
@@ -245,11 +274,11 @@ fn seize(tid: libc::pid_t) -> Result<(), i32> {
     Ok(())
 }
 
-fn errno() -> i32 {
+pub(crate) fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
 
-enum Waited {
+pub(crate) enum Waited {
     /// Stopped; the signal it stopped for, to give back (0: our interrupt).
     Stopped(i32),
     Exited,
@@ -257,7 +286,7 @@ enum Waited {
 }
 
 /// Waits for a seized thread's stop.
-fn wait_stopped(tid: libc::pid_t, deadline: Instant) -> Waited {
+pub(crate) fn wait_stopped(tid: libc::pid_t, deadline: Instant) -> Waited {
     let mut pause = Duration::from_micros(20);
     loop {
         let mut status = 0;
@@ -290,29 +319,42 @@ fn wait_stopped(tid: libc::pid_t, deadline: Instant) -> Waited {
 /// The register words of a stopped tracee (`NT_PRSTATUS`).
 pub fn registers(tid: libc::pid_t) -> Option<Vec<u64>> {
     let mut words = vec![0u64; REGISTER_WORDS];
+    let read = read_regset(tid, libc::NT_PRSTATUS as u32, &mut words)?;
+    words.truncate(read);
+    Some(words)
+}
+
+/// Reads register set `note_type` of a stopped tracee into `words`;
+/// the words the kernel wrote.
+fn read_regset(tid: libc::pid_t, note_type: u32, words: &mut [u64]) -> Option<usize> {
     let mut iov = libc::iovec {
         iov_base: words.as_mut_ptr().cast(),
-        iov_len: std::mem::size_of_val(words.as_slice()),
+        iov_len: std::mem::size_of_val(words),
     };
-    // The register set's note type (`NT_PRSTATUS`) is passed as the
-    // request's address argument.
-    let note_type = libc::NT_PRSTATUS as usize;
-    // SAFETY: PTRACE_GETREGSET on our stopped tracee; the kernel writes
-    // at most `iov_len` bytes into `words` and shrinks `iov_len` to what it
-    // wrote. The address argument is a number, never dereferenced.
+    // SAFETY: PTRACE_GETREGSET on our stopped tracee; the kernel writes at
+    // most `iov_len` bytes into `words` and shrinks `iov_len` to what it
+    // wrote. The address argument is the note type, a number.
     let read = unsafe {
         libc::ptrace(
             libc::PTRACE_GETREGSET,
             tid,
-            note_type as *mut libc::c_void,
+            note_type as usize as *mut libc::c_void,
             (&mut iov as *mut libc::iovec).cast::<libc::c_void>(),
         )
     };
-    if read != 0 {
-        return None;
-    }
-    words.truncate(iov.iov_len / 8);
-    Some(words)
+    (read == 0).then_some(iov.iov_len / 8)
+}
+
+/// The vector registers of a stopped tracee, as words: x86-64's xmm0-15
+/// (bytes 160..416 of the FXSAVE area), arm64's v0-31.
+pub fn vector_registers(tid: libc::pid_t) -> Option<Vec<u64>> {
+    let mut words = vec![0u64; 72];
+    let read = read_regset(tid, libc::NT_PRFPREG as u32, &mut words)?;
+    #[cfg(target_arch = "x86_64")]
+    let range = 20..52;
+    #[cfg(not(target_arch = "x86_64"))]
+    let range = 0..64;
+    (read >= range.end).then(|| words[range].to_vec())
 }
 
 /// The tracer of a thread of `pid` (`TracerPid:` in its status), if any.
@@ -342,6 +384,9 @@ pub struct ProcessMemory {
     deadline: Option<Instant>,
     /// Bytes not read because the deadline had passed.
     pub skipped: u64,
+    /// Ranges read from elsewhere (a snapshot's: copied from the service
+    /// during the stop), sorted, disjoint: served instead of `pid`'s.
+    copies: Vec<(u64, Vec<u8>)>,
 }
 
 impl ProcessMemory {
@@ -352,6 +397,45 @@ impl ProcessMemory {
             gone: false,
             deadline: None,
             skipped: 0,
+            copies: Vec::new(),
+        }
+    }
+
+    /// Serves reads of these ranges from the bytes given (sorted, disjoint).
+    pub fn with_copies(mut self, copies: Vec<(u64, Vec<u8>)>) -> Self {
+        self.copies = copies;
+        self
+    }
+
+    /// Copies `ranges` of this process into memory (for
+    /// [`ProcessMemory::with_copies`] of another reader).
+    pub fn copy_ranges(&mut self, ranges: &[(u64, u64)]) -> Vec<(u64, Vec<u8>)> {
+        ranges
+            .iter()
+            .map(|&(start, end)| {
+                let mut bytes = vec![0u8; (end - start) as usize];
+                crate::reach::Memory::read(self, start, &mut bytes);
+                (start, bytes)
+            })
+            .collect()
+    }
+
+    /// The copy holding `addr`, or the next one's start.
+    fn copy_at(&self, addr: u64) -> Result<usize, Option<u64>> {
+        let k = self
+            .copies
+            .partition_point(|(start, bytes)| start + bytes.len() as u64 <= addr);
+        match self.copies.get(k) {
+            Some((start, _)) if *start <= addr => Ok(k),
+            Some((start, _)) => Err(Some(*start)),
+            None => Err(None),
+        }
+    }
+
+    fn touches_copy(&self, addr: u64, len: usize) -> bool {
+        match self.copy_at(addr) {
+            Ok(_) => true,
+            Err(next) => next.is_some_and(|n| n < addr + len as u64),
         }
     }
 
@@ -393,6 +477,15 @@ impl crate::reach::Memory for ProcessMemory {
         let mut at = 0usize;
         for group in ranges.chunks(1024) {
             let total: usize = group.iter().map(|r| r.1).sum();
+            if !self.copies.is_empty() && group.iter().any(|&(a, l)| self.touches_copy(a, l)) {
+                let mut offset = at;
+                for &(addr, len) in group {
+                    self.read(addr, &mut buf[offset..offset + len]);
+                    offset += len;
+                }
+                at += total;
+                continue;
+            }
             if self.deadline.is_some_and(|d| Instant::now() >= d) || self.gone {
                 buf[at..at + total].fill(0);
                 self.skipped += total as u64;
@@ -435,6 +528,35 @@ impl crate::reach::Memory for ProcessMemory {
     }
 
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+        if !self.copies.is_empty() && self.touches_copy(addr, buf.len()) {
+            let mut done = 0usize;
+            while done < buf.len() {
+                let at = addr + done as u64;
+                let left = buf.len() - done;
+                match self.copy_at(at) {
+                    Ok(k) => {
+                        let (start, bytes) = &self.copies[k];
+                        let from = (at - start) as usize;
+                        let n = (bytes.len() - from).min(left);
+                        buf[done..done + n].copy_from_slice(&bytes[from..from + n]);
+                        done += n;
+                    }
+                    Err(next) => {
+                        let n = next.map_or(left, |n| ((n - at) as usize).min(left));
+                        self.read_process(at, &mut buf[done..done + n]);
+                        done += n;
+                    }
+                }
+            }
+            return if self.gone { 0 } else { done };
+        }
+        self.read_process(addr, buf)
+    }
+}
+
+impl ProcessMemory {
+    /// Reads `buf.len()` bytes of the process at `addr` (holes as zeros).
+    fn read_process(&mut self, addr: u64, buf: &mut [u8]) -> usize {
         if self.deadline.is_some_and(|d| Instant::now() >= d) {
             self.skipped += buf.len() as u64;
             buf.fill(0);
