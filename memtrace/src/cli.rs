@@ -52,6 +52,10 @@ pub enum Command {
     /// and `cargo xtask docs` call it).
     #[command(hide = true)]
     GenerateDocs(GenerateDocsArgs),
+    /// Run by memtrace itself: outlives it to reap a leak-check snapshot
+    /// left behind if memtrace is killed.
+    #[command(hide = true)]
+    SnapshotGuard,
 }
 
 /// Options of `memtrace generate-docs`.

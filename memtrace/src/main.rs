@@ -71,6 +71,7 @@ fn main() -> ExitCode {
         Some(cli::Command::Watch(args)) => watch::run(*args),
         Some(cli::Command::Probes(args)) => probe::usdt_list::run(&args),
         Some(cli::Command::GenerateDocs(args)) => reference::run(&args),
+        Some(cli::Command::SnapshotGuard) => tracee::snapshot_guard::run(),
         None => run_trace(cli.trace),
     };
     match result {

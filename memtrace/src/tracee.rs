@@ -15,6 +15,7 @@ pub mod pod;
 pub mod roots;
 pub mod select;
 pub mod snapshot;
+pub mod snapshot_guard;
 pub mod stop;
 pub mod tls;
 pub mod vtables;

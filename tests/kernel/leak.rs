@@ -149,7 +149,7 @@ fn amount(value: &Value) -> (u64, u64) {
 }
 
 /// The split of the sites whose first frame is `symbol`, summed.
-fn site_split(report: &Value, symbol: &str) -> BTreeMap<&'static str, (u64, u64)> {
+pub(crate) fn site_split(report: &Value, symbol: &str) -> BTreeMap<&'static str, (u64, u64)> {
     let mut split = BTreeMap::new();
     for site in sites_of(report, symbol) {
         for key in [
@@ -520,7 +520,11 @@ fn device_blocks_are_judged_by_the_programs_pointers_not_the_runtimes() {
 
 /// Attaches `--leak-check` to `service` (plus `extra`), lets it serve until
 /// `served`, ends the trace with SIGINT: the final report and stderr.
-fn checked_by_pid(service: &mut Fixture, served: &str, extra: &[&str]) -> (Value, String) {
+pub(crate) fn checked_by_pid(
+    service: &mut Fixture,
+    served: &str,
+    extra: &[&str],
+) -> (Value, String) {
     let pid = service.pid.to_string();
     let mut args = vec![
         "--pid",
@@ -540,7 +544,7 @@ fn checked_by_pid(service: &mut Fixture, served: &str, extra: &[&str]) -> (Value
 }
 
 /// The state letter of `/proc/PID/stat`.
-fn state(pid: u32) -> Option<char> {
+pub(crate) fn state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit_once(')')?.1.trim().chars().next()
 }
@@ -583,7 +587,8 @@ fn by_pid_a_growing_cache_is_reachable_a_dropped_response_lost_and_the_service_r
 }
 
 /// A service with 256 MiB to scan (a stop long enough to be caught),
-/// traced with a check every second, caught stopped by one.
+/// traced with a check every second (stopped for the whole scan), caught
+/// stopped by one.
 fn service_caught_in_a_check() -> (Fixture, Tracer) {
     let mut service = Fixture::start("leak_service", &["10", "30", "256"]);
     let pid = service.pid.to_string();
@@ -591,6 +596,8 @@ fn service_caught_in_a_check() -> (Fixture, Tracer) {
         "--pid",
         &pid,
         "--leak-check",
+        "--leak-check-mode",
+        "stopped",
         "--interval",
         "1s",
         "--format",

@@ -26,6 +26,7 @@ mod python;
 mod reference;
 mod reliability;
 mod settle;
+mod snapshot;
 mod unwind;
 mod usdt;
 mod visual;

@@ -16,7 +16,7 @@
 //! `waitpid(-1)` and `waitid(P_ALL)` never see the child: only `__WALL` or
 //! `__WCLONE` waits do). No atfork handler runs: it is the raw system call,
 //! not glibc's `fork`. `PTRACE_O_EXITKILL` on the child kills it if
-//! memtrace dies; the [`guard`](super::snapshot_guard) then reaps it.
+//! memtrace dies; the [`guard`](super::snapshot_guard) then has it reaped.
 //!
 //! [`preflight`] says, before the stop, whether a snapshot is safe and
 //! complete: seccomp (suspended for the injected thread with
@@ -727,6 +727,7 @@ impl Snapshot {
         })?;
         let instruction = find_instruction(pid, mappings, threads)
             .ok_or("no system-call instruction was found in the process's code")?;
+        super::snapshot_guard::arm(pid, instruction, plan.suspend_seccomp);
         let started = Instant::now();
         let injected = inject(
             thread,
@@ -734,7 +735,13 @@ impl Snapshot {
             arch::SYS_CLONE,
             [CLONE_FILES, 0, 0, 0, 0, 0],
             plan.suspend_seccomp,
-        )?;
+        );
+        if let Some(child) = injected.as_ref().ok().and_then(|i| i.child) {
+            super::snapshot_guard::child(pid, child);
+        } else {
+            super::snapshot_guard::disarm(pid);
+        }
+        let injected = injected?;
         let clone_time = started.elapsed();
         for &signal in &injected.signals {
             // SAFETY: tgkill with our tracee's ids; the signal arrived for
@@ -791,12 +798,14 @@ impl Snapshot {
                 break;
             }
         }
-        reap(
+        let reaped = reap(
             self.service,
             self.child,
             self.instruction,
             self.suspend_seccomp,
-        )
+        );
+        super::snapshot_guard::disarm(self.service);
+        reaped
     }
 }
 

@@ -1,0 +1,234 @@
+//! The snapshot's guard: memtrace run again as `memtrace snapshot-guard`,
+//! a process of its own group (no terminal signal reaches it), started at
+//! the first snapshot and fed one line per step on its stdin. When memtrace
+//! dies with a snapshot alive (SIGKILL, the OOM killer), the kernel kills
+//! the child (`PTRACE_O_EXITKILL`), which is left a zombie of the service;
+//! the guard sees its stdin close and has the service reap it (one
+//! injected `wait4`), so nothing is left behind. A clean exit closes its
+//! stdin with nothing armed: it just exits.
+//!
+//! Lines: `arm SERVICE INSTRUCTION SUSPEND CHILD...` before the clone (the
+//! service's children then, so a child born of the clone is told apart),
+//! `child SERVICE CHILD` once the clone made it, `disarm SERVICE` once it
+//! is reaped.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// What the guard knows of one service's snapshot in flight.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Armed {
+    instruction: u64,
+    suspend_seccomp: bool,
+    /// The service's children before the clone.
+    before: Vec<u32>,
+    child: Option<u32>,
+}
+
+/// The running guard, started once.
+struct Guard {
+    _process: Child,
+    stdin: ChildStdin,
+}
+
+static GUARD: Mutex<Option<Guard>> = Mutex::new(None);
+
+/// Sends one line to the guard, starting it first; false when there is
+/// no guard (it could not be started: the snapshot goes on unguarded).
+fn send(line: &str) -> bool {
+    let Ok(mut guard) = GUARD.lock() else {
+        return false;
+    };
+    if guard.is_none() {
+        use std::os::unix::process::CommandExt;
+        let started = Command::new("/proc/self/exe")
+            .arg("snapshot-guard")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .process_group(0)
+            .spawn();
+        match started {
+            Ok(mut process) => {
+                if let Some(stdin) = process.stdin.take() {
+                    *guard = Some(Guard {
+                        _process: process,
+                        stdin,
+                    });
+                }
+            }
+            Err(e) => log::warn!("the snapshot guard could not start: {e}"),
+        }
+    }
+    guard
+        .as_mut()
+        .is_some_and(|g| writeln!(g.stdin, "{line}").and_then(|()| g.stdin.flush()).is_ok())
+}
+
+/// Before the clone into `service`.
+pub fn arm(service: u32, instruction: u64, suspend_seccomp: bool) {
+    let children = children(service);
+    let list: Vec<String> = children.iter().map(u32::to_string).collect();
+    send(&format!(
+        "arm {service} {instruction} {} {}",
+        u8::from(suspend_seccomp),
+        list.join(" ")
+    ));
+}
+
+/// Once the clone made `child`.
+pub fn child(service: u32, child: u32) {
+    send(&format!("child {service} {child}"));
+}
+
+/// Once the child is reaped (or never born).
+pub fn disarm(service: u32) {
+    send(&format!("disarm {service}"));
+}
+
+/// The children of every thread of `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    let mut all: Vec<u32> = tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|text| {
+            text.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect();
+    all.sort_unstable();
+    all
+}
+
+/// Applies one line to the armed set.
+fn apply(line: &str, armed: &mut BTreeMap<u32, Armed>) {
+    let mut words = line.split_whitespace();
+    let (Some(verb), Some(service)) = (words.next(), words.next().and_then(|s| s.parse().ok()))
+    else {
+        return;
+    };
+    match verb {
+        "arm" => {
+            let instruction = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+            let suspend_seccomp = words.next() == Some("1");
+            armed.insert(
+                service,
+                Armed {
+                    instruction,
+                    suspend_seccomp,
+                    before: words.filter_map(|w| w.parse().ok()).collect(),
+                    child: None,
+                },
+            );
+        }
+        "child" => {
+            if let Some(entry) = armed.get_mut(&service) {
+                entry.child = words.next().and_then(|w| w.parse().ok());
+            }
+        }
+        "disarm" => {
+            armed.remove(&service);
+        }
+        _ => {}
+    }
+}
+
+/// `/proc/PID/stat`'s state letter and exit signal (field 38).
+fn state_and_exit_signal(pid: u32) -> Option<(char, i64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let state = fields.first()?.chars().next()?;
+    // Fields after the comm start at 3 (state): exit_signal is field 38.
+    let exit_signal = fields.get(38 - 3)?.parse().ok()?;
+    Some((state, exit_signal))
+}
+
+/// After memtrace died: the snapshot child of `service`, killed and
+/// reaped.
+fn clean_up(service: u32, armed: &Armed) {
+    let candidates: Vec<u32> = match armed.child {
+        Some(child) => vec![child],
+        // Born of the clone: a child that was not there before, with no
+        // exit signal.
+        None => children(service)
+            .into_iter()
+            .filter(|c| !armed.before.contains(c))
+            .filter(|&c| state_and_exit_signal(c).is_some_and(|(_, signal)| signal == 0))
+            .collect(),
+    };
+    for child in candidates {
+        super::snapshot::Snapshot::kill_now(child);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while state_and_exit_signal(child).is_some_and(|(state, _)| state != 'Z')
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if let Err(e) = super::snapshot::reap(
+            service,
+            child,
+            armed.instruction,
+            armed.suspend_seccomp,
+        ) {
+            eprintln!("memtrace snapshot-guard: {e}");
+        }
+    }
+}
+
+/// `memtrace snapshot-guard`: reads its lines until memtrace is gone, then
+/// cleans up what is still armed.
+pub fn run() -> anyhow::Result<std::process::ExitCode> {
+    // SAFETY: ignoring SIGHUP for this process only (its terminal may go
+    // with memtrace); no handler is installed.
+    unsafe { libc::signal(libc::SIGHUP, libc::SIG_IGN) };
+    let mut armed = BTreeMap::new();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else {
+            break;
+        };
+        apply(&line, &mut armed);
+    }
+    for (service, entry) in &armed {
+        clean_up(*service, entry);
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_arm_name_the_child_and_disarm() {
+        let mut armed = BTreeMap::new();
+        apply("arm 100 4096 1 7 8", &mut armed);
+        apply("arm 200 8192 0", &mut armed);
+        apply("child 100 300", &mut armed);
+        apply("garbage", &mut armed);
+        apply("disarm 200", &mut armed);
+        assert_eq!(
+            armed.get(&100),
+            Some(&Armed {
+                instruction: 4096,
+                suspend_seccomp: true,
+                before: vec![7, 8],
+                child: Some(300),
+            })
+        );
+        assert!(!armed.contains_key(&200));
+    }
+
+    #[test]
+    fn reads_its_own_state_and_exit_signal() {
+        let (state, signal) = state_and_exit_signal(std::process::id()).expect("own stat");
+        assert!(matches!(state, 'R' | 'S'));
+        assert_eq!(signal, i64::from(libc::SIGCHLD));
+    }
+}

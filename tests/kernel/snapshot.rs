@@ -1,0 +1,227 @@
+//! The leak check's snapshot mode by pid (`--leak-check-mode snapshot`, the
+//! default): the service stopped only to clone a copy-on-write child that
+//! is scanned while the service runs. On `leak_snapshot`
+//! (tests/fixtures/leak_check/snapshot.c): the verdicts equal a full
+//! stop's while a writer thread moves every pointer of a ring without a
+//! pause; blocks held only in `MADV_DONTFORK` and `MADV_WIPEONFORK` pages
+//! stay reachable (those pages are copied during the stop); a seccomp
+//! filter that kills on clone and wait4 is suspended for the injected
+//! calls; a memory cgroup near its limit makes the check stop the service
+//! instead, and say so; memtrace killed mid-scan leaves no child behind.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::leak::{checked_by_pid, site_split, state};
+use crate::support::{privileged, Fixture, Tracer};
+
+/// The verdicts of the fixture's sites, by function.
+fn verdicts(report: &Value) -> Vec<(&'static str, (u64, u64), (u64, u64))> {
+    [
+        "keep_in_dontfork",
+        "keep_in_wipeonfork",
+        "fill_ring",
+        "fill_big",
+        "lose",
+    ]
+    .into_iter()
+    .map(|function| {
+        let split = site_split(report, function);
+        (function, split["still_reachable"], split["definitely_lost"])
+    })
+    .collect()
+}
+
+/// The children of every thread of `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let mut all = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let text = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        all.extend(
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok()),
+        );
+    }
+    all
+}
+
+/// The service checks its ring and blocks, says so, and exits cleanly.
+fn ends_intact(mut service: Fixture) {
+    assert!(
+        children(service.pid).is_empty(),
+        "{:?}",
+        children(service.pid)
+    );
+    service.send_line();
+    service.expect_line("intact");
+    service.expect_line("alive");
+    service.send_line();
+    service.wait();
+}
+
+/// Checks `leak_snapshot BIG_MIB` by pid in `mode`, the writer running.
+fn checked(mode: &str, args: &[&str]) -> (Value, Fixture) {
+    let mut service = Fixture::start("leak_snapshot", args);
+    let (report, _) = checked_by_pid(&mut service, "served", &["--leak-check-mode", mode]);
+    (report, service)
+}
+
+#[test]
+fn a_snapshot_judges_as_a_full_stop_does_while_the_service_writes() {
+    if !privileged() {
+        return;
+    }
+    let expected = vec![
+        ("keep_in_dontfork", (100, 1), (0, 0)),
+        ("keep_in_wipeonfork", (200, 1), (0, 0)),
+        ("fill_ring", (64 * 1000, 1000), (0, 0)),
+        ("fill_big", (16 * 16 * 65536, 256), (0, 0)),
+        ("lose", (0, 0), (48 * 50, 50)),
+    ];
+    let (stopped, service) = checked("stopped", &["16"]);
+    let check = &stopped["leak_check"];
+    assert_eq!(check["mode"], "stopped", "{check}");
+    assert_eq!(check["fallback"], Value::Null, "{check}");
+    assert_eq!(verdicts(&stopped), expected);
+    ends_intact(service);
+
+    let (snapshot, service) = checked("snapshot", &["16"]);
+    let check = &snapshot["leak_check"];
+    assert_eq!(check["mode"], "snapshot", "{check}");
+    assert_eq!(check["fallback"], Value::Null, "{check}");
+    // The dontfork and wipeonfork pages, copied during the stop.
+    assert_eq!(check["copied_at_stop_bytes"], 8192, "{check}");
+    assert!(
+        check["clone_ms"].as_f64().is_some_and(|ms| ms > 0.0),
+        "{check}"
+    );
+    assert!(
+        check["scan_ms"].as_f64().is_some_and(|ms| ms > 0.0),
+        "{check}"
+    );
+    assert_eq!(verdicts(&snapshot), expected);
+    for key in ["definitely_lost", "indirectly_lost"] {
+        assert_eq!(check[key], stopped["leak_check"][key], "{key}");
+    }
+    ends_intact(service);
+}
+
+#[test]
+fn a_seccomp_filter_killing_on_clone_and_wait4_is_suspended_for_the_snapshot() {
+    if !privileged() {
+        return;
+    }
+    let (report, service) = checked("snapshot", &["0", "seccomp"]);
+    let check = &report["leak_check"];
+    assert_eq!(check["mode"], "snapshot", "{check}");
+    assert_eq!(
+        site_split(&report, "lose")["definitely_lost"],
+        (48 * 50, 50)
+    );
+    // Alive: neither the clone nor the reaping wait4 met the filter.
+    assert!(matches!(state(service.pid), Some('S' | 'R')));
+    ends_intact(service);
+}
+
+/// A memory cgroup (v2, else v1) holding `pid` with `limit` bytes; moved
+/// back to the root and removed on drop.
+struct MemoryCgroup {
+    dir: std::path::PathBuf,
+    root: std::path::PathBuf,
+    pid: u32,
+}
+
+impl MemoryCgroup {
+    fn create(pid: u32, limit: u64) -> MemoryCgroup {
+        let v2 = std::path::Path::new("/sys/fs/cgroup/cgroup.controllers");
+        let unified = std::fs::read_to_string(v2).is_ok_and(|c| c.contains("memory"));
+        let (root, limit_file) = if unified {
+            ("/sys/fs/cgroup", "memory.max")
+        } else {
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")
+        };
+        let root = std::path::PathBuf::from(root);
+        let dir = root.join(format!("memtrace-snapshot-test-{pid}"));
+        std::fs::create_dir(&dir).expect("a memory cgroup");
+        let cgroup = MemoryCgroup { dir, root, pid };
+        std::fs::write(cgroup.dir.join("cgroup.procs"), pid.to_string()).expect("moved in");
+        std::fs::write(cgroup.dir.join(limit_file), limit.to_string()).expect("limited");
+        cgroup
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.root.join("cgroup.procs"), self.pid.to_string());
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+#[test]
+fn a_memory_cgroup_near_its_limit_makes_the_check_stop_the_service_and_say_why() {
+    if !privileged() {
+        return;
+    }
+    let mut service = Fixture::start("leak_snapshot", &["0"]);
+    let _cgroup = MemoryCgroup::create(service.pid, 48 << 20);
+    let (report, _) = checked_by_pid(&mut service, "served", &[]);
+    let check = &report["leak_check"];
+    assert_eq!(check["mode"], "stopped", "{check}");
+    let fallback = check["fallback"].as_str().unwrap_or_default();
+    assert!(fallback.contains("memory cgroup"), "{check}");
+    assert_eq!(
+        site_split(&report, "lose")["definitely_lost"],
+        (48 * 50, 50)
+    );
+    ends_intact(service);
+}
+
+#[test]
+fn memtrace_killed_during_a_snapshot_scan_leaves_no_child_and_the_service_runs_on() {
+    if !privileged() {
+        return;
+    }
+    // 1 GiB to scan: the snapshot lives long enough to be caught.
+    let mut service = Fixture::start("leak_snapshot", &["1024"]);
+    let pid = service.pid.to_string();
+    let tracer = Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--leak-check",
+        "--interval",
+        "1s",
+        "--format",
+        "json",
+    ]);
+    service.send_line();
+    service.expect_line("served");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while children(service.pid).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let child = children(service.pid);
+    assert_eq!(child.len(), 1, "no snapshot was caught within 60 s");
+    tracer.signal(libc::SIGKILL);
+    drop(tracer);
+    // Killed with memtrace, then reaped by the service (the guard's wait4).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !children(service.pid).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        std::fs::metadata(format!("/proc/{}", child[0])).is_err(),
+        "child {} left",
+        child[0]
+    );
+    assert!(
+        matches!(state(service.pid), Some('S' | 'R')),
+        "{:?}",
+        state(service.pid)
+    );
+    ends_intact(service);
+}
