@@ -14,7 +14,7 @@
 #   MATRIX_FULL=1  run default-mode checks even when the default mode failed to load
 #   MATRIX_TIMEOUT seconds per memtrace run (default 300)
 T=${MATRIX_TIMEOUT:-300}
-ALL="doctor launch fp depth0 pid dwarf python cuda forks hashed"
+ALL="doctor launch fp depth0 pid dwarf python cuda forks hashed leakcheck"
 # Checks that run only when CHECKS names them.
 EXTRA="acl"
 CHECKS=$(echo "${CHECKS:-$ALL}" | tr ',' ' ')
@@ -175,6 +175,61 @@ check_pid() {
     kill "$fixture" 2>/dev/null
     wait "$fixture" 2>/dev/null
     judge pid "$WORK/pid.json" $LEAK_SITES
+}
+
+# The leak check by pid from a snapshot: the service is stopped only to
+# clone a copy-on-write child (one injected clone), scanned while a writer
+# thread moves every pointer of a ring; glibc's heap walked for the blocks
+# from before the attach. The service must check its ring intact after.
+check_leakcheck() {
+    gated leakcheck && return
+    rm -f "$WORK/lgo" "$WORK/leak.fix" "$WORK/leakcheck.json"
+    mkfifo "$WORK/lgo"
+    exec 4<>"$WORK/lgo"
+    "$FIXTURES/leak_snapshot" 0 <"$WORK/lgo" >"$WORK/leak.fix" 2>&1 &
+    fixture=$!
+    i=0
+    while ! grep -q ready "$WORK/leak.fix" 2>/dev/null && [ $i -lt 60 ]; do
+        sleep 1
+        i=$((i + 1))
+    done
+    # Not under timeout(1): SIGINT must reach memtrace itself (its final
+    # check); a watchdog bounds it instead.
+    "$MEMTRACE" --pid "$fixture" --leak-check --format json --top 500 \
+        --output "$WORK/leakcheck.json" </dev/null >"$WORK/leakcheck.out" 2>"$WORK/leakcheck.err" &
+    tracer=$!
+    (sleep "$T"; kill "$tracer" 2>/dev/null) &
+    watchdog=$!
+    i=0
+    while ! grep -q "memtrace: tracing" "$WORK/leakcheck.err" 2>/dev/null && kill -0 "$tracer" 2>/dev/null && [ $i -lt "$T" ]; do
+        sleep 1
+        i=$((i + 1))
+    done
+    echo >&4
+    while ! grep -q served "$WORK/leak.fix" 2>/dev/null && [ $i -lt "$T" ]; do
+        sleep 1
+        i=$((i + 1))
+    done
+    kill -INT "$tracer"
+    wait "$tracer"
+    RC=$?
+    kill "$watchdog" 2>/dev/null
+    echo >&4
+    i=0
+    while ! grep -q alive "$WORK/leak.fix" 2>/dev/null && [ $i -lt 30 ]; do
+        sleep 1
+        i=$((i + 1))
+    done
+    echo >&4
+    exec 4>&-
+    wait "$fixture" 2>/dev/null
+    if ! grep -q intact "$WORK/leak.fix"; then
+        result leakcheck FAIL "the service was harmed: $(tail -n 2 "$WORK/leak.fix")"
+        return
+    fi
+    judge leakcheck "$WORK/leakcheck.json" leak:mode=snapshot leak:definitely_lost=2400/50 \
+        site:fill_ring=64000/1000 site:keep_in_dontfork=4196/2 \
+        leak:before_attach.heap_walk.status=complete
 }
 
 check_dwarf() {

@@ -16,8 +16,12 @@ use serde_json::Value;
 use crate::leak::{checked_by_pid, site_split, state};
 use crate::support::{privileged, Fixture, Tracer};
 
-/// The verdicts of the fixture's sites, by function.
-fn verdicts(report: &Value) -> Vec<(&'static str, (u64, u64), (u64, u64))> {
+/// Bytes and blocks.
+type Amount = (u64, u64);
+
+/// The verdicts of the fixture's sites, by function: still reachable,
+/// definitely lost.
+fn verdicts(report: &Value) -> Vec<(&'static str, Amount, Amount)> {
     [
         "keep_in_dontfork",
         "keep_in_wipeonfork",

@@ -1628,6 +1628,30 @@ pub fn check_assertion(report: &Value, assertion: &str) -> Result<String, String
             ))
         };
     }
+    if let Some(rest) = assertion.strip_prefix("leak:") {
+        // A key of `leak_check` (dotted path): a string, or an amount as
+        // bytes/blocks.
+        let (path, want) = rest
+            .split_once('=')
+            .ok_or_else(|| format!("bad assertion {assertion:?}"))?;
+        let value = path
+            .split('.')
+            .fold(&report["leak_check"], |value, key| &value[key]);
+        let got = match value {
+            Value::String(text) => text.clone(),
+            Value::Object(amount) if amount.contains_key("bytes") => format!(
+                "{}/{}",
+                amount["bytes"].as_u64().unwrap_or(0),
+                amount["blocks"].as_u64().unwrap_or(0)
+            ),
+            other => other.to_string(),
+        };
+        return if got == want {
+            Ok(format!("{path} {got}"))
+        } else {
+            Err(format!("leak_check.{path}: {got}, expected {want}"))
+        };
+    }
     if let Some(min) = assertion.strip_prefix("processes>=") {
         let min: usize = min.parse().map_err(|_| format!("bad number {min:?}"))?;
         let n = report["processes"].as_array().map_or(0, Vec::len);
@@ -1876,6 +1900,18 @@ linux-binary-7.1.4+deb14-cloud-amd64 - image
             Err("leak_a: 4800/100 live, expected 4800/101".into())
         );
         assert!(check_assertion(&report, "chain:leak_a=leak_a,main").is_ok());
+        let checked = serde_json::json!({"leak_check": {
+            "mode": "snapshot",
+            "definitely_lost": {"bytes": 2400, "blocks": 50},
+            "before_attach": {"heap_walk": {"status": "complete"}}
+        }});
+        assert!(check_assertion(&checked, "leak:mode=snapshot").is_ok());
+        assert!(check_assertion(&checked, "leak:definitely_lost=2400/50").is_ok());
+        assert!(check_assertion(&checked, "leak:before_attach.heap_walk.status=complete").is_ok());
+        assert_eq!(
+            check_assertion(&checked, "leak:mode=stopped"),
+            Err("leak_check.mode: snapshot, expected stopped".into())
+        );
         assert!(check_assertion(&report, "chain:leak_a=leak_a,outer,main").is_err());
         assert!(check_assertion(&report, "py:render,handle>=1000000/10").is_ok());
         assert!(check_assertion(&report, "py:handle>=1/1").is_err());

@@ -62,9 +62,11 @@ fn send(line: &str) -> bool {
             Err(e) => log::warn!("the snapshot guard could not start: {e}"),
         }
     }
-    guard
-        .as_mut()
-        .is_some_and(|g| writeln!(g.stdin, "{line}").and_then(|()| g.stdin.flush()).is_ok())
+    guard.as_mut().is_some_and(|g| {
+        writeln!(g.stdin, "{line}")
+            .and_then(|()| g.stdin.flush())
+            .is_ok()
+    })
 }
 
 /// Before the clone into `service`.
@@ -171,12 +173,9 @@ fn clean_up(service: u32, armed: &Armed) {
         {
             std::thread::sleep(Duration::from_millis(5));
         }
-        if let Err(e) = super::snapshot::reap(
-            service,
-            child,
-            armed.instruction,
-            armed.suspend_seccomp,
-        ) {
+        if let Err(e) =
+            super::snapshot::reap(service, child, armed.instruction, armed.suspend_seccomp)
+        {
             eprintln!("memtrace snapshot-guard: {e}");
         }
     }

@@ -10,7 +10,9 @@
 //! bytes scanned are the report's `leak_check`. The same heap, untraced,
 //! is then checked by pid: every block is from before the attach, found by
 //! walking glibc's heap (`leak_check.before_attach.heap_walk`), whose rate
-//! in chunks per second is set beside the copy rate.
+//! in chunks per second is set beside the copy rate; checked twice, stopped
+//! for the whole check and from a snapshot (`--leak-check-mode`), whose
+//! pause and scan rate are set beside the stop's and the copy rate.
 
 use std::fmt::Write as _;
 use std::process::Command;
@@ -56,6 +58,10 @@ fn cases(quick: bool) -> Vec<Case> {
             blocks: 10_000,
         },
         Case {
+            bytes: 16384 * MIB,
+            blocks: 10_000,
+        },
+        Case {
             bytes: 1024 * MIB,
             blocks: 10_000_000,
         },
@@ -77,8 +83,13 @@ struct Measured {
     lost_blocks: u64,
     /// GB/s of `process_vm_readv` over the same heap.
     copy_gbps: f64,
-    /// The same heap checked by pid (every block from before the attach).
+    /// The process's anonymous memory (`RssAnon`), bytes.
+    anon_bytes: u64,
+    /// The same heap checked by pid (every block from before the attach),
+    /// stopped for the whole check.
     walk: std::result::Result<Walked, String>,
+    /// The same, from a snapshot.
+    snapshot: std::result::Result<Walked, String>,
 }
 
 /// A check by pid of an untraced heap.
@@ -88,6 +99,10 @@ struct Walked {
     pause_ms: f64,
     blocks_before_attach: u64,
     reachable_blocks: u64,
+    mode: String,
+    clone_ms: f64,
+    scan_ms: f64,
+    scanned_bytes: u64,
 }
 
 /// Copies every readable, writable mapping of `pid` with
@@ -136,8 +151,9 @@ fn copy_all(pid: i32) -> Result<(u64, f64)> {
     Ok((total, started.elapsed().as_secs_f64()))
 }
 
-/// memtrace attached to `pid` for a moment, its leak check at the end.
-fn walk_by_pid(env: &Env, pid: i32) -> Result<Walked> {
+/// memtrace attached to `pid` for a moment, its leak check at the end
+/// (`mode`: `stopped` or `snapshot`).
+fn walk_by_pid(env: &Env, pid: i32, mode: &str) -> Result<Walked> {
     let out = env.work.join("leak-check-by-pid.json");
     let _ = std::fs::remove_file(&out);
     let status = Command::new("timeout")
@@ -154,6 +170,8 @@ fn walk_by_pid(env: &Env, pid: i32) -> Result<Walked> {
             "0",
             "--leak-check-max-pause",
             "10m",
+            "--leak-check-mode",
+            mode,
             "--output",
         ])
         .arg(&out)
@@ -182,12 +200,41 @@ fn walk_by_pid(env: &Env, pid: i32) -> Result<Walked> {
         reachable_blocks: check["before_attach"]["still_reachable"]["blocks"]
             .as_u64()
             .unwrap_or(0),
+        mode: match check["fallback"].as_str() {
+            Some(why) => format!("{} ({why})", check["mode"].as_str().unwrap_or("?")),
+            None => check["mode"].as_str().unwrap_or("?").to_string(),
+        },
+        clone_ms: check["clone_ms"].as_f64().unwrap_or(f64::NAN),
+        scan_ms: check["scan_ms"].as_f64().unwrap_or(f64::NAN),
+        scanned_bytes: check["scanned_bytes"].as_u64().unwrap_or(0),
     })
 }
 
+/// `RssAnon` of `pid`, bytes.
+fn anon_bytes(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("RssAnon:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// What one heap gave untraced: the copy rate, its anonymous memory and
+/// the checks by pid (stopped, snapshot).
+struct Untraced {
+    copy_gbps: f64,
+    anon_bytes: u64,
+    walk: std::result::Result<Walked, String>,
+    snapshot: std::result::Result<Walked, String>,
+}
+
 /// The copy rate of this machine on `case`'s heap, untraced, and the same
-/// heap checked by pid.
-fn copy_rate(env: &Env, case: &Case) -> Result<(f64, std::result::Result<Walked, String>)> {
+/// heap checked by pid, stopped and from a snapshot.
+fn untraced(env: &Env, case: &Case) -> Result<Untraced> {
     let mut prog = Proc::spawn(
         "heapscan",
         env.program("heapscan")
@@ -203,12 +250,19 @@ fn copy_rate(env: &Env, case: &Case) -> Result<(f64, std::result::Result<Walked,
     // the second is the one kept (warm caches, as the check's own read).
     copy_all(prog.pid())?;
     let (bytes, seconds) = copy_all(prog.pid())?;
-    let walk = walk_by_pid(env, prog.pid()).map_err(|e| format!("{e:#}"));
+    let anon = anon_bytes(prog.pid());
+    let walk = walk_by_pid(env, prog.pid(), "stopped").map_err(|e| format!("{e:#}"));
+    let snapshot = walk_by_pid(env, prog.pid(), "snapshot").map_err(|e| format!("{e:#}"));
     let _ = prog.send_line();
     if seconds <= 0.0 {
         bail!("nothing copied");
     }
-    Ok((bytes as f64 / seconds / 1e9, walk))
+    Ok(Untraced {
+        copy_gbps: bytes as f64 / seconds / 1e9,
+        anon_bytes: anon,
+        walk,
+        snapshot,
+    })
 }
 
 /// One traced run: memtrace launches heapscan and checks it at its exit.
@@ -262,7 +316,7 @@ fn check_run(env: &Env, case: &Case) -> Result<(f64, u64, u64, u64)> {
 
 fn measure(env: &Env, case: &Case) -> Result<Measured> {
     let rounds = env.rounds.clamp(1, 3);
-    let (copy_gbps, walk) = copy_rate(env, case)?;
+    let untraced = untraced(env, case)?;
     let mut pauses = Vec::new();
     let mut last = (0, 0, 0);
     for _ in 0..rounds {
@@ -275,8 +329,10 @@ fn measure(env: &Env, case: &Case) -> Result<Measured> {
         scanned_bytes: last.0,
         reachable_blocks: last.1,
         lost_blocks: last.2,
-        copy_gbps,
-        walk,
+        copy_gbps: untraced.copy_gbps,
+        anon_bytes: untraced.anon_bytes,
+        walk: untraced.walk,
+        snapshot: untraced.snapshot,
     })
 }
 
@@ -382,6 +438,69 @@ pub(super) fn render(rows: &[Row], s: &mut String) {
             },
             Err(_) => {
                 let _ = writeln!(s, "| {heap} | {} | (see above) | | | | | | | |", row.blocks);
+            }
+        }
+    }
+    let _ = writeln!(s);
+    render_snapshot(rows, s);
+}
+
+/// The third table: by pid, a snapshot against the full stop.
+fn render_snapshot(rows: &[Row], s: &mut String) {
+    let _ = writeln!(
+        s,
+        "By pid, the same untraced heap checked twice: stopped for the whole check \
+         (`--leak-check-mode stopped`), then from a snapshot (the default: the process is \
+         stopped only to clone a copy-on-write child, which is scanned while it runs). The \
+         goal for the snapshot's pause: at most 50 ms plus 15 ms per GiB of anonymous memory \
+         (`RssAnon`); for its scan, at least a quarter of the copy rate.\n"
+    );
+    let _ = writeln!(
+        s,
+        "| live heap | blocks | anon | stopped: pause | snapshot: pause | of it the clone | goal | pause ratio | scan | scan rate | copy rate | scan / copy | mode | judged reachable |"
+    );
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for row in rows {
+        let heap = format!("{} MiB", row.bytes / MIB);
+        let Ok(m) = &row.outcome else {
+            let _ = writeln!(s, "| {heap} | {} | (see above) |||||||||||", row.blocks);
+            continue;
+        };
+        match (&m.walk, &m.snapshot) {
+            (Ok(stopped), Ok(snap)) => {
+                let anon_gib = m.anon_bytes as f64 / (1u64 << 30) as f64;
+                let goal = 50.0 + 15.0 * anon_gib;
+                let scan_gbps = snap.scanned_bytes as f64 / (snap.scan_ms / 1000.0) / 1e9;
+                let _ = writeln!(
+                    s,
+                    "| {heap} | {} | {:.2} GiB | {:.0} ms | {:.1} ms | {:.1} ms | {:.0} ms | {:.3} | {:.0} ms | {:.2} GB/s | {:.2} GB/s | {:.2} | {} | {} of {} |",
+                    row.blocks,
+                    anon_gib,
+                    stopped.pause_ms,
+                    snap.pause_ms,
+                    snap.clone_ms,
+                    goal,
+                    snap.pause_ms / stopped.pause_ms,
+                    snap.scan_ms,
+                    scan_gbps,
+                    m.copy_gbps,
+                    scan_gbps / m.copy_gbps,
+                    snap.mode,
+                    snap.reachable_blocks,
+                    snap.blocks_before_attach
+                );
+            }
+            (stopped, snap) => {
+                let err = stopped
+                    .as_ref()
+                    .err()
+                    .or(snap.as_ref().err())
+                    .cloned()
+                    .unwrap_or_default();
+                let _ = writeln!(s, "| {heap} | {} | failed: {err} |||||||||||", row.blocks);
             }
         }
     }
