@@ -10,7 +10,7 @@
 //! it cannot be read, the object's own symbols answer: a module is never
 //! dropped for its debug information.
 
-mod debug;
+pub mod debug;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -693,6 +693,7 @@ fn the_heap_walk_judges_a_containers_blocks_from_before_the_attach_on_its_own_gl
         "{}\n{stderr}",
         report["leak_check"]
     );
-    crate::leak::assert_walked_before_attach(&report, "2.41");
+    // The image has no libc6-dbg: main_arena is found by its empty bins.
+    crate::leak::assert_walked_before_attach(&report, "2.41", "empty bins");
     container.main.go();
 }

@@ -308,7 +308,11 @@ fn heap_walk_in_bullseye(rootfs: &Path, chroot: &dyn Fn(&[&str]) -> Command) -> 
     let report: Value = serde_json::from_str(&report).context("the report's JSON")?;
     let before = &report["leak_check"]["before_attach"];
     let walk = &before["heap_walk"];
-    if walk["status"] != "complete" || walk["glibc_version"] != "2.31" || walk["arenas_walked"] != 2
+    // No debug file of bullseye's libc: main_arena found by its bins.
+    if walk["status"] != "complete"
+        || walk["glibc_version"] != "2.31"
+        || walk["arenas_walked"] != 2
+        || walk["main_arena_from"] != "empty bins"
     {
         bail!("bullseye: the heap walk was not complete on glibc 2.31: {walk}");
     }

@@ -37,8 +37,18 @@ mod apt;
 pub mod arm64;
 
 /// Every check of the smoke suite, in table order.
-pub const CHECKS: [&str; 10] = [
-    "doctor", "launch", "fp", "depth0", "pid", "dwarf", "python", "cuda", "forks", "hashed",
+pub const CHECKS: [&str; 11] = [
+    "doctor",
+    "launch",
+    "fp",
+    "depth0",
+    "pid",
+    "dwarf",
+    "python",
+    "cuda",
+    "forks",
+    "hashed",
+    "leakcheck",
 ];
 
 /// A Debian kernel of the matrix: the newest `-cloud-amd64` image of `suite`

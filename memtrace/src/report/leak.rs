@@ -264,6 +264,11 @@ pub struct HeapWalkSummary {
     pub status: String,
     /// The target's glibc (`2.36`).
     pub glibc_version: Option<String>,
+    /// How `main_arena` was found: `debug symbols` (its symbol in libc's
+    /// debug file, `libc6-dbg`, of that very build) or `empty bins` (no
+    /// debug file: its bins pointing at themselves, as chap finds it).
+    #[serde(default)]
+    pub main_arena_from: Option<String>,
     /// Arenas found, and walked.
     pub arenas: u32,
     pub arenas_walked: u32,

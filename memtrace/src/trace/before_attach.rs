@@ -73,7 +73,41 @@ pub fn walk(
         )
     })?;
     let image = std::fs::read(&path).map_err(|err| format!("{}: {err}", path.display()))?;
-    heap_walk::walk(mappings, &image, stacks, memory)
+    let symbol = main_arena_symbol(pid, mappings);
+    heap_walk::walk(mappings, &image, stacks, symbol, memory)
+}
+
+/// The address of `main_arena` in `pid`, from the `main_arena` symbol of
+/// its libc's debug file (`libc6-dbg`, found by build-id: in the process's
+/// root first, then on the host); `None` when no debug file of that build
+/// is installed.
+pub fn main_arena_symbol(pid: u32, mappings: &[Mapping]) -> Option<u64> {
+    use object::{Object, ObjectSymbol};
+
+    use crate::symbolize::debug;
+
+    let libc = mappings
+        .iter()
+        .find(|m| m.is_file() && m.file_offset == 0 && crate::tracee::glibc_heap::is_libc(m))?;
+    let path = crate::tracee::files::open(pid, libc).ok()?;
+    let info = debug::ObjectInfo::read(&path).ok()?;
+    let build_id = info.build_id.as_deref()?;
+    let relative = debug::build_id_path(build_id)?;
+    let candidates = debug::DEBUG_DIRS.iter().flat_map(|dir| {
+        [
+            std::path::PathBuf::from(format!("/proc/{pid}/root{dir}")).join(&relative),
+            std::path::Path::new(dir).join(&relative),
+        ]
+    });
+    let file = std::fs::File::open(debug::first_matching(build_id, candidates)?).ok()?;
+    let cache = object::ReadCache::new(file);
+    let elf = object::File::parse(&cache).ok()?;
+    let symbol = elf
+        .symbols()
+        .find(|s| s.name() == Ok("main_arena") && s.size() > 0)?;
+    // Where file offset 0 is mapped is the object's address of offset 0.
+    let base = libc.start.checked_sub(info.virt_offset(0)?)?;
+    base.checked_add(symbol.address())
 }
 
 /// One line for each allocator or runtime whose memory no walk covers.
@@ -148,6 +182,7 @@ pub fn summary(
             glibc_version: walk
                 .layout
                 .map(|l| format!("{}.{}", l.version.0, l.version.1)),
+            main_arena_from: walk.main_arena_from.map(str::to_string),
             arenas: walk.arenas,
             arenas_walked: walk.arenas_walked,
             chunks: walk.chunks.len() as u64,

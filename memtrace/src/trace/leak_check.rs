@@ -310,7 +310,12 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
     // glibc's own memory: main_arena's chunk pointers (false interior
     // pointers into the block before each chunk) always; its heaps when
     // every block in them is a node.
-    excluded.extend(glibc_heap::main_arena_pointers(mappings, &mut memory));
+    let symbol = before_attach::main_arena_symbol(pid, mappings);
+    excluded.extend(glibc_heap::main_arena_pointers(
+        mappings,
+        &mut memory,
+        symbol,
+    ));
     if prepared.complete {
         let mut sorted = scanned_ranges.clone();
         sorted.sort_unstable();

@@ -11,8 +11,12 @@
 //!   kernel merges neighbouring anonymous mappings, so one mapping can
 //!   hold a glibc chunk beside a Python arena or a thread's stack.
 //! - [`main_arena_pointers`]: the words of `main_arena` that point at
-//!   chunks (`fastbinsY`, `top`, `last_remainder`, `bins`), found without
-//!   symbols the way chap does: empty bins point at themselves.
+//!   chunks (`fastbinsY`, `top`, `last_remainder`, `bins`). `main_arena`
+//!   is found by its symbol in libc's debug file when one is installed for
+//!   that very build (`trace::before_attach::main_arena_symbol`), else without symbols the way
+//!   chap does: empty bins point at themselves. Either way the arena is
+//!   validated (`top` in a heap or the initial top, `next` the arena itself
+//!   or another in a heap).
 //!
 //! Layouts (glibc 2.26 to 2.41, 64-bit): a chunk header is `prev_size`,
 //! `size` (flags in its low bits: 1 `PREV_INUSE`, 2 `IS_MMAPPED`, 4
@@ -126,28 +130,60 @@ pub fn heap_extents(
 pub struct MainArena {
     pub arena: u64,
     pub bins: u64,
+    /// How it was found: `debug symbols` or `empty bins`.
+    pub found_by: &'static str,
+}
+
+/// Whether a mapping is of glibc's libc.
+pub fn is_libc(mapping: &Mapping) -> bool {
+    mapping
+        .path
+        .as_deref()
+        .and_then(|p| p.file_name())
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("libc.so") || n.starts_with("libc-2."))
 }
 
 /// The words of `main_arena` that point at chunks (`fastbinsY`, `top`,
 /// `last_remainder`, `bins`), as one range; `None` when no glibc arena is
 /// found in a writable mapping of libc.
-pub fn main_arena_pointers(mappings: &[Mapping], memory: &mut dyn Memory) -> Option<(u64, u64)> {
-    find_main_arena(mappings, memory)
+pub fn main_arena_pointers(
+    mappings: &[Mapping],
+    memory: &mut dyn Memory,
+    symbol: Option<u64>,
+) -> Option<(u64, u64)> {
+    find_main_arena(mappings, memory, symbol)
         .map(|found| (found.bins - BEFORE_BINS, found.bins + BINS_BYTES))
 }
 
-/// Finds `main_arena` in a writable mapping of libc by its empty bins.
-pub fn find_main_arena(mappings: &[Mapping], memory: &mut dyn Memory) -> Option<MainArena> {
-    let libc = |m: &Mapping| {
-        m.writable
-            && m.is_file()
-            && m.path
-                .as_deref()
-                .and_then(|p| p.file_name())
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("libc.so") || n.starts_with("libc-2."))
-    };
-    for mapping in mappings.iter().filter(|m| libc(m)) {
+/// Finds `main_arena`: at `symbol` (from a debug file) when the arena
+/// there is valid, else in a writable mapping of libc by its empty bins.
+pub fn find_main_arena(
+    mappings: &[Mapping],
+    memory: &mut dyn Memory,
+    symbol: Option<u64>,
+) -> Option<MainArena> {
+    if let Some(arena) = symbol {
+        // `bins` 112 bytes in (2.27+), 104 in 2.26.
+        for bins in [arena + 112, arena + 104] {
+            let top = word(memory, bins - 16);
+            let next = word(memory, bins + BINS_BYTES + 16);
+            if let (Some(top), Some(next)) = (top, next) {
+                if valid_arena(mappings, bins, top, next).is_some() {
+                    return Some(MainArena {
+                        arena,
+                        bins,
+                        found_by: "debug symbols",
+                    });
+                }
+            }
+        }
+        log::debug!("main_arena at {arena:#x} (its debug symbol) does not look like an arena");
+    }
+    for mapping in mappings
+        .iter()
+        .filter(|m| m.writable && m.is_file() && is_libc(m))
+    {
         let len = (mapping.end - mapping.start).min(1 << 20) as usize;
         let mut bytes = vec![0u8; len];
         let read = memory.read(mapping.start, &mut bytes);
@@ -198,11 +234,6 @@ fn find_bins(words: &[u64], base: u64, mappings: &[Mapping]) -> Option<MainArena
         let k = addr.checked_sub(base)? / 8;
         words.get(k as usize).copied()
     };
-    let heap_like = |p: u64| {
-        mappings
-            .iter()
-            .any(|m| p >= m.start && p < m.end && m.writable && anonymous(m))
-    };
     // bins[0] lies at most 126 pairs before the last empty bin (the last
     // bin, for the largest chunks, is nearly always empty: tried first),
     // and at or before the first. `top` (just before `bins`) is the
@@ -218,21 +249,16 @@ fn find_bins(words: &[u64], base: u64, mappings: &[Mapping]) -> Option<MainArena
     let valid = |bins: u64| -> Option<MainArena> {
         let top = word_at(bins - 16)?;
         let next = word_at(bins + BINS_BYTES + 16)?;
-        if !(top == bins - 16 || heap_like(top)) {
-            return None;
-        }
-        let arena = if next == bins - 112 || next == bins - 104 {
-            next
-        } else if heap_like(next) {
-            if word_at(bins - 104)? <= 1 {
-                bins - 112
-            } else {
-                bins - 104
-            }
-        } else {
-            return None;
+        let arena = match valid_arena(mappings, bins, top, next)? {
+            Some(arena) => arena,
+            None if word_at(bins - 104)? <= 1 => bins - 112,
+            None => bins - 104,
         };
-        Some(MainArena { arena, bins })
+        Some(MainArena {
+            arena,
+            bins,
+            found_by: "empty bins",
+        })
     };
     std::iter::once(lowest)
         .chain(
@@ -242,6 +268,28 @@ fn find_bins(words: &[u64], base: u64, mappings: &[Mapping]) -> Option<MainArena
         )
         .filter(|&c| c <= first && (first - c) % 16 == 0)
         .find_map(valid)
+}
+
+/// Whether an arena whose `bins` start at `bins` (with `top` just before
+/// and `next` after the bins and the binmap) is plausible: `top` is the
+/// initial top or in a heap; `next` is the arena itself (then its start,
+/// `Some(Some(arena))`) or another arena in a heap (`Some(None)`).
+fn valid_arena(mappings: &[Mapping], bins: u64, top: u64, next: u64) -> Option<Option<u64>> {
+    let heap_like = |p: u64| {
+        mappings
+            .iter()
+            .any(|m| p >= m.start && p < m.end && m.writable && anonymous(m))
+    };
+    if !(top == bins - 16 || heap_like(top)) {
+        return None;
+    }
+    if next == bins - 112 || next == bins - 104 {
+        Some(Some(next))
+    } else if heap_like(next) {
+        Some(None)
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -326,10 +374,19 @@ mod tests {
         m.words.insert(bins - 16, 0x0555_5002_0000);
         m.words.insert(bins + BINS_BYTES + 16, bins - 112);
         assert_eq!(
-            main_arena_pointers(&maps, &mut m),
+            main_arena_pointers(&maps, &mut m, None),
             Some((bins - BEFORE_BINS, bins + BINS_BYTES))
         );
+        // Its debug symbol, when right, finds it as well; when wrong, the
+        // empty bins still do.
+        let by_symbol = find_main_arena(&maps, &mut m, Some(bins - 112)).expect("found");
+        assert_eq!(
+            (by_symbol.bins, by_symbol.found_by),
+            (bins, "debug symbols")
+        );
+        let wrong = find_main_arena(&maps, &mut m, Some(libc + 0x40)).expect("found");
+        assert_eq!((wrong.bins, wrong.found_by), (bins, "empty bins"));
         // No arena: nothing.
-        assert_eq!(main_arena_pointers(&maps, &mut Fake::default()), None);
+        assert_eq!(main_arena_pointers(&maps, &mut Fake::default(), None), None);
     }
 }

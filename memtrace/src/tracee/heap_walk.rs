@@ -143,6 +143,8 @@ pub struct HeapWalk {
     pub partial: Vec<String>,
     /// Some arena's mutex was held: a brief resume may let its holder out.
     pub locked: bool,
+    /// How `main_arena` was found (`debug symbols`, `empty bins`).
+    pub main_arena_from: Option<&'static str>,
 }
 
 /// A buffered reader of words: a heap is read a window at a time.
@@ -381,20 +383,23 @@ fn mmapped_chunks(
 }
 
 /// Walks the heap of a stopped process: `libc` is its libc's file image
-/// (for the version), `stacks` its threads' stack pointers.
+/// (for the version), `stacks` its threads' stack pointers, `symbol`
+/// `main_arena`'s address from libc's debug file, if installed.
 pub fn walk(
     mappings: &[Mapping],
     libc: &[u8],
     stacks: &[u64],
+    symbol: Option<u64>,
     memory: &mut dyn Memory,
 ) -> Result<HeapWalk, String> {
     let version = glibc_version(libc).ok_or("no glibc version banner in libc.so.6")?;
     let layout = Layout::of(version)?;
-    let MainArena { bins, .. } = glibc_heap::find_main_arena(mappings, memory)
+    let MainArena { bins, found_by, .. } = glibc_heap::find_main_arena(mappings, memory, symbol)
         .ok_or("glibc's main_arena was not found in libc's data")?;
     let arena = bins - layout.bins_offset();
     let mut walk = HeapWalk {
         layout: Some(layout),
+        main_arena_from: Some(found_by),
         ..HeapWalk::default()
     };
     let header = bins - arena;

@@ -28,6 +28,9 @@
 //! service instead. Any failure of the clone itself falls back the same
 //! way; the report says which.
 
+use std::io::Write;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::maps::Mapping;
@@ -727,7 +730,7 @@ impl Snapshot {
         })?;
         let instruction = find_instruction(pid, mappings, threads)
             .ok_or("no system-call instruction was found in the process's code")?;
-        super::snapshot_guard::arm(pid, instruction, plan.suspend_seccomp);
+        guard_arm(pid, instruction, plan.suspend_seccomp);
         let started = Instant::now();
         let injected = inject(
             thread,
@@ -737,9 +740,9 @@ impl Snapshot {
             plan.suspend_seccomp,
         );
         if let Some(child) = injected.as_ref().ok().and_then(|i| i.child) {
-            super::snapshot_guard::child(pid, child);
+            guard_child(pid, child);
         } else {
-            super::snapshot_guard::disarm(pid);
+            guard_disarm(pid);
         }
         let injected = injected?;
         let clone_time = started.elapsed();
@@ -804,7 +807,7 @@ impl Snapshot {
             self.instruction,
             self.suspend_seccomp,
         );
-        super::snapshot_guard::disarm(self.service);
+        guard_disarm(self.service);
         reaped
     }
 }
@@ -897,6 +900,88 @@ fn detach(tid: i32, signal: i32) {
             signal as usize as *mut libc::c_void,
         )
     };
+}
+
+// The guard's side of these lines is `super::snapshot_guard`.
+
+/// The running guard, started once.
+struct Guard {
+    _process: Child,
+    stdin: ChildStdin,
+}
+
+static GUARD: Mutex<Option<Guard>> = Mutex::new(None);
+
+/// Sends one line to the guard, starting it first; false when there is
+/// no guard (it could not be started: the snapshot goes on unguarded).
+fn send(line: &str) -> bool {
+    let Ok(mut guard) = GUARD.lock() else {
+        return false;
+    };
+    if guard.is_none() {
+        use std::os::unix::process::CommandExt;
+        let started = Command::new("/proc/self/exe")
+            .arg("snapshot-guard")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .process_group(0)
+            .spawn();
+        match started {
+            Ok(mut process) => {
+                if let Some(stdin) = process.stdin.take() {
+                    *guard = Some(Guard {
+                        _process: process,
+                        stdin,
+                    });
+                }
+            }
+            Err(e) => log::warn!("the snapshot guard could not start: {e}"),
+        }
+    }
+    guard.as_mut().is_some_and(|g| {
+        writeln!(g.stdin, "{line}")
+            .and_then(|()| g.stdin.flush())
+            .is_ok()
+    })
+}
+
+/// Before the clone into `service`.
+fn guard_arm(service: u32, instruction: u64, suspend_seccomp: bool) {
+    let children = children(service);
+    let list: Vec<String> = children.iter().map(u32::to_string).collect();
+    send(&format!(
+        "arm {service} {instruction} {} {}",
+        u8::from(suspend_seccomp),
+        list.join(" ")
+    ));
+}
+
+/// Once the clone made `child`.
+fn guard_child(service: u32, child: u32) {
+    send(&format!("child {service} {child}"));
+}
+
+/// Once the child is reaped (or never born).
+fn guard_disarm(service: u32) {
+    send(&format!("disarm {service}"));
+}
+
+/// The children of every thread of `pid`.
+pub fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    let mut all: Vec<u32> = tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|text| {
+            text.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect();
+    all.sort_unstable();
+    all
 }
 
 #[cfg(test)]

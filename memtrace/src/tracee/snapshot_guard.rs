@@ -7,16 +7,16 @@
 //! injected `wait4`), so nothing is left behind. A clean exit closes its
 //! stdin with nothing armed: it just exits.
 //!
-//! Lines: `arm SERVICE INSTRUCTION SUSPEND CHILD...` before the clone (the
-//! service's children then, so a child born of the clone is told apart),
-//! `child SERVICE CHILD` once the clone made it, `disarm SERVICE` once it
-//! is reaped.
+//! Lines (sent by [`super::snapshot`]): `arm SERVICE INSTRUCTION SUSPEND
+//! CHILD...` before the clone (the service's children then, so a child
+//! born of the clone is told apart), `child SERVICE CHILD` once the clone
+//! made it, `disarm SERVICE` once it is reaped.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::Mutex;
+use std::io::BufRead;
 use std::time::{Duration, Instant};
+
+use super::snapshot::children;
 
 /// What the guard knows of one service's snapshot in flight.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -26,86 +26,6 @@ struct Armed {
     /// The service's children before the clone.
     before: Vec<u32>,
     child: Option<u32>,
-}
-
-/// The running guard, started once.
-struct Guard {
-    _process: Child,
-    stdin: ChildStdin,
-}
-
-static GUARD: Mutex<Option<Guard>> = Mutex::new(None);
-
-/// Sends one line to the guard, starting it first; false when there is
-/// no guard (it could not be started: the snapshot goes on unguarded).
-fn send(line: &str) -> bool {
-    let Ok(mut guard) = GUARD.lock() else {
-        return false;
-    };
-    if guard.is_none() {
-        use std::os::unix::process::CommandExt;
-        let started = Command::new("/proc/self/exe")
-            .arg("snapshot-guard")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .process_group(0)
-            .spawn();
-        match started {
-            Ok(mut process) => {
-                if let Some(stdin) = process.stdin.take() {
-                    *guard = Some(Guard {
-                        _process: process,
-                        stdin,
-                    });
-                }
-            }
-            Err(e) => log::warn!("the snapshot guard could not start: {e}"),
-        }
-    }
-    guard.as_mut().is_some_and(|g| {
-        writeln!(g.stdin, "{line}")
-            .and_then(|()| g.stdin.flush())
-            .is_ok()
-    })
-}
-
-/// Before the clone into `service`.
-pub fn arm(service: u32, instruction: u64, suspend_seccomp: bool) {
-    let children = children(service);
-    let list: Vec<String> = children.iter().map(u32::to_string).collect();
-    send(&format!(
-        "arm {service} {instruction} {} {}",
-        u8::from(suspend_seccomp),
-        list.join(" ")
-    ));
-}
-
-/// Once the clone made `child`.
-pub fn child(service: u32, child: u32) {
-    send(&format!("child {service} {child}"));
-}
-
-/// Once the child is reaped (or never born).
-pub fn disarm(service: u32) {
-    send(&format!("disarm {service}"));
-}
-
-/// The children of every thread of `pid`.
-fn children(pid: u32) -> Vec<u32> {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return Vec::new();
-    };
-    let mut all: Vec<u32> = tasks
-        .filter_map(Result::ok)
-        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
-        .flat_map(|text| {
-            text.split_whitespace()
-                .filter_map(|p| p.parse().ok())
-                .collect::<Vec<u32>>()
-        })
-        .collect();
-    all.sort_unstable();
-    all
 }
 
 /// Applies one line to the armed set.

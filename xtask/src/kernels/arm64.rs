@@ -32,8 +32,17 @@ mod image;
 pub const TARGET: &str = "aarch64-unknown-linux-gnu";
 
 /// The checks of the arm64 matrix, in table order (smoke.sh's names).
-pub const CHECKS: [&str; 9] = [
-    "doctor", "launch", "pid", "dwarf", "python", "cuda", "acl", "forks", "hashed",
+pub const CHECKS: [&str; 10] = [
+    "doctor",
+    "launch",
+    "pid",
+    "dwarf",
+    "python",
+    "cuda",
+    "acl",
+    "forks",
+    "hashed",
+    "leakcheck",
 ];
 
 /// The CPU of every row but the pointer-authentication one (Graviton 2, Ampere Altra).
