@@ -201,7 +201,7 @@ fn tally_blocks(input: &ReportInput<'_>, symbols: &HashMap<FileAddr, SymInfo>) -
         let Some(entry) = spec(block.spec) else {
             continue;
         };
-        let verdict = verdicts.and_then(|v| v.get(pid, domain, addr));
+        let verdict = verdicts.and_then(|v| v.of_block(pid, domain, addr, block.ts_ns));
         let held = tally.per_process.entry(pid).or_insert((0, 0));
         held.0 += block.size;
         held.1 += 1;

@@ -360,12 +360,39 @@ impl LeakCheck {
 #[derive(Clone, Debug, Default)]
 pub struct LeakVerdicts {
     entries: Vec<((u32, Domain, u64), Category)>,
+    /// When each process's blocks were judged (`CLOCK_MONOTONIC` ns, the
+    /// table's clock): a block allocated later at a judged block's address
+    /// (the process ran on during a snapshot's scan, and after) has no
+    /// verdict.
+    as_of_ns: Vec<(u32, u64)>,
 }
 
 impl LeakVerdicts {
     pub fn new(mut entries: Vec<((u32, Domain, u64), Category)>) -> Self {
         entries.sort_unstable_by_key(|e| e.0);
-        LeakVerdicts { entries }
+        LeakVerdicts {
+            entries,
+            as_of_ns: Vec::new(),
+        }
+    }
+
+    /// Adds `pid`'s verdicts, its blocks judged as they were at `ns` (its
+    /// stop).
+    pub fn add(&mut self, entries: Vec<((u32, Domain, u64), Category)>, pid: u32, ns: u64) {
+        self.entries.extend(entries);
+        self.entries.sort_unstable_by_key(|e| e.0);
+        self.as_of_ns.retain(|&(p, _)| p != pid);
+        self.as_of_ns.push((pid, ns));
+    }
+
+    /// The verdict of the block at `addr` allocated at `born_ns`: none for
+    /// a block born after its process's check.
+    pub fn of_block(&self, pid: u32, domain: Domain, addr: u64, born_ns: u64) -> Option<Category> {
+        let judged_at = self.as_of_ns.iter().find(|&&(p, _)| p == pid);
+        if judged_at.is_some_and(|&(_, t)| born_ns > t) {
+            return None;
+        }
+        self.get(pid, domain, addr)
     }
 
     pub fn get(&self, pid: u32, domain: Domain, addr: u64) -> Option<Category> {
@@ -379,11 +406,6 @@ impl LeakVerdicts {
     /// The entries, sorted by key.
     pub fn entries(&self) -> &[((u32, Domain, u64), Category)] {
         &self.entries
-    }
-
-    /// The entries, for adding more.
-    pub fn into_entries(self) -> Vec<((u32, Domain, u64), Category)> {
-        self.entries
     }
 }
 
@@ -458,7 +480,17 @@ mod tests {
             Some(Category::IndirectlyLost)
         );
         assert_eq!(verdicts.get(1, Domain::Heap, 0x20), None);
-        assert_eq!(verdicts.into_entries().len(), 3);
+        // A block born after the check at a judged address: no verdict.
+        let mut verdicts = verdicts;
+        verdicts.add(
+            vec![((2, Domain::Heap, 0x10), Category::DefinitelyLost)],
+            1,
+            1_000,
+        );
+        assert!(verdicts.of_block(1, Domain::Heap, 0x30, 999).is_some());
+        assert_eq!(verdicts.of_block(1, Domain::Heap, 0x30, 1_001), None);
+        assert!(verdicts.of_block(2, Domain::Heap, 0x10, 1_001).is_some());
+        assert_eq!(verdicts.entries().len(), 4);
     }
 
     #[test]

@@ -50,6 +50,7 @@ const LOCKED_ARENA_RESUME: Duration = Duration::from_millis(10);
 /// One process judged.
 #[derive(Default)]
 struct Judgement {
+    pid: u32,
     split: LeakSplit,
     heuristics: BTreeMap<String, Amount>,
     not_judged: Amount,
@@ -76,6 +77,8 @@ enum Refused {
 /// How one process was read.
 #[derive(Default)]
 struct Reading {
+    /// When the process was stopped (`CLOCK_MONOTONIC` ns).
+    stopped_at_ns: u64,
     mode: Option<CheckMode>,
     fallback: Option<String>,
     threads: usize,
@@ -266,6 +269,7 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
             || prepared.device_modules.iter().any(|m| m == file_name(path))
     };
     let mut judgement = Judgement {
+        pid,
         not_judged: prepared.not_judged,
         ..Judgement::default()
     };
@@ -440,7 +444,8 @@ fn begin(state: &mut LeakState, when: CheckPoint) {
 }
 
 /// Adds one process's judgement to the current result.
-fn add(state: &mut LeakState, judgement: Judgement, threads: usize) {
+fn add(state: &mut LeakState, judgement: Judgement, threads: usize, judged_at_ns: u64) {
+    let pid = judgement.pid;
     let Some(summary) = state.summary.as_mut() else {
         return;
     };
@@ -469,9 +474,7 @@ fn add(state: &mut LeakState, judgement: Judgement, threads: usize) {
             None => summary.before_attach = Some(before),
         }
     }
-    let mut entries = std::mem::take(&mut state.verdicts).into_entries();
-    entries.extend(judgement.verdicts);
-    state.verdicts = LeakVerdicts::new(entries);
+    state.verdicts.add(judgement.verdicts, pid, judged_at_ns);
 }
 
 /// Events lost so far, all causes.
@@ -549,7 +552,12 @@ impl Session<'_> {
             match self.check_process(pid, ring, probes, mode, true) {
                 Ok((judgement, reading)) => {
                     pause += reading.pause;
-                    add(&mut self.leak, judgement, reading.threads);
+                    add(
+                        &mut self.leak,
+                        judgement,
+                        reading.threads,
+                        reading.stopped_at_ns,
+                    );
                     if let Some(summary) = self.leak.summary.as_mut() {
                         reading.note(summary);
                     }
@@ -630,6 +638,7 @@ impl Session<'_> {
         .map_err(Refused::Process)?;
         let mut reading = Reading {
             threads: stopped.threads.len(),
+            stopped_at_ns: super::session::monotonic_ns(),
             ..Reading::default()
         };
         let taken = match plan.as_mut() {
@@ -786,7 +795,7 @@ impl Session<'_> {
         }
         match judged {
             // The other threads are already gone: only the exiting one counts.
-            Ok(judgement) => add(&mut self.leak, judgement, 1),
+            Ok(judgement) => add(&mut self.leak, judgement, 1, super::session::monotonic_ns()),
             Err(line) => {
                 if self.leak.summary.as_ref().is_some_and(|s| s.processes == 0) {
                     self.leak.summary = Some(LeakCheck::not_run(CheckPoint::Exit, line));
