@@ -176,6 +176,32 @@ pub struct HeldChild {
     pub program: Option<PathBuf>,
     release: Option<OwnedFd>,
     events: tokio::sync::mpsc::UnboundedReceiver<ChildEvent>,
+    /// Leak checks asked of the supervisor ([`HeldChild::stop_for_check`]).
+    checks: std::sync::Arc<CheckRequests>,
+    check_stops: std::sync::mpsc::Receiver<CheckStop>,
+}
+
+/// The command stopped for a leak check at an interval: every thread of
+/// its process, resumed when `ack` is answered (or dropped).
+pub struct CheckStop {
+    pub pid: u32,
+    pub threads: Vec<stop::StoppedThread>,
+    /// Which request it answers.
+    request: u64,
+    pub ack: std::sync::mpsc::Sender<()>,
+}
+
+/// The leak checks the session asked of the supervisor: each is a SIGSTOP
+/// sent to the command's main thread, which the supervisor (its tracer)
+/// catches at its signal-delivery stop and never delivers.
+#[derive(Default)]
+struct CheckRequests {
+    /// Requests made (the latest's number).
+    asked: std::sync::atomic::AtomicU64,
+    /// SIGSTOPs sent and not yet caught.
+    pending: std::sync::atomic::AtomicU64,
+    /// The latest request the session stopped waiting for.
+    abandoned: std::sync::atomic::AtomicU64,
 }
 
 /// What the supervisor of a launched command reports.
@@ -273,9 +299,18 @@ impl HeldChild {
         let pid = pid as u32;
         let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
         let (seized_tx, seized) = std::sync::mpsc::channel();
+        let (check_tx, check_stops) = std::sync::mpsc::channel();
+        let checks = std::sync::Arc::new(CheckRequests::default());
+        let supervisor = Supervisor {
+            pid,
+            follow: follow_forks,
+            events: events_tx,
+            checks: checks.clone(),
+            check_stops: check_tx,
+        };
         std::thread::Builder::new()
             .name("memtrace-child".into())
-            .spawn(move || supervise(pid, follow_forks, &seized_tx, &events_tx))
+            .spawn(move || supervise(&supervisor, &seized_tx))
             .map_err(|err| Failure::runtime(format!("cannot start the child supervisor: {err}")))?;
         if seized.recv().is_err() {
             return Err(Failure::runtime("the child supervisor ended early"));
@@ -285,7 +320,54 @@ impl HeldChild {
             program: Some(resolved),
             release: Some(write_end),
             events,
+            checks,
+            check_stops,
         })
+    }
+
+    /// Stops every thread of the command for a leak check at an interval:
+    /// the supervisor holds its main thread with ptrace, so it makes the
+    /// stop; `None` when it did not within `timeout` (the command is busy
+    /// in a stop the session must answer first, or exiting).
+    pub fn stop_for_check(&self, timeout: std::time::Duration) -> Option<CheckStop> {
+        use std::sync::atomic::Ordering;
+        // Stops of requests given up on: answered at once.
+        while let Ok(stale) = self.check_stops.try_recv() {
+            let _ = stale.ack.send(());
+        }
+        if !is_alive(self.pid) {
+            return None;
+        }
+        let request = self.checks.asked.fetch_add(1, Ordering::SeqCst) + 1;
+        self.checks.pending.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: tgkill of the command's main thread; the supervisor
+        // catches this SIGSTOP at its delivery stop and suppresses it.
+        let sent = unsafe {
+            libc::syscall(
+                libc::SYS_tgkill,
+                self.pid as libc::pid_t,
+                self.pid as libc::pid_t,
+                libc::SIGSTOP,
+            )
+        } == 0;
+        if !sent {
+            self.checks.pending.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.check_stops.recv_timeout(left) {
+                Ok(stop) if stop.request == request => return Some(stop),
+                Ok(stale) => {
+                    let _ = stale.ack.send(());
+                }
+                Err(_) => {
+                    self.checks.abandoned.store(request, Ordering::SeqCst);
+                    return None;
+                }
+            }
+        }
     }
 
     /// Lets the child exec.
@@ -330,12 +412,102 @@ impl Drop for HeldChild {
 /// are traced too (`PTRACE_O_TRACEFORK`/`TRACEVFORK`): each new process starts
 /// stopped, is reported, and is resumed once the session has answered, and
 /// supervision goes on until every such process has ended.
-fn supervise(
+/// What the supervisor thread is given.
+struct Supervisor {
     pid: u32,
     follow: bool,
-    seized: &std::sync::mpsc::Sender<bool>,
-    events: &tokio::sync::mpsc::UnboundedSender<ChildEvent>,
-) {
+    events: tokio::sync::mpsc::UnboundedSender<ChildEvent>,
+    checks: std::sync::Arc<CheckRequests>,
+    check_stops: std::sync::mpsc::Sender<CheckStop>,
+}
+
+impl Supervisor {
+    /// The command's main thread is in the signal-delivery stop of a
+    /// SIGSTOP: when memtrace sent it for a check, stops every other
+    /// thread of the process, hands the stop to the session and resumes
+    /// them once it answers; true when the SIGSTOP was memtrace's (it is
+    /// then never delivered).
+    fn check_stop(&self, main: libc::pid_t) -> bool {
+        use std::sync::atomic::Ordering;
+        let taken = self
+            .checks
+            .pending
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if taken.is_err() {
+            return false;
+        }
+        let request = self.checks.asked.load(Ordering::SeqCst);
+        if self.checks.abandoned.load(Ordering::SeqCst) >= request {
+            return true;
+        }
+        let mut threads = Vec::new();
+        let mut seized = Vec::new();
+        if let Some(registers) = stop::registers(main) {
+            threads.push(stop::StoppedThread {
+                tid: main,
+                sp: stop::stack_pointer(&registers),
+                vector: stop::vector_registers(main).unwrap_or_default(),
+                registers,
+                signal: 0,
+            });
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        let tids: Vec<libc::pid_t> = std::fs::read_dir(format!("/proc/{}/task", self.pid))
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .filter(|&tid| tid != main)
+            .collect();
+        for tid in tids {
+            if stop::seize(tid).is_err() {
+                continue;
+            }
+            match stop::wait_stopped(tid, deadline) {
+                stop::Waited::Stopped(signal) => {
+                    seized.push((tid, signal));
+                    if let Some(registers) = stop::registers(tid) {
+                        threads.push(stop::StoppedThread {
+                            tid,
+                            sp: stop::stack_pointer(&registers),
+                            vector: stop::vector_registers(tid).unwrap_or_default(),
+                            registers,
+                            signal,
+                        });
+                    }
+                }
+                stop::Waited::Exited => {}
+                stop::Waited::TimedOut => seized.push((tid, 0)),
+            }
+        }
+        let (ack, answered) = std::sync::mpsc::channel();
+        let stop = CheckStop {
+            pid: self.pid,
+            threads,
+            request,
+            ack,
+        };
+        if self.check_stops.send(stop).is_ok() {
+            let _ = answered.recv();
+        }
+        for (tid, signal) in seized {
+            // SAFETY: detaching a thread this supervisor seized, its signal
+            // given back.
+            unsafe {
+                libc::ptrace(
+                    libc::PTRACE_DETACH,
+                    tid,
+                    std::ptr::null_mut::<libc::c_void>(),
+                    signal as usize as *mut libc::c_void,
+                )
+            };
+        }
+        true
+    }
+}
+
+fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
+    let (pid, follow, events) = (supervisor.pid, supervisor.follow, &supervisor.events);
     let main = pid as libc::pid_t;
     let mut options =
         libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC | libc::PTRACE_O_TRACESYSGOOD;
@@ -439,6 +611,11 @@ fn supervise(
             }
         } else if event == libc::PTRACE_EVENT_STOP {
             request = libc::PTRACE_LISTEN;
+        } else if who == main
+            && libc::WSTOPSIG(status) == libc::SIGSTOP
+            && supervisor.check_stop(main)
+        {
+            // memtrace's own SIGSTOP (a leak check): never delivered.
         } else {
             signal = libc::WSTOPSIG(status);
         }

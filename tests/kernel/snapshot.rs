@@ -229,3 +229,97 @@ fn memtrace_killed_during_a_snapshot_scan_leaves_no_child_and_the_service_runs_o
     );
     ends_intact(service);
 }
+
+#[test]
+fn launch_mode_interval_checks_judge_the_running_command_as_its_exit_check_does() {
+    if !privileged() {
+        return;
+    }
+    use std::io::Write;
+    let output = std::env::temp_dir().join(format!(
+        "memtrace-launch-interval-{}.jsonl",
+        std::process::id()
+    ));
+    let mut memtrace = std::process::Command::new(crate::support::MEMTRACE)
+        .arg("--output")
+        .arg(&output)
+        .args([
+            "--leak-check",
+            "--interval",
+            "300ms",
+            "--format",
+            "json",
+            "--top",
+            "100",
+            "--",
+        ])
+        .arg(crate::support::fixture("leak_snapshot"))
+        .arg("16")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("memtrace runs");
+    let mut stdin = memtrace.stdin.take().expect("stdin");
+    // Go; the writer runs through several checks; stop it; exit. (From a
+    // thread: the interim reports are read meanwhile.)
+    let feeder = std::thread::spawn(move || {
+        for pause in [1500, 2500, 500] {
+            std::thread::sleep(Duration::from_millis(pause));
+            let _ = stdin.write_all(b"\n");
+        }
+    });
+    let out = memtrace.wait_with_output().expect("memtrace ends");
+    let _ = feeder.join();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The command's own output (on the same stdout as the interim
+    // reports): its data intact after the checks.
+    assert!(
+        stdout.contains("intact\n") && !stdout.contains("corrupt"),
+        "{stdout}"
+    );
+    let last: Value = std::fs::read_to_string(&output)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .expect("the final report");
+    let _ = std::fs::remove_file(&output);
+    // Interim reports, whole lines (one the command wrote into is skipped).
+    let reports: Vec<Value> = stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let expected = vec![
+        ("keep_in_dontfork", (100, 1), (0, 0)),
+        ("keep_in_wipeonfork", (200, 1), (0, 0)),
+        ("fill_ring", (64 * 1000, 1000), (0, 0)),
+        ("fill_big", (16 * 16 * 65536, 256), (0, 0)),
+        ("lose", (0, 0), (48 * 50, 50)),
+    ];
+    // Checks at intervals while the writer moved the ring: every thread
+    // stopped by the supervisor, each judged as the exit check judges.
+    let during: Vec<&Value> = reports
+        .iter()
+        .filter(|r| r["interim"] == true && r["leak_check"]["when"] == "interval")
+        .filter(|r| site_split(r, "fill_ring").get("still_reachable") == Some(&(64_000, 1000)))
+        // The writer thread still running.
+        .filter(|r| r["leak_check"]["threads"] == 2)
+        .collect();
+    assert!(
+        during.len() >= 2,
+        "{} interval checks after the work",
+        during.len()
+    );
+    for report in &during {
+        let check = &report["leak_check"];
+        assert_eq!(check["mode"], "stopped", "{check}");
+        assert_eq!(verdicts(report), expected);
+    }
+    assert_eq!(last["leak_check"]["when"], "exit");
+    assert_eq!(verdicts(&last), expected);
+}

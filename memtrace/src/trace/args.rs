@@ -190,7 +190,7 @@ pub struct TraceArgs {
     /// blocks into valgrind's categories (definitely, indirectly, possibly
     /// lost, still reachable), at the final report and at each `--interval`
     /// report. In launch mode (`-- CMD`) the check runs at the command's
-    /// exit by default.
+    /// exit by default, and with this flag at each `--interval` too.
     #[arg(help_heading = "Judgement", long, conflicts_with = "no_leak_check")]
     pub leak_check: bool,
 

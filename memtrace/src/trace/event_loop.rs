@@ -22,6 +22,9 @@ use crate::tracee::{ChildEvent, HeldChild};
 
 /// How often the target's mappings are rescanned for newly loaded libraries.
 const RESCAN_EVERY: Duration = Duration::from_millis(500);
+/// How long an interval's leak check waits for the launched command's
+/// supervisor to stop it (it may be busy with a stop the loop answers).
+const CHECK_STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often `/proc` is searched for processes that took the `--name` (or
 /// joined the `--container`, the `--cgroup`).
 const NAME_POLL_EVERY: Duration = Duration::from_millis(250);
@@ -202,11 +205,26 @@ impl Trace<'_> {
             .drain(self.ring.get_mut(), &self.probes);
         self.session.snapshot(&self.probes);
         if self.args.interval.is_some() {
-            self.session.leak_check_live(
-                self.ring.get_mut(),
-                &self.probes,
-                crate::report::leak::CheckPoint::Interval,
-            );
+            match self.held.as_ref() {
+                // Launch mode: with --leak-check, the supervisor stops the
+                // command (it holds it with ptrace).
+                Some(held) if self.args.leak_check => {
+                    if let Some(stop) = held.stop_for_check(CHECK_STOP_TIMEOUT) {
+                        self.session.leak_check_held(
+                            stop,
+                            self.ring.get_mut(),
+                            &self.probes,
+                            crate::report::leak::CheckPoint::Interval,
+                        );
+                    }
+                }
+                Some(_) => {}
+                None => self.session.leak_check_live(
+                    self.ring.get_mut(),
+                    &self.probes,
+                    crate::report::leak::CheckPoint::Interval,
+                ),
+            }
         }
         if let Some(view) = self.live.as_mut() {
             let mut report = self.session.report(&self.probes, &self.discovery);

@@ -738,6 +738,79 @@ impl Session<'_> {
         (judged, killed)
     }
 
+    /// Launch mode, at an `--interval` (with `--leak-check`): the command
+    /// stopped by its supervisor, every thread ([`HeldChild::stop_for_check`]);
+    /// judged stopped (the supervisor holds it with ptrace, so no snapshot
+    /// is injected), then resumed.
+    ///
+    /// [`HeldChild::stop_for_check`]: crate::tracee::HeldChild::stop_for_check
+    pub fn leak_check_held(
+        &mut self,
+        stop: crate::tracee::CheckStop,
+        ring: &mut RingBuf<MapData>,
+        probes: &Probes,
+        when: CheckPoint,
+    ) {
+        let started = Instant::now();
+        let pid = stop.pid;
+        self.pipeline.drain_all(ring, probes);
+        let lost = lost(probes);
+        if lost > 0 {
+            self.leak.summary = Some(LeakCheck::not_run(
+                when,
+                format!(
+                    "{lost} events were lost: the live table is not exact, so nothing is judged"
+                ),
+            ));
+            self.leak.verdicts = LeakVerdicts::default();
+            return;
+        }
+        begin(&mut self.leak, when);
+        let stopped_at_ns = super::session::monotonic_ns();
+        let judged = prepare(
+            pid,
+            &stop.threads,
+            &JudgeInput {
+                table: self.pipeline.table(),
+                specs: probes.specs(),
+                stacks: self.pipeline.stacks(),
+                complete: self.table_complete(pid, probes),
+                explain: &self.args.leak_check_explain,
+                heap_walk: self.args.heap_walk,
+            },
+        )
+        .and_then(|prepared| {
+            let deadline = started + self.args.leak_check_max_pause;
+            judge(&prepared, ProcessMemory::new(pid).with_deadline(deadline))
+        });
+        let threads = stop.threads.len();
+        drop(stop);
+        let reading = Reading {
+            stopped_at_ns,
+            mode: Some(CheckMode::Stopped),
+            fallback: (self.args.leak_check_mode == CheckMode::Snapshot).then(|| {
+                "launch mode: memtrace's supervisor holds the command with ptrace, so it is stopped for the whole scan".to_string()
+            }),
+            threads,
+            pause: started.elapsed(),
+            scan: started.elapsed(),
+            ..Reading::default()
+        };
+        match judged {
+            Ok(judgement) => {
+                add(&mut self.leak, judgement, threads, stopped_at_ns);
+                if let Some(summary) = self.leak.summary.as_mut() {
+                    reading.note(summary);
+                }
+                self.finish_check(reading.pause, None);
+            }
+            Err(line) => {
+                self.leak.summary = Some(LeakCheck::not_run(when, line));
+                self.leak.verdicts = LeakVerdicts::default();
+            }
+        }
+    }
+
     /// Launch mode: `pid` is stopped just before it exits (its exiting
     /// thread's registers given); judges it, its memory intact.
     pub fn leak_check_exiting(
@@ -762,7 +835,14 @@ impl Session<'_> {
             ));
             return;
         }
-        if self.leak.summary.as_ref().is_none_or(|s| !s.ran) {
+        // The exit check replaces an interval's; the processes of one
+        // command exiting (with --follow-forks) add up.
+        if self
+            .leak
+            .summary
+            .as_ref()
+            .is_none_or(|s| !s.ran || s.when != Some(CheckPoint::Exit))
+        {
             begin(&mut self.leak, CheckPoint::Exit);
         }
         let threads: Vec<StoppedThread> = registers
