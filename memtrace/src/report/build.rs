@@ -68,7 +68,20 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
     let judged = judge_sites(&input, tally.sites, &tally.per_process);
     symbolize_shown(&judged, input.stacks, depth, &mut symbols, symbolizer);
     let rate = u64::from(input.settings.sample_rate.max(1));
+    // Each site's block sizes (glibc's heap: for the blocks from before the
+    // attach of the same size).
+    let site_sizes: Vec<Vec<u64>> = judged
+        .iter()
+        .map(|(key, acc, ..)| {
+            if key.0 == Allocator::Libc {
+                acc.blocks.iter().map(|&(_, size)| size).collect()
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
     let sites = site_reports(judged, &input, depth, &symbols, rate);
+    let site_sizes = &site_sizes[..site_sizes.len().min(sites.len())];
 
     let counts = input.table.counts();
     let failed_calls = failed_calls(&input, counts);
@@ -133,6 +146,11 @@ pub fn build(input: ReportInput<'_>, symbolizer: &mut dyn Symbolize) -> Report {
             if check.ran {
                 check.failed_gates = super::leak::failed_gates(input.leak_gates, &tally.leak);
             }
+            if let Some(before) = check.before_attach.as_mut() {
+                for group in &mut before.groups {
+                    group.same_size_as_site = same_size_site(group.size, site_sizes);
+                }
+            }
             check
         }),
     }
@@ -178,6 +196,24 @@ struct Tally {
     young: (u64, u64),
     /// The leak check's split of the blocks not set aside (for `--fail-on`).
     leak: LeakSplit,
+}
+
+/// The usable size glibc gives a request of `size` bytes (64-bit): from
+/// a heap chunk (16-byte granules, 24 at least), or a chunk of its own
+/// (mmapped: whole pages).
+fn glibc_usable(size: u64) -> [u64; 2] {
+    let chunk = ((size + 8 + 15) & !15).max(32);
+    let mapped = ((size + 16 + 4095) & !4095) - 16;
+    [chunk - 8, mapped]
+}
+
+/// The first site (1-based rank among `sites`' block sizes) with a block
+/// glibc made `usable` bytes long.
+fn same_size_site(usable: u64, sites: &[Vec<u64>]) -> Option<usize> {
+    sites
+        .iter()
+        .position(|sizes| sizes.iter().any(|&s| glibc_usable(s).contains(&usable)))
+        .map(|k| k + 1)
 }
 
 /// One pass over the live table: totals, processes, what is set aside, and

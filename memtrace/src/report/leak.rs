@@ -223,12 +223,16 @@ impl BeforeAttach {
     }];
         for group in before.groups.iter().take(10) {
             lines.push(format!(
-                "     {}: {} bytes in {} blocks of {} B, {}, no allocation stack",
+                "     {}: {} bytes in {} blocks of {} B, {}, no allocation stack{}",
                 group.category,
                 group.bytes,
                 group.count,
                 group.size,
-                group.type_name.as_deref().unwrap_or("no type")
+                group.type_name.as_deref().unwrap_or("no type"),
+                group
+                    .same_size_as_site
+                    .map(|k| format!(" (same size as site #{k})"))
+                    .unwrap_or_default()
             ));
         }
         lines.extend(before.notes.iter().map(|n| format!("     note: {n}")));
@@ -253,6 +257,11 @@ pub struct BlockGroup {
     pub count: u64,
     /// Their bytes together.
     pub bytes: u64,
+    /// The first site of the report (1-based, as the text numbers them)
+    /// with live blocks glibc made this size: a likely origin of these
+    /// (same size only: a traced block's type is not read); null when none.
+    #[serde(default)]
+    pub same_size_as_site: Option<usize>,
 }
 
 /// How glibc's heap was walked (`leak_check.before_attach.heap_walk`).

@@ -167,6 +167,8 @@ pub fn summary(
             category: category_name(category).to_string(),
             count: amount.blocks,
             bytes: amount.bytes,
+            // Set when the report ranks its sites.
+            same_size_as_site: None,
         })
         .collect();
     groups.sort_by_key(|g| (std::cmp::Reverse(g.bytes), g.size));

@@ -407,3 +407,16 @@ fn no_leak_check_means_no_split() {
     assert!(report.leak_check.is_none());
     assert!(report.sites.iter().all(|s| s.leak_check.is_none()));
 }
+
+#[test]
+fn a_group_from_before_the_attach_names_the_first_site_making_its_size() {
+    // glibc's usable sizes: 100 B asked -> 104 usable; 300,000 -> mmapped.
+    assert_eq!(super::glibc_usable(100), [104, 4080]);
+    assert_eq!(super::glibc_usable(1)[0], 24);
+    assert_eq!(super::glibc_usable(300_000)[1], 303_088);
+    let sites = vec![vec![64, 64], vec![100], vec![300_000]];
+    assert_eq!(super::same_size_site(104, &sites), Some(2));
+    assert_eq!(super::same_size_site(72, &sites), Some(1));
+    assert_eq!(super::same_size_site(303_088, &sites), Some(3));
+    assert_eq!(super::same_size_site(4000, &sites), None);
+}
