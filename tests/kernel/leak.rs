@@ -891,6 +891,11 @@ pub(crate) fn assert_walked_before_attach(report: &Value, version: &str, main_ar
     assert_eq!(walk["arenas"], 2, "{walk}");
     assert_eq!(walk["arenas_walked"], 2, "{walk}");
     assert!(walk["mmapped_chunks"].as_u64() >= Some(2), "{walk}");
+    // Reconciled with glibc's own count (mp_.n_mmaps).
+    assert_eq!(
+        walk["mmapped_chunks_glibc"], walk["mmapped_chunks"],
+        "{walk}"
+    );
     for (size, category, count) in [
         (40, "definitely-lost", 50),
         (56, "definitely-lost", 20),

@@ -287,6 +287,11 @@ pub struct HeapWalkSummary {
     pub chunks_walked: u64,
     /// Chunks glibc mmapped for large blocks.
     pub mmapped_chunks: u64,
+    /// glibc's own count of them (`mp_.n_mmaps`, read from `mp_`, found by
+    /// its `sbrk_base`); null when not found. A walk that finds fewer is
+    /// `partial` (the others stay roots); one that finds more judges none.
+    #[serde(default)]
+    pub mmapped_chunks_glibc: Option<u64>,
     /// Blocks from before the attach (in use, not traced, not glibc's own).
     pub blocks_before_attach: u64,
     /// How long the walk took, in ms (within the pause).

@@ -185,6 +185,7 @@ pub fn summary(
                 .layout
                 .map(|l| format!("{}.{}", l.version.0, l.version.1)),
             main_arena_from: walk.main_arena_from.map(str::to_string),
+            mmapped_chunks_glibc: walk.mmapped_glibc,
             arenas: walk.arenas,
             arenas_walked: walk.arenas_walked,
             chunks: walk.chunks.len() as u64,

@@ -134,6 +134,60 @@ pub struct MainArena {
     pub found_by: &'static str,
 }
 
+/// glibc's own count of its mmapped chunks and their bytes (`mp_.n_mmaps`,
+/// `mp_.mmapped_mem`), read from `mp_`, which is found by its `sbrk_base`
+/// (the start of `[heap]`) in libc's data. Before `sbrk_base` come
+/// `mmapped_mem`, `max_mmapped_mem` and, before them, the ints `n_mmaps`,
+/// `n_mmaps_max`, `max_n_mmaps`, `no_dyn_threshold`: right before (2.26 to
+/// 2.34) or 4 bytes earlier with 4 of padding after (2.35+, where the int
+/// `hp_flags` comes first). `None` without `[heap]`, or unless exactly one
+/// place reads as `mp_`.
+pub fn mmap_counts(mappings: &[Mapping], memory: &mut dyn Memory) -> Option<(u64, u64)> {
+    let heap = mappings
+        .iter()
+        .find(|m| m.path.as_deref() == Some(std::path::Path::new("[heap]")))?;
+    let mut found = None;
+    for mapping in mappings
+        .iter()
+        .filter(|m| m.writable && m.is_file() && is_libc(m))
+    {
+        let len = (mapping.end - mapping.start).min(1 << 20) as usize;
+        let mut bytes = vec![0u8; len];
+        let read = memory.read(mapping.start, &mut bytes) & !7;
+        let word = |k: usize| u64::from_le_bytes(bytes[k..k + 8].try_into().unwrap_or([0; 8]));
+        let int = |k: usize| {
+            u64::from(u32::from_le_bytes(
+                bytes[k..k + 4].try_into().unwrap_or([0; 4]),
+            ))
+        };
+        for at in (40..read).step_by(8) {
+            if word(at) != heap.start {
+                continue;
+            }
+            let (mmapped, max_mmapped) = (word(at - 16), word(at - 8));
+            // The ints' first offset before `sbrk_base`, and the padding.
+            for (first, padded) in [(32, false), (36, true)] {
+                let ints = at - first;
+                let (n_mmaps, n_mmaps_max, max_n_mmaps) = (int(ints), int(ints + 4), int(ints + 8));
+                let plausible = n_mmaps <= max_n_mmaps
+                    && n_mmaps_max > 0
+                    && (!padded || int(at - 20) == 0)
+                    && mmapped <= max_mmapped
+                    && mmapped.is_multiple_of(PAGE)
+                    && (n_mmaps == 0) == (mmapped == 0)
+                    && mmapped >= n_mmaps * PAGE;
+                if plausible {
+                    if found.is_some() {
+                        return None;
+                    }
+                    found = Some((n_mmaps, mmapped));
+                }
+            }
+        }
+    }
+    found
+}
+
 /// Whether a mapping is of glibc's libc.
 pub fn is_libc(mapping: &Mapping) -> bool {
     mapping
@@ -351,6 +405,50 @@ mod tests {
         let mut bare = Fake::default();
         let extents = heap_extents(&maps, &[(chunk + 16, chunk + 64)], &mut bare);
         assert_eq!(extents, vec![(0x0555_5000_0000, 0x0555_5002_1000)]);
+    }
+
+    #[test]
+    fn glibc_counts_its_mmapped_chunks_in_mp() {
+        let maps = parse(MAPS);
+        let heap = maps
+            .iter()
+            .find(|m| m.path.as_deref() == Some(std::path::Path::new("[heap]")))
+            .expect("[heap]")
+            .start;
+        let libc = 0x7f10_0000_0000u64;
+        let mut m = Fake::default();
+        let sbrk_base = libc + 0x2400;
+        // n_mmaps 2, n_mmaps_max 65536; max_n_mmaps 3; 2 chunks of 2 pages.
+        m.words.insert(sbrk_base - 32, 2 | (65_536 << 32));
+        m.words.insert(sbrk_base - 24, 3);
+        m.words.insert(sbrk_base - 16, 4 * 4096);
+        m.words.insert(sbrk_base - 8, 6 * 4096);
+        m.words.insert(sbrk_base, heap);
+        assert_eq!(mmap_counts(&maps, &mut m), Some((2, 4 * 4096)));
+        // 2.35+ (as read from a live glibc 2.36): hp_flags, then the ints,
+        // then 4 bytes of padding.
+        let mut new = Fake::default();
+        new.words.insert(sbrk_base - 40, 2 << 32);
+        new.words.insert(sbrk_base - 32, 65_536 | (2 << 32));
+        new.words.insert(sbrk_base - 24, 0);
+        new.words.insert(sbrk_base - 16, 0xac000);
+        new.words.insert(sbrk_base - 8, 0xac000);
+        new.words.insert(sbrk_base, heap);
+        assert_eq!(mmap_counts(&maps, &mut new), Some((2, 0xac000)));
+        // A word equal to the heap's start that is no `mp_`: not taken.
+        m.words.insert(libc + 0x100, heap);
+        assert_eq!(mmap_counts(&maps, &mut m), Some((2, 4 * 4096)));
+        // Two that read as `mp_`: none is trusted.
+        for (k, v) in [
+            (-32i64, 1 | (65_536 << 32)),
+            (-24, 1),
+            (-16, 4096),
+            (-8, 4096),
+            (0, heap),
+        ] {
+            m.words.insert((libc + 0x800).wrapping_add_signed(k), v);
+        }
+        assert_eq!(mmap_counts(&maps, &mut m), None);
     }
 
     #[test]

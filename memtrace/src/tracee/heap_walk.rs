@@ -145,6 +145,8 @@ pub struct HeapWalk {
     pub locked: bool,
     /// How `main_arena` was found (`debug symbols`, `empty bins`).
     pub main_arena_from: Option<&'static str>,
+    /// glibc's own count of its mmapped chunks (`mp_.n_mmaps`), when found.
+    pub mmapped_glibc: Option<u64>,
 }
 
 /// A buffered reader of words: a heap is read a window at a time.
@@ -481,7 +483,25 @@ pub fn walk(
         .into_iter()
         .filter(|c| !tcache_free.contains(&c.start) && !metadata.contains(&c.start))
         .collect();
-    let mmapped = mmapped_chunks(mappings, &walk.walked, stacks, memory);
+    let mut mmapped = mmapped_chunks(mappings, &walk.walked, stacks, memory);
+    // glibc's own count: fewer found and the others stay roots (never
+    // judged); more found and some header fooled the search, so none of
+    // them is judged.
+    walk.mmapped_glibc = glibc_heap::mmap_counts(mappings, memory).map(|(n, _)| n);
+    match walk.mmapped_glibc {
+        Some(n) if (mmapped.len() as u64) < n => walk.partial.push(format!(
+            "{} of glibc's {n} mmapped chunks were found (mp_.n_mmaps): the others stay roots",
+            mmapped.len()
+        )),
+        Some(n) if mmapped.len() as u64 > n => {
+            walk.partial.push(format!(
+                "{} mmapped chunks were found where glibc counts {n} (mp_.n_mmaps): none of them is judged",
+                mmapped.len()
+            ));
+            mmapped.clear();
+        }
+        _ => {}
+    }
     walk.mmapped_chunks = mmapped.len() as u64;
     for chunk in &mmapped {
         walk.walked
