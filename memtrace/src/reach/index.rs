@@ -152,11 +152,57 @@ impl Index {
         }
     }
 
+    /// Whether no two nodes overlap (then [`Index::find_near`] applies).
+    pub fn disjoint(&self) -> bool {
+        self.disjoint
+    }
+
+    /// The node `word` points into, for an index of disjoint nodes, when
+    /// the words come in ascending order (or nearly): `cursor` is where
+    /// the last word's search ended, and the search walks on from there
+    /// (a few steps, in cache) instead of starting over.
+    #[inline]
+    pub fn find_near(&self, word: u64, cursor: &mut usize) -> Option<u32> {
+        if word < self.low || word >= self.high {
+            return None;
+        }
+        let at = *cursor;
+        // The last position starting at or before `word`.
+        let last = match self.starts.get(at) {
+            Some(&start) if start <= word => {
+                at + gallop(&self.starts[at + 1..], |start| start <= word)
+            }
+            _ => {
+                let mut last = None;
+                self.find(word, |n| last = Some(n));
+                match last {
+                    Some(n) => n as usize,
+                    // In no node: the search resumes from here next time.
+                    None => return None,
+                }
+            }
+        };
+        *cursor = last;
+        (self.ends[last] > word).then_some(last as u32)
+    }
+
     /// Whether `word` may point into some node (the cheap test every word
     /// takes first: most words are not pointers into the heap).
     #[inline(always)]
     pub fn may_hit(&self, word: u64) -> bool {
         word >= self.low && word < self.high
+    }
+
+    /// Where the nodes lie: every word [`Index::may_hit`] accepts is in
+    /// `[low, high)`.
+    pub fn bounds(&self) -> (u64, u64) {
+        (self.low, self.high)
+    }
+
+    /// The start of the node at `position`.
+    #[inline]
+    pub fn start(&self, position: u32) -> u64 {
+        self.starts[position as usize]
     }
 
     /// The input number of the node at each position (address order).
@@ -232,6 +278,41 @@ mod tests {
             );
         }
         assert_eq!(gallop(&[], |_| true), 0);
+    }
+
+    #[test]
+    fn finding_near_the_last_word_finds_what_find_finds() {
+        let nodes: Vec<Node> = (0..500u64)
+            .map(|i| node(0x10_0000 + i * 48 + (i % 7) * 1000, 16 + (i % 3) * 8))
+            .collect();
+        let index = Index::new(&nodes);
+        assert!(index.disjoint());
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut words: Vec<u64> = (0..5000)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                0x10_0000 - 64 + state % 0x2_0000
+            })
+            .collect();
+        // Ascending, then nearly (sorted by 256-byte buckets), then in any order.
+        words.sort_unstable();
+        let mut nearly = words.clone();
+        nearly.sort_by_key(|w| (w >> 8, std::cmp::Reverse(*w)));
+        let mut shuffled = words.clone();
+        shuffled.reverse();
+        for order in [words, nearly, shuffled] {
+            let mut cursor = 0;
+            for word in order {
+                let found = index.find_near(word, &mut cursor);
+                assert_eq!(
+                    found.into_iter().collect::<Vec<_>>(),
+                    hits(&index, word),
+                    "{word:#x}"
+                );
+            }
+        }
     }
 
     #[test]

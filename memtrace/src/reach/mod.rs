@@ -28,12 +28,31 @@
 //! Reads go through [`Memory`]: whole regions in large chunks, block
 //! contents in batches (`read_many`), so a process is read with few system
 //! calls. Nothing here recurses: a chain of millions of blocks is a loop.
+//!
+//! How pass 1 marks: blocks marked wait on a stack; a few are read in a
+//! batch, many (a level of a wide graph) are swept in address order, their
+//! neighbours read together. With few nodes (under [`SORT_MIN_NODES`]) each
+//! word found is looked up at once: the index and the states sit in the
+//! caches. With millions, a lookup at random is a few cache misses, so the
+//! words found wait (in [`found`], their value and whether their memory was
+//! definite or the runtime's) until a batch of them is full or nothing is
+//! left to scan; the batch is radix-sorted (to 1/2^24th of the nodes'
+//! span) and looked up in address order, each lookup walking on from the
+//! one before (nodes that overlap: a lookup each), and what it marks waits
+//! in turn: marking goes level by level, a level looked up in batches. A
+//! level of a few words (a long list) is sorted by comparison.
+//! The words' order changes nothing of the categories (the marking is a
+//! fixpoint; a block upgraded is scanned again); what it may change is
+//! which of several words is kept as a mark, and which heuristic is named
+//! when interior pointers of different shapes reach a block.
 
+mod found;
 mod heuristics;
 mod index;
 
 use std::collections::HashMap;
 
+use found::{Found, Traced};
 use index::Index;
 
 /// A live block: the nodes of the graph.
@@ -218,6 +237,32 @@ const SWEEP_MIN: usize = 4096;
 const SWEEP_GAP: u64 = 64 << 10;
 /// A state no node has: never scanned.
 const NEVER: u8 = u8::MAX;
+/// With at least this many nodes, pass 1 looks the words it finds up in
+/// sorted batches: the index and the states no longer fit in the caches.
+const SORT_MIN_NODES: usize = 1 << 18;
+/// Words waiting for a sorted lookup, at least and at most (between, one
+/// per node: a batch spread over all nodes touches each cache line of
+/// their arrays a few times at most).
+const SORT_BATCH_MIN: usize = 1 << 16;
+const SORT_BATCH_MAX: usize = 1 << 22;
+
+/// How pass 1 looks words up (fixed by the node count; tests vary it).
+#[derive(Clone, Copy, Debug)]
+struct Tuning {
+    /// Look words up in sorted batches.
+    sorted: bool,
+    /// Words a batch holds before it is looked up.
+    batch: usize,
+}
+
+impl Tuning {
+    fn for_nodes(nodes: usize) -> Tuning {
+        Tuning {
+            sorted: nodes >= SORT_MIN_NODES,
+            batch: nodes.clamp(SORT_BATCH_MIN, SORT_BATCH_MAX),
+        }
+    }
+}
 
 /// The marking's state. Nodes are numbered by their position in address
 /// order (the index's), so a node's data, state and neighbours sit
@@ -232,8 +277,8 @@ struct Marker<'a> {
     /// waiting twice, or upgraded after it was scheduled, is scanned once
     /// per state.
     scanned_as: Vec<u8>,
-    /// Nodes a sweep is to scan (address order), while it runs.
-    pending: Vec<bool>,
+    /// Nodes a sweep is to scan (a bit per position), while it runs.
+    pending: Vec<u64>,
     vtable: &'a dyn Fn(u64) -> bool,
     /// The first two words of blocks a heuristic has read.
     first_words: HashMap<u32, (Option<u64>, Option<u64>)>,
@@ -243,11 +288,21 @@ struct Marker<'a> {
     marks: Option<Vec<Option<Mark>>>,
     /// Where the words being scanned come from: a root (`None`) or a node.
     scanning: Option<u32>,
+    /// Words found in pass 1 waiting for a sorted lookup (with many nodes).
+    waiting: Option<Found>,
 }
 
 /// Splits the nodes into valgrind's four categories.
 pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
+    classify_tuned(input, memory, Tuning::for_nodes(input.nodes.len()))
+}
+
+fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) -> Outcome {
     let index = Index::new(input.nodes);
+    let (low, high) = index.bounds();
+    // An entry keeps the word less `low` in its low 62 bits.
+    let waiting = (tuning.sorted && high.saturating_sub(low) <= found::KEY)
+        .then(|| Found::new(low, tuning.batch, input.provenance));
     let sorted: Vec<Node> = index
         .order()
         .iter()
@@ -267,6 +322,7 @@ pub fn classify(input: &Input<'_>, memory: &mut dyn Memory) -> Outcome {
         hits: 0,
         marks: input.provenance.then(|| vec![None; input.nodes.len()]),
         scanning: None,
+        waiting,
     };
     // Pass 1: from the roots.
     for (index, &word) in input.registers.iter().enumerate() {
@@ -354,6 +410,10 @@ impl Marker<'_> {
         runtime: bool,
         memory: &mut dyn Memory,
     ) {
+        if self.waiting.is_some() {
+            self.defer_words(bytes, base, definite, runtime, memory);
+            return;
+        }
         for (k, word) in bytes.chunks_exact(8).enumerate() {
             let value = u64::from_le_bytes([
                 word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
@@ -370,6 +430,114 @@ impl Marker<'_> {
                 self.found(value, source, definite, runtime, memory);
             }
         }
+    }
+
+    /// [`Marker::scan_words`] with sorted lookups: the words that may point
+    /// into a node wait in `waiting`, looked up whenever it is full.
+    fn defer_words(
+        &mut self,
+        bytes: &[u8],
+        base: u64,
+        definite: bool,
+        runtime: bool,
+        memory: &mut dyn Memory,
+    ) {
+        let flags =
+            if definite { found::DEFINITE } else { 0 } | if runtime { found::RUNTIME } else { 0 };
+        let traced = self.marks.is_some();
+        let node = self.scanning.unwrap_or(found::ROOT);
+        let mut words = bytes.chunks_exact(8).enumerate();
+        loop {
+            let Some(waiting) = self.waiting.as_mut() else {
+                return;
+            };
+            let (low, span) = (
+                waiting.low,
+                self.index.bounds().1.saturating_sub(waiting.low),
+            );
+            let mut left = waiting
+                .limit
+                .saturating_sub(waiting.words.len() + waiting.traced.len());
+            if left == 0 {
+                self.flush(memory);
+                continue;
+            }
+            for (k, word) in words.by_ref() {
+                let value = u64::from_le_bytes([
+                    word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
+                ]);
+                let key = value.wrapping_sub(low);
+                if key < span {
+                    if traced {
+                        waiting.traced.push(Traced {
+                            entry: key | flags,
+                            at: base + 8 * k as u64,
+                            node,
+                        });
+                    } else {
+                        waiting.words.push(key | flags);
+                    }
+                    left -= 1;
+                    if left == 0 {
+                        break;
+                    }
+                }
+            }
+            if left > 0 {
+                return;
+            }
+            self.flush(memory);
+        }
+    }
+
+    /// Looks the waiting words up in address order and marks what they
+    /// point to; false when none was waiting.
+    fn flush(&mut self, memory: &mut dyn Memory) -> bool {
+        let Some(waiting) = self.waiting.as_mut() else {
+            return false;
+        };
+        if waiting.is_empty() {
+            return false;
+        }
+        let low = waiting.low;
+        let span = self.index.bounds().1.saturating_sub(low);
+        let (words, traced) = waiting.take_sorted(span);
+        let unused = Source::Root { at: 0 };
+        let disjoint = self.index.disjoint();
+        let mut cursor = 0;
+        for &entry in &words {
+            let definite = entry & found::DEFINITE != 0;
+            let runtime = entry & found::RUNTIME != 0;
+            let word = (entry & found::KEY) + low;
+            if !disjoint {
+                self.found(word, unused, definite, runtime, memory);
+            } else if let Some(n) = self.index.find_near(word, &mut cursor) {
+                self.hits += 1;
+                self.mark(word, n, unused, definite, runtime, memory);
+            }
+        }
+        for t in &traced {
+            let source = match t.node {
+                found::ROOT => Source::Root { at: t.at },
+                node => Source::Block {
+                    node: node as usize,
+                    at: t.at,
+                },
+            };
+            let definite = t.entry & found::DEFINITE != 0;
+            let runtime = t.entry & found::RUNTIME != 0;
+            self.found(
+                (t.entry & found::KEY) + low,
+                source,
+                definite,
+                runtime,
+                memory,
+            );
+        }
+        if let Some(waiting) = self.waiting.as_mut() {
+            waiting.put_back(words, traced);
+        }
+        true
     }
 
     /// Notes what set node `n`'s state (with provenance).
@@ -419,12 +587,13 @@ impl Marker<'_> {
         memory: &mut dyn Memory,
     ) {
         let i = n as usize;
-        let node = self.nodes[i];
-        if runtime && !node.scan {
+        // What most words find (a reachable block) is decided from the
+        // index and the state alone, the node itself left unread.
+        let state = self.state[i];
+        let start = word == self.index.start(n);
+        if runtime && !self.nodes[i].scan {
             return;
         }
-        let state = self.state[i];
-        let start = word == node.start;
         if state == REACHABLE {
             // A start pointer from reachable memory: reachable plainly,
             // not through a heuristic.
@@ -573,6 +742,9 @@ impl Marker<'_> {
             }
             self.batch(&mut batch);
             if batch.is_empty() {
+                if self.flush(memory) {
+                    continue;
+                }
                 return;
             }
             let current = batch.clone();
@@ -597,43 +769,37 @@ impl Marker<'_> {
     /// together; what is marked meanwhile ahead of the sweep joins it, what
     /// is marked behind it waits on the stack.
     fn sweep(&mut self, memory: &mut dyn Memory, buf: &mut Vec<u8>) {
-        if self.pending.len() != self.nodes.len() {
-            self.pending = vec![false; self.nodes.len()];
+        let count = self.nodes.len();
+        if self.pending.len() != count.div_ceil(64) {
+            self.pending = vec![0; count.div_ceil(64)];
         }
         for n in std::mem::take(&mut self.stack) {
             let i = n as usize;
             let node = self.nodes[i];
             if node.scan && node.size >= 8 && self.scanned_as[i] != self.state[i] {
-                self.pending[i] = true;
+                self.pending[i / 64] |= 1 << (i % 64);
             }
         }
-        let count = self.nodes.len();
         let mut position = 0;
-        while position < count {
-            let first = position as u32;
-            if !self.pending[first as usize] {
-                position += 1;
-                continue;
-            }
+        while let Some(first) = self.next_pending(position) {
             // A window: this node and the waiting ones after it, close
             // enough, within one chunk.
-            let window_start = self.nodes[first as usize].start;
+            let window_start = self.nodes[first].start;
             let mut window_end = window_start;
             let mut members = Vec::new();
-            while position < count {
-                let n = position as u32;
-                let node = self.nodes[n as usize];
-                if self.pending[n as usize] {
-                    let end = node.start + (node.size & !7);
-                    let far = node.start > window_end.saturating_add(SWEEP_GAP);
-                    let long = end.saturating_sub(window_start) > CHUNK as u64;
-                    if !members.is_empty() && (far || long) {
-                        break;
-                    }
-                    members.push(n);
-                    window_end = window_end.max(end);
+            position = first;
+            while let Some(n) = self.next_pending(position) {
+                let node = self.nodes[n];
+                let end = node.start + (node.size & !7);
+                let far = node.start > window_end.saturating_add(SWEEP_GAP);
+                let long = end.saturating_sub(window_start) > CHUNK as u64;
+                if !members.is_empty() && (far || long) {
+                    break;
                 }
-                position += 1;
+                members.push(n as u32);
+                self.pending[n / 64] &= !(1 << (n % 64));
+                window_end = window_end.max(end);
+                position = n + 1;
             }
             let len = (window_end - window_start) as usize;
             if len > CHUNK {
@@ -641,7 +807,6 @@ impl Marker<'_> {
                 let [one] = members[..] else {
                     continue;
                 };
-                self.pending[one as usize] = false;
                 self.read_batch(&[one], memory, buf, |marker, n, base, words, memory| {
                     marker.scan_node(n, base, words, memory);
                 });
@@ -651,7 +816,6 @@ impl Marker<'_> {
             let window = std::mem::take(buf);
             for &n in &members {
                 let i = n as usize;
-                self.pending[i] = false;
                 if self.scanned_as[i] == self.state[i] {
                     continue;
                 }
@@ -662,15 +826,27 @@ impl Marker<'_> {
                 let before = self.stack.len();
                 self.scan_node(n, node.start, words, memory);
                 // Marked ahead of the sweep: scanned by it.
-                let cursor = window_end;
                 for k in before..self.stack.len() {
                     let m = self.stack[k] as usize;
-                    if self.nodes[m].start >= cursor && self.nodes[m].scan {
-                        self.pending[m] = true;
+                    if m >= position && self.nodes[m].scan {
+                        self.pending[m / 64] |= 1 << (m % 64);
                     }
                 }
             }
             *buf = window;
+        }
+    }
+
+    /// The first position from `from` on that waits for the sweep.
+    fn next_pending(&self, from: usize) -> Option<usize> {
+        let mut word = from / 64;
+        let mut bits = *self.pending.get(word)? & (u64::MAX << (from % 64));
+        loop {
+            if bits != 0 {
+                return Some(word * 64 + bits.trailing_zeros() as usize);
+            }
+            word += 1;
+            bits = *self.pending.get(word)?;
         }
     }
 
@@ -721,5 +897,9 @@ impl Marker<'_> {
     }
 }
 
+#[cfg(test)]
+mod bench;
+#[cfg(test)]
+mod differential;
 #[cfg(test)]
 mod tests;
