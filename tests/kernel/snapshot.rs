@@ -54,6 +54,14 @@ fn children(pid: u32) -> Vec<u32> {
     all
 }
 
+/// `Private_Dirty` of a process (`/proc/PID/smaps_rollup`), KiB.
+fn private_dirty_kib(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("Private_Dirty:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
 /// The service checks its ring and blocks, says so, and exits cleanly.
 fn ends_intact(mut service: Fixture) {
     assert!(
@@ -190,8 +198,10 @@ fn memtrace_killed_during_a_snapshot_scan_leaves_no_child_and_the_service_runs_o
     if !privileged() {
         return;
     }
-    // 1 GiB to scan: the snapshot lives long enough to be caught.
-    let mut service = Fixture::start("leak_snapshot", &["1024"]);
+    // 1 GiB to scan: the snapshot lives long enough to be caught. The
+    // service idles meanwhile (its worker blocked in read(2)), so nothing it
+    // writes makes pages private to the child.
+    let mut service = Fixture::start("leak_service", &["10", "30", "1024"]);
     let pid = service.pid.to_string();
     let tracer = Tracer::attach(&[
         "--pid",
@@ -203,13 +213,27 @@ fn memtrace_killed_during_a_snapshot_scan_leaves_no_child_and_the_service_runs_o
         "json",
     ]);
     service.send_line();
-    service.expect_line("served");
+    service.expect_line("served 10");
+    // A snapshot caught a while into its scan: what the scan read is still
+    // shared with the service, not copied into the child (a pinning read,
+    // `process_vm_readv`, would unshare every page it reads).
     let deadline = Instant::now() + Duration::from_secs(60);
-    while children(service.pid).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
+    let mut private = None;
+    let mut child = Vec::new();
+    while private.is_none() && Instant::now() < deadline {
+        child = children(service.pid);
+        if child.len() != 1 {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        private = private_dirty_kib(child[0]).filter(|_| children(service.pid) == child);
     }
-    let child = children(service.pid);
-    assert_eq!(child.len(), 1, "no snapshot was caught within 60 s");
+    let private = private.expect("no snapshot was caught 300 ms into its scan within 60 s");
+    assert!(
+        private < 64 << 10,
+        "the child holds {private} KiB of its own"
+    );
     tracer.signal(libc::SIGKILL);
     drop(tracer);
     // Killed with memtrace, then reaped by the service (the guard's wait4).
@@ -227,7 +251,15 @@ fn memtrace_killed_during_a_snapshot_scan_leaves_no_child_and_the_service_runs_o
         "{:?}",
         state(service.pid)
     );
-    ends_intact(service);
+    assert!(
+        children(service.pid).is_empty(),
+        "{:?}",
+        children(service.pid)
+    );
+    service.send_line();
+    service.expect_line("worker woke ok");
+    service.expect_line("alive");
+    service.send_line();
 }
 
 #[test]

@@ -106,22 +106,26 @@ impl Reading {
     }
 }
 
-/// Ranges copied from a process during its stop, with their bytes.
-type Copies = Vec<(u64, Vec<u8>)>;
-
 /// Takes the snapshot of stopped process `prepared.pid`: the ranges a
-/// child would not show copied first, then the clone.
+/// child would not show copied first, then the clone; the child's memory
+/// as the scan reads it (through `/proc/PID/mem`, the copies served
+/// instead of the child's), and the bytes copied.
 fn take_snapshot(
     prepared: &Prepared,
     stopped: &Stopped,
     plan: &mut snapshot::Plan,
-) -> Result<(Snapshot, Copies), String> {
+) -> Result<(Snapshot, ProcessMemory, u64), String> {
     let pid = prepared.pid;
     plan.refresh(pid, &prepared.mappings)?;
     let ranges = plan.to_copy(&prepared.mappings)?;
     let copies = ProcessMemory::new(pid).copy_ranges(&ranges);
+    let copied = copies.iter().map(|(_, b)| b.len() as u64).sum();
     let taken = Snapshot::take(pid, &stopped.threads, &prepared.mappings, plan)?;
-    Ok((taken, copies))
+    let memory = ProcessMemory::new(taken.child)
+        .with_copies(copies)
+        .through_proc_mem()
+        .map_err(|err| format!("the snapshot's memory cannot be opened: {err}"))?;
+    Ok((taken, memory, copied))
 }
 
 /// What the judge needs besides the process.
@@ -647,14 +651,14 @@ impl Session<'_> {
             None => Err(String::new()),
         };
         let judged = match taken {
-            Ok((taken, copies)) => {
+            Ok((taken, copies, copied)) => {
                 reading.mode = Some(CheckMode::Snapshot);
                 reading.clone = taken.clone_time;
-                reading.copied = copies.iter().map(|(_, b)| b.len() as u64).sum();
+                reading.copied = copied;
                 drop(stopped);
                 reading.pause = stop_started.elapsed();
                 let scan_started = Instant::now();
-                let memory = ProcessMemory::new(taken.child).with_copies(copies);
+                let memory = copies;
                 let (judged, killed) =
                     self.judge_while_running(&prepared, memory, taken.child, ring, probes);
                 reading.scan = scan_started.elapsed();

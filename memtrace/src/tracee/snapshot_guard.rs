@@ -72,6 +72,18 @@ fn state_and_exit_signal(pid: u32) -> Option<(char, i64)> {
     Some((state, exit_signal))
 }
 
+/// Whether `pid` is a zombie no tracer holds (or gone).
+fn untraced_zombie(pid: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return true;
+    };
+    let zombie = status
+        .lines()
+        .find_map(|l| l.strip_prefix("State:"))
+        .is_some_and(|v| v.trim_start().starts_with('Z'));
+    zombie && super::stop::parse_tracer(&status).is_none()
+}
+
 /// After memtrace died: the snapshot child of `service`, killed and
 /// reaped.
 fn clean_up(service: u32, armed: &Armed) {
@@ -87,16 +99,22 @@ fn clean_up(service: u32, armed: &Armed) {
     };
     for child in candidates {
         super::snapshot::Snapshot::kill_now(child);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while state_and_exit_signal(child).is_some_and(|(state, _)| state != 'Z')
-            && Instant::now() < deadline
-        {
+        // The guard may run before memtrace's exit has detached the child:
+        // a zombie still traced is its tracer's to see, so the service's
+        // wait4 finds nothing yet. Waited for, then retried.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !untraced_zombie(child) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
         }
-        if let Err(e) =
-            super::snapshot::reap(service, child, armed.instruction, armed.suspend_seccomp)
-        {
-            eprintln!("memtrace snapshot-guard: {e}");
+        loop {
+            match super::snapshot::reap(service, child, armed.instruction, armed.suspend_seccomp) {
+                Ok(()) => break,
+                Err(e) if Instant::now() >= deadline => {
+                    eprintln!("memtrace snapshot-guard: {e}");
+                    break;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
         }
     }
 }

@@ -387,6 +387,9 @@ pub struct ProcessMemory {
     /// Ranges read from elsewhere (a snapshot's: copied from the service
     /// during the stop), sorted, disjoint: served instead of `pid`'s.
     copies: Vec<(u64, Vec<u8>)>,
+    /// `/proc/PID/mem`, read instead of `process_vm_readv` (a snapshot's
+    /// child: see [`ProcessMemory::through_proc_mem`]).
+    mem_file: Option<std::fs::File>,
 }
 
 impl ProcessMemory {
@@ -398,7 +401,20 @@ impl ProcessMemory {
             deadline: None,
             skipped: 0,
             copies: Vec::new(),
+            mem_file: None,
         }
+    }
+
+    /// Reads through `/proc/PID/mem` instead of `process_vm_readv`. A
+    /// snapshot's child must be read so: `process_vm_readv` pins the pages
+    /// it reads (`FOLL_PIN`), and a pinned anonymous page shared with the
+    /// service is unshared first, copied into the child (`do_wp_page`):
+    /// the scan would copy the whole heap, charged to the service's
+    /// memory cgroup. `/proc/PID/mem` takes plain references, which leave
+    /// a shared page shared.
+    pub fn through_proc_mem(mut self) -> std::io::Result<Self> {
+        self.mem_file = Some(std::fs::File::open(format!("/proc/{}/mem", self.pid))?);
+        Ok(self)
     }
 
     /// Serves reads of these ranges from the bytes given (sorted, disjoint).
@@ -447,6 +463,18 @@ impl ProcessMemory {
 
     /// Reads `buf.len()` bytes at `addr`; returns how many were really read.
     fn read_some(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+        if let Some(file) = &self.mem_file {
+            use std::os::unix::fs::FileExt;
+            return match file.read_at(buf, addr) {
+                Ok(n) => n,
+                Err(err) => {
+                    if err.raw_os_error() == Some(libc::ESRCH) {
+                        self.gone = true;
+                    }
+                    0
+                }
+            };
+        }
         let local = libc::iovec {
             iov_base: buf.as_mut_ptr().cast(),
             iov_len: buf.len(),
@@ -477,6 +505,11 @@ impl crate::reach::Memory for ProcessMemory {
         let mut at = 0usize;
         for group in ranges.chunks(1024) {
             let total: usize = group.iter().map(|r| r.1).sum();
+            if self.mem_file.is_some() {
+                self.read_neighbours(group, &mut buf[at..at + total]);
+                at += total;
+                continue;
+            }
             if !self.copies.is_empty() && group.iter().any(|&(a, l)| self.touches_copy(a, l)) {
                 let mut offset = at;
                 for &(addr, len) in group {
@@ -555,6 +588,45 @@ impl crate::reach::Memory for ProcessMemory {
 }
 
 impl ProcessMemory {
+    /// Reads `ranges` into consecutive parts of `buf`, one read for each
+    /// run of ranges close together (a read of `/proc/PID/mem` takes one
+    /// range: neighbours are read with the gaps between them).
+    fn read_neighbours(&mut self, ranges: &[(u64, usize)], buf: &mut [u8]) {
+        const GAP: u64 = 4096;
+        const SPAN: u64 = 1 << 20;
+        let mut scratch = Vec::new();
+        let mut first = 0;
+        let mut at = 0;
+        while first < ranges.len() {
+            let start = ranges[first].0;
+            let mut end = start + ranges[first].1 as u64;
+            let mut last = first;
+            while let Some(&(next, len)) = ranges.get(last + 1) {
+                let next_end = next + len as u64;
+                if next < end || next - end > GAP || next_end - start > SPAN {
+                    break;
+                }
+                end = next_end;
+                last += 1;
+            }
+            let count: usize = ranges[first..=last].iter().map(|r| r.1).sum();
+            if last == first {
+                crate::reach::Memory::read(self, start, &mut buf[at..at + count]);
+            } else {
+                scratch.resize((end - start) as usize, 0);
+                crate::reach::Memory::read(self, start, &mut scratch);
+                let mut out = at;
+                for &(addr, len) in &ranges[first..=last] {
+                    let from = (addr - start) as usize;
+                    buf[out..out + len].copy_from_slice(&scratch[from..from + len]);
+                    out += len;
+                }
+            }
+            at += count;
+            first = last + 1;
+        }
+    }
+
     /// Reads `buf.len()` bytes of the process at `addr` (holes as zeros).
     fn read_process(&mut self, addr: u64, buf: &mut [u8]) -> usize {
         if self.deadline.is_some_and(|d| Instant::now() >= d) {
@@ -594,6 +666,34 @@ mod tests {
         assert_eq!(parse_tracer("Name:\tx\nTracerPid:\t4242\n"), Some(4242));
         assert_eq!(parse_tracer("TracerPid:\t0\n"), None);
         assert_eq!(parse_tracer("garbage"), None);
+    }
+
+    #[test]
+    fn reads_through_proc_mem_and_neighbours_together() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(3 * 4096).collect();
+        let base = data.as_ptr() as u64;
+        let mut memory = ProcessMemory::new(std::process::id())
+            .through_proc_mem()
+            .expect("own /proc/self/mem");
+        let ranges = [
+            (base, 16),
+            (base + 100, 8),
+            (base + 8000, 32),
+            (base + 5, 3),
+        ];
+        let mut buf = vec![0u8; 59];
+        crate::reach::Memory::read_many(&mut memory, &ranges, &mut buf);
+        let mut expected = Vec::new();
+        for &(addr, len) in &ranges {
+            let from = (addr - base) as usize;
+            expected.extend_from_slice(&data[from..from + len]);
+        }
+        assert_eq!(buf, expected);
+        // Page 0: a hole, zeros, counted.
+        let mut low = vec![1u8; 4096];
+        crate::reach::Memory::read(&mut memory, 0, &mut low);
+        assert!(low.iter().all(|&b| b == 0));
+        assert_eq!(memory.unreadable, 4096);
     }
 
     #[test]
