@@ -321,11 +321,111 @@ fn pids_headroom(pid: u32) -> Option<u64> {
     Some(max.saturating_sub(current))
 }
 
+/// Whether reading a copy-on-write child through `/proc/PID/mem` leaves
+/// the pages it reads shared (kernels that broke COW on every GUP read,
+/// 5.8 to 5.10, copy each one into the child): probed once, on a child of
+/// memtrace's own that only waits, by the `Private_Dirty` of a 256 KiB
+/// mapping it shares (its own VMA: `MADV_DONTDUMP` keeps it from merging)
+/// before and after a read of it.
+pub fn reads_share_pages() -> bool {
+    static PROBED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PROBED.get_or_init(|| probe_reads_share_pages().unwrap_or(true))
+}
+
+/// [`reads_share_pages`]'s probe; `None` when it could not be made (a
+/// snapshot's own clone then says what it can).
+fn probe_reads_share_pages() -> Option<bool> {
+    const BYTES: usize = 256 << 10;
+    // SAFETY: a new private anonymous mapping, ours alone until unmapped.
+    let area = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            BYTES,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if area == libc::MAP_FAILED {
+        return None;
+    }
+    // SAFETY: `area` is BYTES of writable memory just mapped; the advice
+    // changes only its flags.
+    unsafe {
+        libc::madvise(area, BYTES, libc::MADV_DONTDUMP);
+        std::ptr::write_bytes(area.cast::<u8>(), 0x5a, BYTES);
+    }
+    let addr = area as u64;
+    // SAFETY: the child only calls pause(2) until it is killed: no
+    // allocation, no lock (memtrace has other threads).
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        loop {
+            // SAFETY: pause is async-signal-safe.
+            unsafe { libc::pause() };
+        }
+    }
+    let outcome = (child > 0).then(|| {
+        let before = private_dirty_at(child as u32, addr);
+        let mut copy = vec![0u8; BYTES];
+        let read = std::fs::File::open(format!("/proc/{child}/mem")).and_then(|f| {
+            use std::os::unix::fs::FileExt;
+            f.read_exact_at(&mut copy, addr)
+        });
+        let after = private_dirty_at(child as u32, addr);
+        log::debug!("COW probe: Private_Dirty {before:?} -> {after:?} KiB, read {read:?}");
+        // SAFETY: kill and reap our own child.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+        match (read, before, after) {
+            (Ok(()), Some(before), Some(after)) => {
+                Some(after.saturating_sub(before) < (BYTES as u64 >> 10) / 2)
+            }
+            _ => None,
+        }
+    });
+    // SAFETY: unmapping the area mapped above, no longer used.
+    unsafe { libc::munmap(area, BYTES) };
+    outcome.flatten()
+}
+
+/// `Private_Dirty` (KiB) of the mapping of `pid` holding `addr`.
+fn private_dirty_at(pid: u32, addr: u64) -> Option<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line
+            .split_whitespace()
+            .next()
+            .and_then(|r| r.split_once('-'));
+        if let Some((start, end)) = range {
+            if let (Ok(start), Ok(end)) =
+                (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
+            {
+                inside = start <= addr && addr < end;
+                continue;
+            }
+        }
+        if inside {
+            if let Some(v) = line.strip_prefix("Private_Dirty:") {
+                return v.split_whitespace().next()?.parse().ok();
+            }
+        }
+    }
+    None
+}
+
 /// Whether a snapshot of `pid` is safe and complete, read before the
 /// stop; the reason it is not (the check then stops the service).
 pub fn preflight(pid: u32, mappings: &[Mapping]) -> Result<Plan, String> {
     if cfg!(not(any(target_arch = "x86_64", target_arch = "aarch64"))) {
         return Err("snapshots are made on x86-64 and arm64 only".into());
+    }
+    if !reads_share_pages() {
+        return Err("on this kernel a read of a copy-on-write child copies each page it reads (GUP breaks COW, as on 5.8-5.10): a snapshot would double the memory it scans".into());
     }
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .map_err(|e| format!("cannot read /proc/{pid}/status: {e}"))?;
@@ -1041,6 +1141,21 @@ VmFlags: rd wr mr mw me ac um
             0x5000 + COPY_LIMIT + 4096
         ));
         assert!(big.to_copy(&maps).is_err_and(|e| e.contains("dontfork")));
+    }
+
+    #[test]
+    fn reading_a_forked_child_leaves_its_pages_shared_on_this_kernel() {
+        // Since 5.11 a read through /proc/PID/mem takes plain references.
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let mut numbers = release
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|n| n.parse::<u32>().ok());
+        let version = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+        if version >= (5, 11) {
+            assert!(reads_share_pages(), "kernel {release}");
+        }
+        // Probed once.
+        assert_eq!(reads_share_pages(), reads_share_pages());
     }
 
     #[test]
