@@ -491,16 +491,7 @@ impl Supervisor {
             let _ = answered.recv();
         }
         for (tid, signal) in seized {
-            // SAFETY: detaching a thread this supervisor seized, its signal
-            // given back.
-            unsafe {
-                libc::ptrace(
-                    libc::PTRACE_DETACH,
-                    tid,
-                    std::ptr::null_mut::<libc::c_void>(),
-                    signal as usize as *mut libc::c_void,
-                )
-            };
+            stop::detach(tid, signal);
         }
         true
     }
@@ -579,17 +570,7 @@ fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
                 let _ = answered.recv();
             }
         } else if event == libc::PTRACE_EVENT_FORK || event == libc::PTRACE_EVENT_VFORK {
-            let mut message: libc::c_ulong = 0;
-            // SAFETY: PTRACE_GETEVENTMSG on our stopped tracee into a valid c_ulong.
-            unsafe {
-                libc::ptrace(
-                    libc::PTRACE_GETEVENTMSG,
-                    who,
-                    std::ptr::null_mut::<libc::c_void>(),
-                    (&mut message as *mut libc::c_ulong).cast::<libc::c_void>(),
-                )
-            };
-            let child = message as libc::pid_t;
+            let child = stop::event_message(who) as libc::pid_t;
             alive.insert(child);
             let (ack, answered) = std::sync::mpsc::channel();
             let forked = ChildEvent::Forked {

@@ -543,6 +543,37 @@ pub(crate) fn checked_by_pid(
     tracer.report_last_line()
 }
 
+/// `leak_service` runs on after the checks: not stopped, its worker
+/// blocked in read(2) woken with its block intact, then it exits.
+pub(crate) fn service_runs_on(mut service: Fixture) {
+    assert!(
+        matches!(state(service.pid), Some('S' | 'R')),
+        "{:?}",
+        state(service.pid)
+    );
+    service.send_line();
+    service.expect_line("worker woke ok");
+    service.expect_line("alive");
+    service.send_line();
+}
+
+/// `--leak-check` with a check every second attached to `service`
+/// (`mode`: `--leak-check-mode`).
+pub(crate) fn checked_every_second(service: &Fixture, mode: &str) -> Tracer {
+    let pid = service.pid.to_string();
+    Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--leak-check",
+        "--leak-check-mode",
+        mode,
+        "--interval",
+        "1s",
+        "--format",
+        "json",
+    ])
+}
+
 /// The state letter of `/proc/PID/stat`.
 pub(crate) fn state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -575,15 +606,7 @@ fn by_pid_a_growing_cache_is_reachable_a_dropped_response_lost_and_the_service_r
         (4000, 1)
     );
     // The service runs on, its blocked thread resumed correctly.
-    assert!(
-        matches!(state(service.pid), Some('S' | 'R')),
-        "{:?}",
-        state(service.pid)
-    );
-    service.send_line();
-    service.expect_line("worker woke ok");
-    service.expect_line("alive");
-    service.send_line();
+    service_runs_on(service);
 }
 
 /// A service with 256 MiB to scan (a stop long enough to be caught),
@@ -591,18 +614,7 @@ fn by_pid_a_growing_cache_is_reachable_a_dropped_response_lost_and_the_service_r
 /// stopped by one.
 fn service_caught_in_a_check() -> (Fixture, Tracer) {
     let mut service = Fixture::start("leak_service", &["10", "30", "256"]);
-    let pid = service.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        &pid,
-        "--leak-check",
-        "--leak-check-mode",
-        "stopped",
-        "--interval",
-        "1s",
-        "--format",
-        "json",
-    ]);
+    let tracer = checked_every_second(&service, "stopped");
     service.send_line();
     service.expect_line("served 10");
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -622,22 +634,14 @@ fn memtrace_killed_while_the_target_is_stopped_leaves_it_running() {
     if !privileged() {
         return;
     }
-    let (mut service, tracer) = service_caught_in_a_check();
+    let (service, tracer) = service_caught_in_a_check();
     tracer.signal(libc::SIGKILL);
     drop(tracer);
     let deadline = Instant::now() + Duration::from_secs(10);
     while state(service.pid) == Some('t') && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(
-        matches!(state(service.pid), Some('S' | 'R')),
-        "{:?}",
-        state(service.pid)
-    );
-    service.send_line();
-    service.expect_line("worker woke ok");
-    service.expect_line("alive");
-    service.send_line();
+    service_runs_on(service);
 }
 
 #[test]

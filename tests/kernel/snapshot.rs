@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::leak::{checked_by_pid, site_split, state};
-use crate::support::{privileged, Fixture, Tracer};
+use crate::leak::{checked_by_pid, checked_every_second, service_runs_on, site_split, state};
+use crate::support::{privileged, Fixture};
 
 /// Bytes and blocks.
 type Amount = (u64, u64);
@@ -202,16 +202,7 @@ fn memtrace_killed_during_a_snapshot_scan_leaves_no_child_and_the_service_runs_o
     // service idles meanwhile (its worker blocked in read(2)), so nothing it
     // writes makes pages private to the child.
     let mut service = Fixture::start("leak_service", &["10", "30", "1024"]);
-    let pid = service.pid.to_string();
-    let tracer = Tracer::attach(&[
-        "--pid",
-        &pid,
-        "--leak-check",
-        "--interval",
-        "1s",
-        "--format",
-        "json",
-    ]);
+    let tracer = checked_every_second(&service, "snapshot");
     service.send_line();
     service.expect_line("served 10");
     // A snapshot caught a while into its scan: what the scan read is still
@@ -247,19 +238,11 @@ fn memtrace_killed_during_a_snapshot_scan_leaves_no_child_and_the_service_runs_o
         child[0]
     );
     assert!(
-        matches!(state(service.pid), Some('S' | 'R')),
-        "{:?}",
-        state(service.pid)
-    );
-    assert!(
         children(service.pid).is_empty(),
         "{:?}",
         children(service.pid)
     );
-    service.send_line();
-    service.expect_line("worker woke ok");
-    service.expect_line("alive");
-    service.send_line();
+    service_runs_on(service);
 }
 
 #[test]

@@ -34,7 +34,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::maps::Mapping;
-use super::stop::{errno, seize, wait_stopped, StoppedThread, Waited};
+use super::stop::{detach, errno, event_message, seize, wait_stopped, StoppedThread, Waited};
 
 /// Most bytes copied from the service during the stop (ranges the child
 /// would not show as the service has them); past it the check stops the
@@ -631,20 +631,6 @@ fn wait_for(tid: i32) -> Result<i32, String> {
     }
 }
 
-fn event_message(tid: i32) -> u64 {
-    let mut message: libc::c_ulong = 0;
-    // SAFETY: PTRACE_GETEVENTMSG writes one unsigned long into `message`.
-    unsafe {
-        libc::ptrace(
-            libc::PTRACE_GETEVENTMSG,
-            tid,
-            std::ptr::null_mut::<libc::c_void>(),
-            (&mut message as *mut libc::c_ulong).cast::<libc::c_void>(),
-        )
-    };
-    message
-}
-
 /// What an injected system call did.
 struct Injected {
     result: i64,
@@ -988,18 +974,6 @@ pub fn reap(
     Err(format!(
         "the snapshot's child {child} was not reaped: {last}"
     ))
-}
-
-fn detach(tid: i32, signal: i32) {
-    // SAFETY: detaching our stopped tracee; the signal is data.
-    unsafe {
-        libc::ptrace(
-            libc::PTRACE_DETACH,
-            tid,
-            std::ptr::null_mut::<libc::c_void>(),
-            signal as usize as *mut libc::c_void,
-        )
-    };
 }
 
 // The guard's side of these lines is `super::snapshot_guard`.

@@ -211,18 +211,39 @@ impl Stopped {
 impl Drop for Stopped {
     fn drop(&mut self) {
         for &(tid, signal) in &self.seized {
-            // SAFETY: detaching our own stopped tracee; the signal to
-            // deliver is passed as data.
-            unsafe {
-                libc::ptrace(
-                    libc::PTRACE_DETACH,
-                    tid,
-                    std::ptr::null_mut::<libc::c_void>(),
-                    signal as usize as *mut libc::c_void,
-                )
-            };
+            detach(tid, signal);
         }
     }
+}
+
+/// Detaches stopped tracee `tid` (this thread's), giving it `signal`.
+pub(crate) fn detach(tid: libc::pid_t, signal: i32) {
+    // SAFETY: detaching our own stopped tracee; the signal to deliver is
+    // passed as data.
+    unsafe {
+        libc::ptrace(
+            libc::PTRACE_DETACH,
+            tid,
+            std::ptr::null_mut::<libc::c_void>(),
+            signal as usize as *mut libc::c_void,
+        )
+    };
+}
+
+/// The message of a tracee's ptrace event stop (`PTRACE_GETEVENTMSG`: a
+/// new child's pid at a fork or clone event).
+pub(crate) fn event_message(tid: libc::pid_t) -> u64 {
+    let mut message: libc::c_ulong = 0;
+    // SAFETY: PTRACE_GETEVENTMSG writes one unsigned long into `message`.
+    unsafe {
+        libc::ptrace(
+            libc::PTRACE_GETEVENTMSG,
+            tid,
+            std::ptr::null_mut::<libc::c_void>(),
+            (&mut message as *mut libc::c_ulong).cast::<libc::c_void>(),
+        )
+    };
+    message
 }
 
 /// The thread ids of `pid` (`/proc/PID/task`).
