@@ -695,5 +695,18 @@ fn the_heap_walk_judges_a_containers_blocks_from_before_the_attach_on_its_own_gl
     );
     // The image has no libc6-dbg: main_arena is found by its empty bins.
     crate::leak::assert_walked_before_attach(&report, "2.41", "empty bins");
+    // Read from a snapshot: the clone injected into the container's
+    // process (its seccomp profile, its namespaces) and reaped there.
+    assert_eq!(
+        report["leak_check"]["mode"], "snapshot",
+        "{}",
+        report["leak_check"]
+    );
+    let children = std::fs::read_to_string(format!(
+        "/proc/{}/task/{}/children",
+        container.host_pid, container.host_pid
+    ))
+    .unwrap_or_default();
+    assert!(children.trim().is_empty(), "left a child: {children}");
     container.main.go();
 }

@@ -917,6 +917,12 @@ pub fn reap(
     instruction: u64,
     suspend_seccomp: bool,
 ) -> Result<(), String> {
+    // wait4 runs in the service's pid namespace: the child by the pid it
+    // has there (a container's), not the host's.
+    let inner = std::fs::read_to_string(format!("/proc/{child}/status"))
+        .ok()
+        .and_then(|status| super::container::ns_pid(&status))
+        .unwrap_or(child);
     let tids: Vec<i32> = std::fs::read_dir(format!("/proc/{service}/task"))
         .map_err(|_| format!("pid {service} exited"))?
         .filter_map(Result::ok)
@@ -947,7 +953,7 @@ pub fn reap(
                     &thread,
                     instruction,
                     arch::SYS_WAIT4,
-                    [u64::from(child), 0, WNOHANG | WALL, 0, 0, 0],
+                    [u64::from(inner), 0, WNOHANG | WALL, 0, 0, 0],
                     suspend_seccomp,
                 )
             }
@@ -962,7 +968,7 @@ pub fn reap(
                     unsafe { libc::syscall(libc::SYS_tgkill, service as i32, tid, signal) };
                 }
                 // Reaped, or already reaped by the service itself (ECHILD).
-                if injected.result == i64::from(child) || injected.result == -(libc::ECHILD as i64)
+                if injected.result == i64::from(inner) || injected.result == -(libc::ECHILD as i64)
                 {
                     return Ok(());
                 }
