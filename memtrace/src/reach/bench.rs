@@ -97,6 +97,7 @@ fn run(heap: &mut Heap, tuning: Tuning) -> (f64, Outcome) {
         registers: &[],
         vtable: &vtable,
         provenance: false,
+        first_words: false,
     };
     let time = Instant::now();
     let outcome = classify_tuned(&input, heap, tuning);
@@ -123,7 +124,7 @@ fn measure(name: &str, count: usize, size: usize, stride: usize, chain: bool) {
     let mut heap = heap(count, size, stride, chain);
     let copy_s = copy(&mut heap);
     let copy_rate = heap.bytes.len() as f64 / copy_s;
-    let tuned = Tuning::for_nodes(heap.nodes.len());
+    let tuned = Tuning::for_nodes(&heap.nodes);
     let one_by_one = Tuning {
         sorted: false,
         ..tuned

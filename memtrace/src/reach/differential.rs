@@ -422,6 +422,17 @@ fn check(case: &Case, expected: &Reference, outcome: &Outcome, what: &str) {
             Some(h) => assert!(expected.heuristics[j].contains(&h), "{what}: node {j}"),
         }
     }
+    // Every host node of 8 bytes or more is scanned (pass 1 or 2): its
+    // first word as the memory holds it.
+    for (j, &word) in outcome.first_words.iter().enumerate() {
+        let node = case.nodes[j];
+        let held = if node.scan && node.size >= 8 && case.memory.readable(node.start, 8) {
+            case.memory.get(node.start)
+        } else {
+            0
+        };
+        assert_eq!(word, held, "{what}: node {j}'s first word");
+    }
     if outcome.marks.is_empty() {
         return;
     }
@@ -512,6 +523,7 @@ fn differ(seed: u64, count: usize) {
                     registers: &case.registers,
                     vtable: &vtable,
                     provenance,
+                    first_words: provenance,
                 },
                 &mut case.memory,
                 tuning,
@@ -572,6 +584,7 @@ fn differ_case(seed: u64, case: &mut Case) {
                 registers: &case.registers,
                 vtable: &vtable,
                 provenance: seed.is_multiple_of(2),
+                first_words: seed.is_multiple_of(3),
             },
             &mut case.memory,
             tuning,

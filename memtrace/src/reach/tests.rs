@@ -76,6 +76,7 @@ fn run(
             registers,
             vtable: &vtable,
             provenance: false,
+            first_words: false,
         },
         memory,
     );
@@ -192,6 +193,7 @@ fn heuristics_make_interior_pointers_reachable() {
             registers: &[],
             vtable: &vtable,
             provenance: false,
+            first_words: false,
         },
         &mut m,
     );
@@ -243,6 +245,7 @@ fn a_later_start_pointer_clears_the_heuristic() {
             registers: &[],
             vtable: &vtable,
             provenance: false,
+            first_words: false,
         },
         &mut m,
     );
@@ -457,6 +460,7 @@ fn provenance_names_the_chain_of_words_that_kept_a_block() {
             registers: &[7, c + 8, c],
             vtable: &vtable,
             provenance: true,
+            first_words: false,
         },
         &mut m,
     );
@@ -498,6 +502,7 @@ fn provenance_names_the_chain_of_words_that_kept_a_block() {
             registers: &[],
             vtable: &vtable,
             provenance: false,
+            first_words: false,
         },
         &mut m,
     );

@@ -4,8 +4,8 @@
 //! the walk covered and how those blocks were judged
 //! (`leak_check.before_attach`).
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::reach::{Category, Memory};
 use crate::report::leak::{category_name, Amount, BeforeAttach, BlockGroup, HeapWalkSummary};
@@ -20,27 +20,48 @@ const GROUPS: usize = 50;
 pub struct Block {
     pub size: u64,
     pub category: Category,
-    /// Its C++ type, by the vtable its first word points into.
-    pub type_name: Option<String>,
+    /// Its C++ type, by the vtable its first word points into (shared by
+    /// every block of that type).
+    pub type_name: Option<Arc<str>>,
 }
 
-/// The C++ type of each block by its first word (`first_words`, one per
-/// block), where a vtable symbol names it.
-pub fn type_names(pid: u32, mappings: &[Mapping], first_words: &[u64]) -> Vec<Option<String>> {
-    let mut names = crate::tracee::vtables::VtableNames::new(pid, mappings);
-    let mut known: HashMap<u64, Option<String>> = HashMap::new();
-    first_words
-        .iter()
-        .map(|&word| {
-            if word == 0 {
-                return None;
-            }
-            known
-                .entry(word)
-                .or_insert_with(|| names.type_of(word))
-                .clone()
-        })
-        .collect()
+/// Names the C++ type of blocks by their first word, where a vtable symbol
+/// names it. Only a word inside a read-only file mapping may point into a
+/// vtable: the others (most: pointers into the heap, and data) are passed
+/// over without a lookup.
+pub struct TypeNames<'a> {
+    read_only: Vec<(u64, u64)>,
+    names: crate::tracee::vtables::VtableNames<'a>,
+    known: foldhash::HashMap<u64, Option<Arc<str>>>,
+}
+
+impl<'a> TypeNames<'a> {
+    pub fn new(pid: u32, mappings: &'a [Mapping]) -> TypeNames<'a> {
+        let mut read_only: Vec<(u64, u64)> = mappings
+            .iter()
+            .filter(|m| m.is_file() && !m.writable)
+            .map(|m| (m.start, m.end))
+            .collect();
+        read_only.sort_unstable();
+        TypeNames {
+            read_only,
+            names: crate::tracee::vtables::VtableNames::new(pid, mappings),
+            known: Default::default(),
+        }
+    }
+
+    /// The type of a block whose first word is `word`.
+    pub fn of(&mut self, word: u64) -> Option<Arc<str>> {
+        let k = self.read_only.partition_point(|&(start, _)| start <= word);
+        if k == 0 || word >= self.read_only[k - 1].1 {
+            return None;
+        }
+        let names = &mut self.names;
+        self.known
+            .entry(word)
+            .or_insert_with(|| names.type_of(word).map(Arc::from))
+            .clone()
+    }
 }
 
 fn file_name(mapping: &Mapping) -> Option<&str> {
@@ -147,15 +168,18 @@ pub fn notes(mappings: &[Mapping]) -> Vec<String> {
 pub fn summary(
     walked: &Result<HeapWalk, String>,
     walk_ms: f64,
-    blocks: &[Block],
+    blocks: impl IntoIterator<Item = Block>,
     notes: Vec<String>,
 ) -> BeforeAttach {
     let mut split = crate::report::LeakSplit::default();
-    let mut groups: BTreeMap<(u64, Option<&str>, Category), Amount> = BTreeMap::new();
+    let mut count = 0u64;
+    let mut groups: foldhash::HashMap<(u64, Option<Arc<str>>, Category), Amount> =
+        Default::default();
     for block in blocks {
+        count += 1;
         split.add(block.category, block.size);
         groups
-            .entry((block.size, block.type_name.as_deref(), block.category))
+            .entry((block.size, block.type_name, block.category))
             .or_default()
             .add(block.size);
     }
@@ -163,7 +187,7 @@ pub fn summary(
         .into_iter()
         .map(|((size, type_name, category), amount)| BlockGroup {
             size,
-            type_name: type_name.map(str::to_string),
+            type_name: type_name.map(|t| t.to_string()),
             category: category_name(category).to_string(),
             count: amount.blocks,
             bytes: amount.bytes,
@@ -171,7 +195,21 @@ pub fn summary(
             same_size_as_site: None,
         })
         .collect();
-    groups.sort_by_key(|g| (std::cmp::Reverse(g.bytes), g.size));
+    // Largest first; ties in a fixed order (the map's is not).
+    groups.sort_by(|a, b| {
+        (
+            std::cmp::Reverse(a.bytes),
+            a.size,
+            &a.type_name,
+            &a.category,
+        )
+            .cmp(&(
+                std::cmp::Reverse(b.bytes),
+                b.size,
+                &b.type_name,
+                &b.category,
+            ))
+    });
     groups.truncate(GROUPS);
     let heap_walk = match walked {
         Ok(walk) => HeapWalkSummary {
@@ -191,7 +229,7 @@ pub fn summary(
             chunks: walk.chunks.len() as u64,
             chunks_walked: walk.chunks_walked,
             mmapped_chunks: walk.mmapped_chunks,
-            blocks_before_attach: blocks.len() as u64,
+            blocks_before_attach: count,
             walk_ms,
             reason: (!walk.partial.is_empty()).then(|| walk.partial.join("; ")),
         },
@@ -230,12 +268,12 @@ mod tests {
             block(24, Category::DefinitelyLost),
             block(24, Category::DefinitelyLost),
             Block {
-                type_name: Some("std::exception".to_string()),
+                type_name: Some(Arc::from("std::exception")),
                 ..block(24, Category::DefinitelyLost)
             },
             block(40, Category::StillReachable),
         ];
-        let before = summary(&walk, 1.0, &blocks, vec![]);
+        let before = summary(&walk, 1.0, blocks, vec![]);
         assert_eq!(
             before.split.definitely_lost,
             Amount {
@@ -255,7 +293,7 @@ mod tests {
         let refused = summary(
             &Err("glibc 2.42 is not known".to_string()),
             0.0,
-            &[],
+            Vec::new(),
             vec![],
         );
         assert_eq!(refused.heap_walk.status, "not_run");

@@ -292,32 +292,45 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
     // (after the traced ones), the heaps walked and glibc's own blocks no
     // roots.
     let mut excluded: Vec<(u64, u64)> = Vec::new();
+    let mut phase = Phases::new(pid);
     let walk_started = Instant::now();
     let walked = prepared.heap_walk.then(|| {
         let sps: Vec<u64> = threads.iter().map(|t| t.sp).collect();
         before_attach::walk(pid, mappings, &sps, &mut memory)
     });
     let walk_ms = walk_started.elapsed().as_secs_f64() * 1000.0;
+    phase.done("heap walk");
     if let Some(Ok(walk)) = &walked {
         judgement.arena_locked = walk.locked;
-        let traced: std::collections::HashSet<u64> = nodes.iter().map(|n| n.start).collect();
+        let mut traced: Vec<u64> = nodes.iter().map(|n| n.start).collect();
+        traced.sort_unstable();
+        // Both in address order: one pass over the two.
+        let mut next_traced = traced.iter().peekable();
+        nodes.reserve(walk.chunks.len());
         nodes.extend(
             walk.chunks
                 .iter()
-                .filter(|c| !traced.contains(&c.start))
+                .filter(|c| {
+                    while next_traced.next_if(|&&t| t < c.start).is_some() {}
+                    next_traced.peek() != Some(&&c.start)
+                })
                 .map(|c| Node::host(c.start, c.size)),
         );
         excluded.extend_from_slice(&walk.walked);
         excluded.extend_from_slice(&walk.metadata);
     }
-    let scanned_ranges: Vec<(u64, u64)> = nodes
+    let mut scanned_ranges: Vec<(u64, u64)> = nodes
         .iter()
         .filter(|n| n.scan)
         .map(|n| (n.start, n.start.saturating_add(n.size)))
         .collect();
+    if !scanned_ranges.is_sorted() {
+        scanned_ranges.sort_unstable();
+    }
     // glibc's own memory: main_arena's chunk pointers (false interior
     // pointers into the block before each chunk) always; its heaps when
     // every block in them is a node.
+    phase.done("pre-attach nodes");
     let symbol = before_attach::main_arena_symbol(pid, mappings);
     excluded.extend(glibc_heap::main_arena_pointers(
         mappings,
@@ -325,9 +338,11 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
         symbol,
     ));
     if prepared.complete {
-        let mut sorted = scanned_ranges.clone();
-        sorted.sort_unstable();
-        excluded.extend(glibc_heap::heap_extents(mappings, &sorted, &mut memory));
+        excluded.extend(glibc_heap::heap_extents(
+            mappings,
+            &scanned_ranges,
+            &mut memory,
+        ));
     }
     let roots = roots::roots(
         mappings,
@@ -340,6 +355,7 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
     );
     let registers: Vec<u64> = threads.iter().flat_map(StoppedThread::root_words).collect();
     let vtable = roots::vtable_predicate(mappings);
+    phase.done("roots");
     let scan_started = Instant::now();
     log::info!(
         "leak check of pid {pid}: {} nodes, {} root regions ({} bytes)",
@@ -354,6 +370,8 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
             registers: &registers,
             vtable: &vtable,
             provenance: !prepared.explain.is_empty(),
+            // A pre-attach block's type is named by its first word.
+            first_words: walked.is_some(),
         },
         &mut memory,
     );
@@ -365,33 +383,13 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
     if memory.gone || !crate::tracee::is_alive(memory_pid) {
         return Err(gone());
     }
+    phase.done("marking");
     judgement.scanned = outcome.scanned_bytes;
     judgement.unreadable = memory.unreadable;
     judgement.skipped = memory.skipped;
     let cut = memory.skipped > 0;
     let traced = keys.len();
     if let Some(walked) = &walked {
-        // Each block's first word (pre-attach blocks are 24 bytes or
-        // more), read in batches: a vtable pointer names its type.
-        let ranges: Vec<(u64, usize)> = nodes[traced..].iter().map(|n| (n.start, 8)).collect();
-        let mut words = vec![0u8; 8 * ranges.len()];
-        reach::Memory::read_many(&mut memory, &ranges, &mut words);
-        let first_words: Vec<u64> = words
-            .chunks_exact(8)
-            .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
-            .collect();
-        let types = before_attach::type_names(pid, mappings, &first_words);
-        let blocks: Vec<before_attach::Block> = nodes[traced..]
-            .iter()
-            .zip(&outcome.verdicts[traced..])
-            .zip(types)
-            .filter(|((_, v), _)| !cut || v.category == Category::StillReachable)
-            .map(|((n, v), type_name)| before_attach::Block {
-                size: n.size,
-                category: v.category,
-                type_name,
-            })
-            .collect();
         for (node, verdict) in nodes[traced..].iter().zip(&outcome.verdicts[traced..]) {
             if cut && verdict.category != Category::StillReachable {
                 judgement.not_judged.add(node.size);
@@ -399,12 +397,26 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
                 judgement.split.add(verdict.category, node.size);
             }
         }
+        // Each block's first word, as the scan read it (pre-attach blocks
+        // are 24 bytes or more): a vtable pointer names its type.
+        let mut types = before_attach::TypeNames::new(pid, mappings);
+        let blocks = nodes[traced..]
+            .iter()
+            .zip(&outcome.verdicts[traced..])
+            .zip(&outcome.first_words[traced..])
+            .filter(|((_, v), _)| !cut || v.category == Category::StillReachable)
+            .map(|((n, v), &word)| before_attach::Block {
+                size: n.size,
+                category: v.category,
+                type_name: types.of(word),
+            });
         judgement.before_attach = Some(before_attach::summary(
             walked,
             walk_ms,
-            &blocks,
+            blocks,
             before_attach::notes(mappings),
         ));
+        phase.done("pre-attach summary");
     }
     if !prepared.explain.is_empty() {
         let categories: Vec<Category> = outcome.verdicts.iter().map(|v| v.category).collect();
@@ -434,7 +446,34 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
         }
         judgement.verdicts.push((key, verdict.category));
     }
+    phase.done("verdicts");
     Ok(judgement)
+}
+
+/// Each phase of a judgement's time, logged (`-vv`): where a slow check
+/// spends it.
+struct Phases {
+    pid: u32,
+    last: Instant,
+}
+
+impl Phases {
+    fn new(pid: u32) -> Phases {
+        Phases {
+            pid,
+            last: Instant::now(),
+        }
+    }
+
+    fn done(&mut self, what: &str) {
+        let now = Instant::now();
+        log::debug!(
+            "leak check of pid {}: {what} took {:.1} ms",
+            self.pid,
+            (now - self.last).as_secs_f64() * 1000.0
+        );
+        self.last = now;
+    }
 }
 
 /// Starts a new check's result (by pid: each check replaces the last).

@@ -18,7 +18,7 @@
 //! invariant is reported partial, its heaps left as roots and none of its
 //! chunks taken as blocks.
 
-use std::collections::HashSet;
+use foldhash::{HashSet, HashSetExt};
 
 use super::glibc_heap::{self, MainArena};
 use crate::reach::Memory;
@@ -149,19 +149,43 @@ pub struct HeapWalk {
     pub mmapped_glibc: Option<u64>,
 }
 
-/// A buffered reader of words: a heap is read a window at a time.
+/// A buffered reader of words: a heap is read a window at a time. The
+/// window adapts to the walk's steps: chunks of a few bytes are read a
+/// megabyte at a time, chunks of a hundred kilobytes a page at a time (a
+/// megabyte window would read the whole heap to see one header in ten).
 struct Words<'a> {
     memory: &'a mut dyn Memory,
     start: u64,
     buf: Vec<u8>,
+    /// The next window's length.
+    window: usize,
 }
 
-const WINDOW: usize = 1 << 20;
+const WINDOW_MIN: usize = 4 << 10;
+const WINDOW_MAX: usize = 1 << 20;
 
-impl Words<'_> {
+impl<'a> Words<'a> {
+    fn new(memory: &'a mut dyn Memory) -> Words<'a> {
+        Words {
+            memory,
+            start: 0,
+            buf: Vec::new(),
+            window: WINDOW_MIN,
+        }
+    }
+
     fn get(&mut self, addr: u64) -> Option<u64> {
-        if addr < self.start || addr + 8 > self.start + self.buf.len() as u64 {
-            self.buf.resize(WINDOW, 0);
+        let end = self.start + self.buf.len() as u64;
+        if addr < self.start || addr + 8 > end {
+            // Just past the window: the walk steps within windows, so the
+            // next one may be larger; far past it: smaller.
+            let near = addr >= self.start && addr < end + self.buf.len() as u64;
+            self.window = if near {
+                (self.window * 2).min(WINDOW_MAX)
+            } else {
+                (self.window / 4).max(WINDOW_MIN)
+            };
+            self.buf.resize(self.window, 0);
             let read = self.memory.read(addr, &mut self.buf);
             self.buf.truncate(read);
             self.start = addr;
@@ -283,11 +307,7 @@ fn tcache(
     if !shaped {
         return false;
     }
-    let mut words = Words {
-        memory,
-        start: 0,
-        buf: Vec::new(),
-    };
+    let mut words = Words::new(memory);
     for i in 0..TCACHE_BINS as usize {
         let mut block = entry(i);
         let mut left = count(i);
@@ -336,12 +356,17 @@ fn mmapped_chunks(
         if in_walked || a_stack || mapping.path.is_some() {
             continue;
         }
-        // Each page's first 16 bytes, read a batch of pages at a time.
+        // Each page's first 16 bytes, read a batch of pages at a time: one
+        // page after a chunk (the next chunk's header is likely there, and
+        // the pages of a chunk are never read), twice as many after each
+        // batch that found none.
         let mut candidates = Vec::new();
         let mut at = mapping.start;
         let mut headers = vec![0u8; 16 * HEADER_BATCH];
+        let mut batch = 1u64;
         while at + PAGE <= mapping.end {
-            let pages = ((mapping.end - at) / PAGE).min(HEADER_BATCH as u64) as usize;
+            let pages = ((mapping.end - at) / PAGE).min(batch) as usize;
+            let found_before = candidates.len();
             let ranges: Vec<(u64, usize)> =
                 (0..pages).map(|k| (at + k as u64 * PAGE, 16)).collect();
             memory.read_many(&ranges, &mut headers[..16 * pages]);
@@ -361,10 +386,16 @@ fn mmapped_chunks(
                 {
                     candidates.push((at, size));
                     at += size;
+                    break;
                 } else {
                     at += PAGE;
                 }
             }
+            batch = if candidates.len() > found_before {
+                1
+            } else {
+                (batch * 2).min(HEADER_BATCH as u64)
+            };
         }
         for (k, &(start, size)) in candidates.iter().enumerate() {
             let end = start + size;
@@ -414,11 +445,7 @@ pub fn walk(
     let mut seen = HashSet::new();
     while seen.insert(current) && seen.len() <= MAX_ARENAS {
         walk.arenas += 1;
-        let mut words = Words {
-            memory,
-            start: 0,
-            buf: Vec::new(),
-        };
+        let mut words = Words::new(memory);
         let field = |words: &mut Words<'_>, offset: u64| words.get(current + offset);
         let mutex = field(&mut words, 0).map(|w| w & 0xffff_ffff);
         let top = field(&mut words, header - 16);
@@ -615,6 +642,65 @@ mod tests {
                 },
             ]
         );
+    }
+
+    /// [`Fake`], counting its reads and the bytes they asked for.
+    struct Counted(Fake, u64, u64);
+
+    impl Memory for Counted {
+        fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+            self.1 += 1;
+            self.2 += buf.len() as u64;
+            self.0.read(addr, buf)
+        }
+    }
+
+    /// A heap of `count` chunks of `size` bytes from `base`, then top.
+    fn heap_of(base: u64, count: u64, size: u64) -> (Counted, u64) {
+        let mut words = std::collections::BTreeMap::new();
+        for k in 0..count {
+            words.insert(base + k * size + 8, size | PREV_INUSE);
+        }
+        let top = base + count * size;
+        words.insert(top + 8, 0x1000 | PREV_INUSE);
+        (Counted(Fake(words), 0, 0), top)
+    }
+
+    #[test]
+    fn the_walk_reads_big_chunks_by_their_headers_and_small_ones_in_windows() {
+        let base = 0x5555_0000_0000u64;
+        // 100 chunks of 64 KiB: a page read for each header, not the heap.
+        let (mut memory, top) = heap_of(base, 100, 0x1_0000);
+        let mut walked = 0;
+        let chunks = walk_chunks(
+            &mut Words::new(&mut memory),
+            base,
+            top + 0x1000,
+            Some(top),
+            &mut walked,
+        )
+        .expect("a well-formed heap");
+        assert_eq!((chunks.len(), walked), (100, 100));
+        // (and one for top)
+        assert!(
+            memory.2 <= 101 * WINDOW_MIN as u64,
+            "{} bytes read",
+            memory.2
+        );
+        // 100k chunks of 32 bytes: windows grow to a megabyte.
+        let (mut memory, top) = heap_of(base, 100_000, 32);
+        let mut walked = 0;
+        let chunks = walk_chunks(
+            &mut Words::new(&mut memory),
+            base,
+            top + 0x1000,
+            Some(top),
+            &mut walked,
+        )
+        .expect("a well-formed heap");
+        assert_eq!(chunks.len(), 100_000);
+        assert!(chunks.iter().all(|c| c.size == 24));
+        assert!(memory.1 <= 12, "{} reads", memory.1);
     }
 
     #[test]

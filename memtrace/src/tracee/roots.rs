@@ -27,7 +27,7 @@ pub struct RootOptions<'a> {
     pub stack_starts: &'a [u64],
     /// Allocator memory that is no root (sorted or not; may overlap).
     pub excluded: &'a [(u64, u64)],
-    /// Start and end of every scanned node (host blocks), in any order.
+    /// Start and end of every scanned node (host blocks), sorted.
     pub nodes: &'a [(u64, u64)],
     /// Whether a mapped file is a GPU/NPU runtime library.
     pub runtime_library: &'a dyn Fn(&Path) -> bool,
@@ -47,9 +47,10 @@ fn never_read(mapping: &Mapping) -> bool {
 
 /// The root regions of a stopped process.
 pub fn roots(mappings: &[Mapping], options: &RootOptions<'_>) -> Vec<RootRegion> {
-    let mut covered = options.nodes.to_vec();
-    covered.extend_from_slice(options.excluded);
-    let nodes = merged(&covered);
+    debug_assert!(options.nodes.is_sorted(), "nodes sorted by start");
+    let mut excluded = options.excluded.to_vec();
+    excluded.sort_unstable();
+    let nodes = merged(options.nodes, &excluded);
     let mut regions = Vec::new();
     for mapping in mappings {
         if !(mapping.readable && mapping.writable) || never_read(mapping) {
@@ -73,19 +74,27 @@ pub fn roots(mappings: &[Mapping], options: &RootOptions<'_>) -> Vec<RootRegion>
     regions
 }
 
-/// The union of node ranges as disjoint ranges, sorted (a pinned host
-/// block and the stub runtime's own block at the same address overlap).
-fn merged(nodes: &[(u64, u64)]) -> Vec<(u64, u64)> {
-    let mut sorted = nodes.to_vec();
-    sorted.sort_unstable();
-    let mut out: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
-    for (start, end) in sorted {
+/// The union of two sorted lists of ranges as disjoint ranges, sorted (a
+/// pinned host block and the stub runtime's own block at the same address
+/// overlap; a walked heap covers its blocks).
+fn merged(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let (mut a, mut b) = (a.iter().peekable(), b.iter().peekable());
+    loop {
+        let next = match (a.peek(), b.peek()) {
+            (Some(&&x), Some(&&y)) if x <= y => a.next(),
+            (Some(_), Some(_)) => b.next(),
+            (Some(_), None) => a.next(),
+            (None, _) => b.next(),
+        };
+        let Some(&(start, end)) = next else {
+            return out;
+        };
         match out.last_mut() {
             Some(last) if start <= last.1 => last.1 = last.1.max(end),
             _ => out.push((start, end)),
         }
     }
-    out
 }
 
 /// Pushes the parts of `[start, end)` that no node covers (`nodes`
@@ -215,12 +224,12 @@ mod tests {
     #[test]
     fn a_node_covering_a_whole_region_leaves_nothing() {
         let mut out = Vec::new();
-        subtract_nodes(100, 200, &merged(&[(50, 300)]), false, &mut out);
+        subtract_nodes(100, 200, &merged(&[(50, 300)], &[]), false, &mut out);
         assert!(out.is_empty());
-        let nodes = merged(&[(10, 20), (0, 150), (160, 170), (165, 168)]);
+        let nodes = merged(&[(0, 150), (160, 170), (165, 168)], &[(10, 20), (155, 158)]);
         subtract_nodes(100, 200, &nodes, false, &mut out);
         let got: Vec<(u64, u64)> = out.iter().map(|r| (r.start, r.start + r.len)).collect();
-        assert_eq!(got, vec![(150, 160), (170, 200)]);
+        assert_eq!(got, vec![(150, 155), (158, 160), (170, 200)]);
     }
 
     #[test]
