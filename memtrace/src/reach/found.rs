@@ -58,17 +58,13 @@ impl Found {
         self.words.is_empty() && self.traced.is_empty()
     }
 
-    /// Takes the waiting entries, sorted by value to 1/2^24th of `span`
-    /// (every key is below it: see [`radix_sort`]; the buffers come back
-    /// through [`Found::put_back`]).
-    pub fn take_sorted(&mut self, span: u64) -> (Vec<u64>, Vec<Traced>) {
+    /// Takes the waiting entries, sorted by value (see [`sort_by_key`];
+    /// the buffers come back through [`Found::put_back`]).
+    pub fn take_sorted(&mut self) -> (Vec<u64>, Vec<Traced>) {
         let mut words = std::mem::take(&mut self.words);
         let mut traced = std::mem::take(&mut self.traced);
-        let bits = 64 - span.saturating_sub(1).leading_zeros();
-        radix_sort(&mut words, &mut self.scratch, bits, |&entry| entry & KEY);
-        radix_sort(&mut traced, &mut self.scratch_traced, bits, |t| {
-            t.entry & KEY
-        });
+        sort_by_key(&mut words, &mut self.scratch, |&entry| entry & KEY);
+        sort_by_key(&mut traced, &mut self.scratch_traced, |t| t.entry & KEY);
         (words, traced)
     }
 
@@ -87,30 +83,92 @@ const RADIX_BITS: u32 = 12;
 /// any order (a heap of up to 16 GiB: entries sorted to 1 KiB, the few
 /// nodes there one or two cache lines of the index).
 const RADIX_PASSES: u32 = 2;
-/// Fewer items than this are sorted by comparison (fully).
-const RADIX_MIN: usize = 256;
+/// Fewer items than this are sorted by comparison (fully: in the caches,
+/// faster than clearing a radix pass's counters).
+const COMPARE_MAX: usize = 4096;
+
+/// A key range wider than this many bits is split by its top digit first
+/// (a process's blocks lie in a few dense regions far apart: its heap, its
+/// mmapped chunks; sorted to 1/2^24th of the whole span, the entries would
+/// be sorted to megabytes, and the lookups that follow would start over).
+const SPLIT_BITS: u32 = 32;
+/// Splits at most this many times over.
+const SPLIT_DEPTH: u32 = 2;
+
+/// Sorts `items` by `key`, to 1/2^24th of the span of the keys of each
+/// dense region (equal keys, and keys that close, in no particular order):
+/// a span wider than [`SPLIT_BITS`] is first split by its top 12 bits, and
+/// each part sorted the same way on its own span. `scratch` is the second
+/// buffer, kept for next time.
+pub fn sort_by_key<T: Copy>(items: &mut [T], scratch: &mut Vec<T>, key: impl Fn(&T) -> u64) {
+    let Some(&first) = items.first() else {
+        return;
+    };
+    scratch.resize(items.len(), first);
+    sort_slice(items, scratch, &key, SPLIT_DEPTH);
+}
+
+/// [`sort_by_key`] of a slice; the result in `items`.
+fn sort_slice<T: Copy>(items: &mut [T], scratch: &mut [T], key: &impl Fn(&T) -> u64, depth: u32) {
+    if items.len() < COMPARE_MAX {
+        items.sort_unstable_by_key(key);
+        return;
+    }
+    let (mut min, mut max) = (u64::MAX, 0);
+    for item in items.iter() {
+        let k = key(item);
+        min = min.min(k);
+        max = max.max(k);
+    }
+    let bits = 64 - (max - min).leading_zeros();
+    if bits <= SPLIT_BITS || depth == 0 {
+        if !lsd_sort(items, scratch, bits, |t| key(t) - min) {
+            items.copy_from_slice(scratch);
+        }
+        return;
+    }
+    // Split by the top digit into `scratch`, each part sorted there (with
+    // `items` as its scratch), then copied back.
+    let shift = bits - RADIX_BITS;
+    let mut counts = vec![0usize; 1 << RADIX_BITS];
+    for item in items.iter() {
+        counts[((key(item) - min) >> shift) as usize] += 1;
+    }
+    let mut starts = Vec::with_capacity(counts.len());
+    let mut sum = 0;
+    for count in &counts {
+        starts.push(sum);
+        sum += count;
+    }
+    let mut slots = starts.clone();
+    for item in items.iter() {
+        let slot = &mut slots[((key(item) - min) >> shift) as usize];
+        scratch[*slot] = *item;
+        *slot += 1;
+    }
+    for (&start, &count) in starts.iter().zip(&counts) {
+        if count > 1 {
+            let part = start..start + count;
+            sort_slice(&mut scratch[part.clone()], &mut items[part], key, depth - 1);
+        }
+    }
+    items.copy_from_slice(scratch);
+}
 
 /// Sorts `items` by the top bits of `key` (below `1 << bits`), least
 /// significant digit first: two passes at most (see [`RADIX_PASSES`]), a
 /// digit all keys share skipped; `scratch` is the second buffer, kept for
 /// next time. Equal keys keep no particular order.
-pub fn radix_sort<T: Copy>(
-    items: &mut Vec<T>,
-    scratch: &mut Vec<T>,
+fn lsd_sort<T: Copy>(
+    items: &mut [T],
+    scratch: &mut [T],
     bits: u32,
     key: impl Fn(&T) -> u64,
-) {
-    let Some(&first) = items.first() else {
-        return;
-    };
-    if items.len() < RADIX_MIN {
-        items.sort_unstable_by_key(key);
-        return;
-    }
+) -> bool {
     let bits = bits.min(64);
     let passes = bits.div_ceil(RADIX_BITS).min(RADIX_PASSES);
     if passes == 0 {
-        return;
+        return true;
     }
     let digit = bits.div_ceil(passes).min(RADIX_BITS);
     let lowest = bits.saturating_sub(passes * digit);
@@ -124,7 +182,7 @@ pub fn radix_sort<T: Copy>(
             counts[((pass as usize) << digit) + d] += 1;
         }
     }
-    scratch.resize(items.len(), first);
+    let mut in_items = true;
     for (pass, counts) in counts.chunks_exact_mut(1 << digit).enumerate() {
         if counts.contains(&items.len()) {
             // Every key has this digit.
@@ -137,13 +195,19 @@ pub fn radix_sort<T: Copy>(
             *count = sum;
             sum += n;
         }
-        for item in items.iter() {
+        let (from, to): (&[T], &mut [T]) = if in_items {
+            (&*items, &mut *scratch)
+        } else {
+            (&*scratch, &mut *items)
+        };
+        for item in from.iter() {
             let slot = &mut counts[(key(item) >> shift) as usize & mask];
-            scratch[*slot] = *item;
+            to[*slot] = *item;
             *slot += 1;
         }
-        std::mem::swap(items, scratch);
+        in_items = !in_items;
     }
+    in_items
 }
 
 #[cfg(test)]
@@ -158,8 +222,15 @@ mod tests {
         *state
     }
 
+    /// Whether `items` are sorted to `2^shift` (keys less `min`).
+    fn sorted_to(items: &[u64], min: u64, shift: u32) -> bool {
+        items
+            .windows(2)
+            .all(|p| (p[0] - min) >> shift <= (p[1] - min) >> shift)
+    }
+
     #[test]
-    fn radix_sort_sorts_the_top_bits() {
+    fn sorting_sorts_to_a_24th_of_the_span_bits_and_keeps_every_key() {
         let mut state = 0x9E37_79B9_7F4A_7C15;
         let mut scratch = Vec::new();
         for (len, bits) in [
@@ -169,8 +240,10 @@ mod tests {
             (5000, 8),
             (5000, 20),
             (5000, 30),
+            (20_000, 31),
+            (20_000, 33),
             (5000, 62),
-            (20_000, 64),
+            (20_000, 62),
             (3000, 0),
         ] {
             let mask = if bits == 64 {
@@ -178,15 +251,14 @@ mod tests {
             } else {
                 (1 << bits) - 1
             };
-            let mut items: Vec<u64> = (0..len).map(|_| next(&mut state) & mask).collect();
+            let mut items: Vec<u64> = (0..len).map(|_| next(&mut state) & mask & KEY).collect();
             let mut expected = items.clone();
             expected.sort_unstable();
-            radix_sort(&mut items, &mut scratch, bits, |&v| v);
-            let shift = bits.saturating_sub(24);
-            assert!(
-                items.windows(2).all(|p| p[0] >> shift <= p[1] >> shift),
-                "{len} {bits}"
-            );
+            sort_by_key(&mut items, &mut scratch, |&v| v);
+            let min = expected.first().copied().unwrap_or(0);
+            let span = expected.last().copied().unwrap_or(0) - min;
+            let shift = (64 - span.leading_zeros()).saturating_sub(24);
+            assert!(sorted_to(&items, min, shift), "{len} {bits}");
             items.sort_unstable();
             assert_eq!(items, expected, "{len} {bits}");
         }
@@ -196,12 +268,37 @@ mod tests {
             .collect();
         let mut expected = items.clone();
         expected.sort_unstable();
-        radix_sort(&mut items, &mut scratch, 16, |&v| v);
+        sort_by_key(&mut items, &mut scratch, |&v| v);
         assert_eq!(items, expected);
     }
 
     #[test]
-    fn radix_sort_sorts_by_the_key_and_keeps_the_rest() {
+    fn dense_regions_far_apart_are_each_sorted_finely() {
+        // A heap of 1 GiB and mmapped blocks 64 TiB away: sorted to 64
+        // bytes within each, not to the 4 GiB a 24th of the whole span is.
+        let mut state = 3;
+        let (heap, mmaps) = (1u64 << 40, 1u64 << 46);
+        // (each region's own lowest key is where its order starts)
+        let mut items: Vec<u64> = (0..100_000)
+            .map(|k| {
+                let base = if k % 3 == 0 { mmaps } else { heap };
+                base + (next(&mut state) & ((1 << 30) - 1))
+            })
+            .collect();
+        let mut expected = items.clone();
+        expected.sort_unstable();
+        sort_by_key(&mut items, &mut Vec::new(), |&v| v);
+        let split = items.partition_point(|&v| v < mmaps);
+        assert!(items[split..].iter().all(|&v| v >= mmaps));
+        let min = |part: &[u64]| part.iter().copied().min().unwrap_or(0);
+        assert!(sorted_to(&items[..split], min(&items[..split]), 6));
+        assert!(sorted_to(&items[split..], min(&items[split..]), 6));
+        items.sort_unstable();
+        assert_eq!(items, expected);
+    }
+
+    #[test]
+    fn sorting_sorts_by_the_key_and_keeps_the_rest() {
         let mut state = 7;
         let mut items: Vec<Traced> = (0..4000u64)
             .map(|k| Traced {
@@ -212,7 +309,7 @@ mod tests {
             })
             .collect();
         let mut expected = items.clone();
-        radix_sort(&mut items, &mut Vec::new(), 20, |t| t.entry & KEY);
+        sort_by_key(&mut items, &mut Vec::new(), |t| t.entry & KEY);
         assert!(items
             .windows(2)
             .all(|p| p[0].entry & KEY <= p[1].entry & KEY));

@@ -38,8 +38,9 @@
 //! are many for each node), so the
 //! words found wait (in [`found`], their value and whether their memory was
 //! definite or the runtime's) until a batch of them is full or nothing is
-//! left to scan; the batch is radix-sorted (to 1/2^24th of the nodes'
-//! span) and looked up in address order, each lookup walking on from the
+//! left to scan; the batch is radix-sorted (to 1/2^24th of the span of
+//! each dense region of them: the heap, the mmapped blocks far above it)
+//! and looked up in address order, each lookup walking on from the
 //! one before (nodes that overlap: a lookup each), and what it marks waits
 //! in turn: marking goes level by level, a level looked up in batches. A
 //! level of a few words (a long list) is sorted by comparison.
@@ -530,8 +531,7 @@ impl Marker<'_> {
             return false;
         }
         let low = waiting.low;
-        let span = self.index.bounds().1.saturating_sub(low);
-        let (words, traced) = waiting.take_sorted(span);
+        let (words, traced) = waiting.take_sorted();
         let unused = Source::Root { at: 0 };
         let disjoint = self.index.disjoint();
         let mut cursor = 0;
