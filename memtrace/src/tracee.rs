@@ -210,9 +210,9 @@ pub enum ChildEvent {
     /// in place; it stays stopped until the sender is answered (or dropped).
     Exiting {
         pid: u32,
-        /// Its exiting thread's registers (`NT_PRSTATUS` words), for the
-        /// leak check's roots.
-        registers: Option<Vec<u64>>,
+        /// Its main thread's registers, then those of each thread that died
+        /// with it (with all threads traced): the leak check's roots.
+        threads: Vec<stop::StoppedThread>,
         ack: std::sync::mpsc::Sender<()>,
     },
     /// With fork following: `parent` forked `child`, which is held before its
@@ -238,7 +238,13 @@ impl HeldChild {
     /// attached to its pid see even its first instruction. With
     /// `follow_forks`, every process it forks is held at birth and reported
     /// ([`ChildEvent::Forked`]) so its probes are in place before it runs.
-    pub fn spawn(command: &[String], follow_forks: bool) -> Result<Self, Failure> {
+    /// With `all_threads`, every thread is traced, and each one's registers
+    /// are read when it dies with its process ([`ChildEvent::Exiting`]).
+    pub fn spawn(
+        command: &[String],
+        follow_forks: bool,
+        all_threads: bool,
+    ) -> Result<Self, Failure> {
         let Some(program) = command.first() else {
             return Err(Failure::usage("no command given after --"));
         };
@@ -304,6 +310,7 @@ impl HeldChild {
         let supervisor = Supervisor {
             pid,
             follow: follow_forks,
+            all_threads,
             events: events_tx,
             checks: checks.clone(),
             check_stops: check_tx,
@@ -408,7 +415,9 @@ impl Drop for HeldChild {
 /// to the thread that made them): it is seized with `PTRACE_O_TRACEEXIT` so
 /// that it stops just before exiting, while its mappings can still be read;
 /// every other stop is resumed at once with its signal, so the command runs
-/// as it would untraced. Only its main thread is seized. With `follow`, forks
+/// as it would untraced. With `all_threads` (the exit check) every thread is
+/// traced (`PTRACE_O_TRACECLONE`): each one's registers are read at its exit
+/// stop, for the exit check's roots; else only the main thread. With `follow`, forks
 /// are traced too (`PTRACE_O_TRACEFORK`/`TRACEVFORK`): each new process starts
 /// stopped, is reported, and is resumed once the session has answered, and
 /// supervision goes on until every such process has ended.
@@ -416,6 +425,9 @@ impl Drop for HeldChild {
 struct Supervisor {
     pid: u32,
     follow: bool,
+    /// Every thread traced (`PTRACE_O_TRACECLONE`), so that each one's
+    /// registers are read at its exit stop (the exit check's roots).
+    all_threads: bool,
     events: tokio::sync::mpsc::UnboundedSender<ChildEvent>,
     checks: std::sync::Arc<CheckRequests>,
     check_stops: std::sync::mpsc::Sender<CheckStop>,
@@ -440,17 +452,11 @@ impl Supervisor {
         if self.checks.abandoned.load(Ordering::SeqCst) >= request {
             return true;
         }
-        let mut threads = Vec::new();
-        let mut seized = Vec::new();
-        if let Some(registers) = stop::registers(main) {
-            threads.push(stop::StoppedThread {
-                tid: main,
-                sp: stop::stack_pointer(&registers),
-                vector: stop::vector_registers(main).unwrap_or_default(),
-                registers,
-                signal: 0,
-            });
-        }
+        let mut threads: Vec<stop::StoppedThread> =
+            stop::read_thread(main, 0).into_iter().collect();
+        // Threads stopped here: (tid, signal to give back, whether this
+        // thread seized it for the check or traced it already).
+        let mut held = Vec::new();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
         let tids: Vec<libc::pid_t> = std::fs::read_dir(format!("/proc/{}/task", self.pid))
             .into_iter()
@@ -460,24 +466,20 @@ impl Supervisor {
             .filter(|&tid| tid != main)
             .collect();
         for tid in tids {
-            if stop::seize(tid).is_err() {
+            let waited = if self.all_threads {
+                interrupt_traced(tid, deadline)
+            } else if stop::seize(tid).is_ok() {
+                stop::wait_stopped(tid, deadline)
+            } else {
                 continue;
-            }
-            match stop::wait_stopped(tid, deadline) {
+            };
+            match waited {
                 stop::Waited::Stopped(signal) => {
-                    seized.push((tid, signal));
-                    if let Some(registers) = stop::registers(tid) {
-                        threads.push(stop::StoppedThread {
-                            tid,
-                            sp: stop::stack_pointer(&registers),
-                            vector: stop::vector_registers(tid).unwrap_or_default(),
-                            registers,
-                            signal,
-                        });
-                    }
+                    held.push((tid, signal));
+                    threads.extend(stop::read_thread(tid, signal));
                 }
                 stop::Waited::Exited => {}
-                stop::Waited::TimedOut => seized.push((tid, 0)),
+                stop::Waited::TimedOut => held.push((tid, 0)),
             }
         }
         let (ack, answered) = std::sync::mpsc::channel();
@@ -490,21 +492,162 @@ impl Supervisor {
         if self.check_stops.send(stop).is_ok() {
             let _ = answered.recv();
         }
-        for (tid, signal) in seized {
-            stop::detach(tid, signal);
+        for (tid, signal) in held {
+            if self.all_threads {
+                resume(tid, libc::PTRACE_CONT, signal);
+            } else {
+                stop::detach(tid, signal);
+            }
         }
         true
     }
 }
 
+/// Stops a thread the supervisor traces already (every thread, when it
+/// holds them all for the exit check): its next stop, our interrupt or
+/// another (a signal to give back; an event stop resumes plainly).
+fn interrupt_traced(tid: libc::pid_t, deadline: std::time::Instant) -> stop::Waited {
+    // SAFETY: PTRACE_INTERRUPT of our own tracee; no memory is passed.
+    let interrupted = unsafe {
+        libc::ptrace(
+            libc::PTRACE_INTERRUPT,
+            tid,
+            std::ptr::null_mut::<libc::c_void>(),
+            std::ptr::null_mut::<libc::c_void>(),
+        )
+    };
+    if interrupted != 0 {
+        return stop::Waited::Exited;
+    }
+    let mut pause = std::time::Duration::from_micros(20);
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on our own tracee with a valid status pointer.
+        let who = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
+        if who == tid {
+            if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+                return stop::Waited::Exited;
+            }
+            if libc::WIFSTOPPED(status) {
+                let event = (status >> 16) & 0xff;
+                let signal = if event == 0 && libc::WSTOPSIG(status) != libc::SIGTRAP | 0x80 {
+                    libc::WSTOPSIG(status)
+                } else {
+                    0
+                };
+                return stop::Waited::Stopped(signal);
+            }
+        } else if who < 0 {
+            return stop::Waited::Exited;
+        }
+        if std::time::Instant::now() >= deadline {
+            return stop::Waited::TimedOut;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Registers of the threads that died with their process, by process,
+/// read at each one's exit stop: the leak check at the process's own exit
+/// stop takes them as roots (valgrind reads every thread's registers at
+/// the exit).
+#[derive(Default)]
+struct DyingThreads {
+    by_process: std::collections::HashMap<libc::pid_t, Vec<stop::StoppedThread>>,
+}
+
+impl DyingThreads {
+    /// A thread (not its process's main one) at its exit stop: its
+    /// registers kept when it dies with its process.
+    fn exiting(&mut self, tid: libc::pid_t, process: libc::pid_t) {
+        if let Some(thread) = stop::read_thread(tid, 0) {
+            if !stop::ends_by_itself(&thread) {
+                self.by_process.entry(process).or_default().push(thread);
+            }
+        }
+    }
+
+    /// The main thread of `process` at its exit stop: when the whole
+    /// process exits (not the main thread alone), waits (up to a bound) for
+    /// its other threads' exit stops, each resumed once read; then every
+    /// thread that died with it.
+    fn with_process(
+        &mut self,
+        process: libc::pid_t,
+        main: &stop::StoppedThread,
+    ) -> Vec<stop::StoppedThread> {
+        if !stop::ends_by_itself(main) {
+            let deadline = std::time::Instant::now() + EXIT_WAIT;
+            let mut done: std::collections::HashSet<libc::pid_t> = [process].into();
+            loop {
+                let left: Vec<libc::pid_t> = std::fs::read_dir(format!("/proc/{process}/task"))
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Result::ok)
+                    .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                    .filter(|tid| !done.contains(tid))
+                    .collect();
+                if left.is_empty() || std::time::Instant::now() >= deadline {
+                    break;
+                }
+                for tid in left {
+                    let mut status = 0;
+                    // SAFETY: waitpid on our own tracee (a thread of the
+                    // command) with a valid status pointer.
+                    let who =
+                        unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
+                    if who == 0 {
+                        continue;
+                    }
+                    if who < 0 || libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+                        done.insert(tid);
+                    } else if libc::WIFSTOPPED(status) {
+                        let event = (status >> 16) & 0xff;
+                        if event == libc::PTRACE_EVENT_EXIT {
+                            self.exiting(tid, process);
+                        }
+                        let signal = if event == 0 {
+                            libc::WSTOPSIG(status)
+                        } else {
+                            0
+                        };
+                        resume(tid, libc::PTRACE_CONT, signal);
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        let mut threads = vec![main.clone()];
+        threads.extend(self.by_process.remove(&process).unwrap_or_default());
+        threads
+    }
+
+    /// `process` ran `exec`: the threads it had are gone, and with them
+    /// their registers.
+    fn forget(&mut self, process: libc::pid_t) {
+        self.by_process.remove(&process);
+    }
+}
+
+/// How long the exit check waits for the other threads of a process to
+/// reach their exit stops (killed by `exit_group`, they are there within
+/// milliseconds; one in an uninterruptible sleep may never be).
+const EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
     let (pid, follow, events) = (supervisor.pid, supervisor.follow, &supervisor.events);
+    let all_threads = supervisor.all_threads;
     let main = pid as libc::pid_t;
     let mut options =
         libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC | libc::PTRACE_O_TRACESYSGOOD;
     if follow {
         options |= libc::PTRACE_O_TRACEFORK | libc::PTRACE_O_TRACEVFORK;
     }
+    if all_threads {
+        options |= libc::PTRACE_O_TRACECLONE;
+    }
+    let mut dying = DyingThreads::default();
     // SAFETY: PTRACE_SEIZE on our own child; the options word is passed as data.
     let traced = unsafe {
         libc::ptrace(
@@ -518,10 +661,17 @@ fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
     let mut forks = ForkHolds::default();
     let mut loading = Loading::default();
     let mut alive: std::collections::HashSet<libc::pid_t> = [main].into();
+    // With every thread traced: each thread's process (from its clone
+    // event; `/proc` when its first stop comes first), and the processes
+    // made by `clone` without `CLONE_THREAD` (not forks: never followed).
+    let mut thread_groups: std::collections::HashMap<libc::pid_t, libc::pid_t> =
+        std::collections::HashMap::new();
+    let mut cloned: std::collections::HashSet<libc::pid_t> = std::collections::HashSet::new();
     let mut status = 0;
     while !alive.is_empty() {
-        // Without fork following only the command is waited for, as before.
-        let wanted = if follow { -1 } else { main };
+        // Without fork following (nor every thread traced) only the
+        // command is waited for, as before.
+        let wanted = if follow || all_threads { -1 } else { main };
         // SAFETY: waitpid on our own children with a valid status pointer.
         let who = unsafe { libc::waitpid(wanted, &mut status, libc::__WALL) };
         if who <= 0 {
@@ -535,6 +685,7 @@ fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
         }
         if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
             alive.remove(&who);
+            thread_groups.remove(&who);
             if who == main {
                 let _ = events.send(ChildEvent::Exited(describe_status(status)));
             }
@@ -546,10 +697,53 @@ fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
         let event = (status >> 16) & 0xff;
         let mut request = libc::PTRACE_CONT;
         let mut signal = 0;
+        // A thread (not a process's main thread), with every thread traced.
+        let thread_of = if all_threads && who != main && event != libc::PTRACE_EVENT_EXEC {
+            thread_groups
+                .get(&who)
+                .copied()
+                .or_else(|| stop::thread_group(who).filter(|&process| process != who))
+        } else {
+            None
+        };
         if event == libc::PTRACE_EVENT_EXEC {
             // The new image and ld.so are mapped; ld.so maps the libraries
             // next: each is reported before the code runs (see `Loading`).
+            dying.forget(who);
             loading.start(who);
+        } else if event == libc::PTRACE_EVENT_CLONE {
+            // A new thread runs from its first stop (below); a new process
+            // made by `clone` (an exit signal other than SIGCHLD) is let go.
+            let new = stop::event_message(who) as libc::pid_t;
+            let parent = if alive.contains(&who) {
+                Some(who)
+            } else {
+                thread_of
+            };
+            match stop::thread_group(new) {
+                Some(process) if Some(process) == parent => {
+                    thread_groups.insert(new, process);
+                }
+                Some(process) if process == new => {
+                    if forks.waiting.remove(&new) {
+                        stop::detach(new, 0);
+                    } else {
+                        cloned.insert(new);
+                    }
+                }
+                _ => {}
+            }
+        } else if event == libc::PTRACE_EVENT_STOP && cloned.remove(&who) {
+            stop::detach(who, 0);
+            continue;
+        } else if let (Some(process), libc::PTRACE_EVENT_EXIT) = (thread_of, event) {
+            dying.exiting(who, process);
+        } else if thread_of.is_some() && event == libc::PTRACE_EVENT_STOP {
+            // A thread's first stop, or an interrupt's (SIGTRAP), runs on;
+            // a group stop is listened through.
+            if libc::WSTOPSIG(status) != libc::SIGTRAP {
+                request = libc::PTRACE_LISTEN;
+            }
         } else if libc::WSTOPSIG(status) == libc::SIGTRAP | 0x80 && event == 0 {
             if let Some(pid) = loading.syscall_stop(who) {
                 let (ack, answered) = std::sync::mpsc::channel();
@@ -559,10 +753,14 @@ fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
             }
         } else if event == libc::PTRACE_EVENT_EXIT {
             let (ack, answered) = std::sync::mpsc::channel();
+            let threads = match stop::read_thread(who, 0) {
+                Some(main) if all_threads => dying.with_process(who, &main),
+                main => main.into_iter().collect(),
+            };
             if events
                 .send(ChildEvent::Exiting {
                     pid: who as u32,
-                    registers: stop::registers(who),
+                    threads,
                     ack,
                 })
                 .is_ok()

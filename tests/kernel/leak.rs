@@ -350,14 +350,12 @@ fn a_frame_in_a_library_dlopened_late_is_named() {
     );
 }
 
-/// Known limitation (docs/src/leak-check.md, "Where memtrace differs from valgrind"): in
-/// launch mode only the exiting thread's registers are read; the other
-/// threads are killed by `exit_group` before memtrace could read theirs,
-/// so a block whose only pointer sits in one of them is called lost.
-/// Fixing it needs every thread held at `exit_group` (the supervisor seizes
-/// only the main thread today).
+/// valgrind reads every thread's registers at the exit; in launch mode the
+/// other threads are killed by `exit_group` before the main thread's exit
+/// stop, so memtrace reads each one's at its own exit stop (every thread
+/// traced). Without that, a block whose only pointer sits in one of them
+/// would be called lost.
 #[test]
-#[ignore = "known limitation: other threads' registers are not read at exit (docs/src/leak-check.md)"]
 fn a_pointer_only_in_a_register_of_a_thread_blocked_at_exit_keeps_its_block_reachable() {
     if !privileged() {
         return;

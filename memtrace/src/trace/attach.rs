@@ -65,7 +65,8 @@ fn choose_target(args: &TraceArgs, names: Option<&mut by_name::Watch>) -> anyhow
             }
         }
         (None, None) => {
-            let child = HeldChild::spawn(&args.command, args.follow_forks)?;
+            // The exit check reads every thread's registers: each is traced.
+            let child = HeldChild::spawn(&args.command, args.follow_forks, !args.no_leak_check)?;
             let pid = child.pid;
             Chosen {
                 held: Some(child),

@@ -249,7 +249,7 @@ impl Trace<'_> {
         match event {
             ChildEvent::Exiting {
                 pid: exiting,
-                registers,
+                threads,
                 ack,
             } => {
                 // A process of the command is stopped just before exit:
@@ -258,7 +258,7 @@ impl Trace<'_> {
                 session.pipeline.refresh_space_now(exiting);
                 session.pipeline.drain(self.ring.get_mut(), &self.probes);
                 session.follow_execs(&mut self.probes);
-                session.leak_check_exiting(exiting, registers, self.ring.get_mut(), &self.probes);
+                session.leak_check_exiting(exiting, threads, self.ring.get_mut(), &self.probes);
                 if exiting == pid {
                     if let Some(memory) = super::session::read_memory(pid) {
                         session.memory_last = Some(memory);

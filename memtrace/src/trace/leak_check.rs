@@ -854,12 +854,13 @@ impl Session<'_> {
         }
     }
 
-    /// Launch mode: `pid` is stopped just before it exits (its exiting
-    /// thread's registers given); judges it, its memory intact.
+    /// Launch mode: `pid` is stopped just before it exits (its main
+    /// thread's registers given, and those of the threads that died with
+    /// it); judges it, its memory intact.
     pub fn leak_check_exiting(
         &mut self,
         pid: u32,
-        registers: Option<Vec<u64>>,
+        threads: Vec<StoppedThread>,
         ring: &mut RingBuf<MapData>,
         probes: &Probes,
     ) {
@@ -888,10 +889,6 @@ impl Session<'_> {
         {
             begin(&mut self.leak, CheckPoint::Exit);
         }
-        let threads: Vec<StoppedThread> = registers
-            .map(StoppedThread::from_registers)
-            .into_iter()
-            .collect();
         let complete = self.table_complete(pid, probes);
         if let Some(summary) = self.leak.summary.as_mut() {
             summary.complete_table |= complete;
@@ -917,8 +914,12 @@ impl Session<'_> {
             summary.scan_ms += started.elapsed().as_secs_f64() * 1000.0;
         }
         match judged {
-            // The other threads are already gone: only the exiting one counts.
-            Ok(judgement) => add(&mut self.leak, judgement, 1, super::session::monotonic_ns()),
+            Ok(judgement) => add(
+                &mut self.leak,
+                judgement,
+                threads.len(),
+                super::session::monotonic_ns(),
+            ),
             Err(line) => {
                 if self.leak.summary.as_ref().is_some_and(|s| s.processes == 0) {
                     self.leak.summary = Some(LeakCheck::not_run(CheckPoint::Exit, line));

@@ -318,7 +318,11 @@ mod tests {
         ];
         let mut registers = vec![0; 27];
         registers[19] = 0x7ffc_0000_0f80;
-        let threads = [StoppedThread::from_registers(registers)];
+        let threads = [StoppedThread {
+            sp: crate::tracee::stop::stack_pointer(&registers),
+            registers,
+            ..StoppedThread::default()
+        }];
         let context = Context {
             pid: 7,
             nodes: &nodes,

@@ -30,7 +30,7 @@ pub enum StopError {
 /// One stopped thread.
 #[derive(Clone, Debug, Default)]
 pub struct StoppedThread {
-    /// Its thread id (0 when not known: launch mode's exiting thread).
+    /// Its thread id.
     pub tid: i32,
     /// Its stack pointer.
     pub sp: u64,
@@ -89,15 +89,6 @@ fn in_system_call(registers: &[u64]) -> bool {
 }
 
 impl StoppedThread {
-    /// A thread known by its general-purpose registers only.
-    pub fn from_registers(registers: Vec<u64>) -> StoppedThread {
-        StoppedThread {
-            sp: stack_pointer(&registers),
-            registers,
-            ..StoppedThread::default()
-        }
-    }
-
     /// The words its registers hold, general-purpose then vector: roots of
     /// the leak check.
     pub fn root_words(&self) -> impl Iterator<Item = u64> + '_ {
@@ -364,6 +355,70 @@ fn read_regset(tid: libc::pid_t, note_type: u32, words: &mut [u64]) -> Option<us
         )
     };
     (read == 0).then_some(iov.iov_len / 8)
+}
+
+/// A stopped tracee's registers (general-purpose and vector) as a
+/// [`StoppedThread`]; `signal` is the one to give back when it resumes.
+pub(crate) fn read_thread(tid: libc::pid_t, signal: i32) -> Option<StoppedThread> {
+    let registers = registers(tid)?;
+    Some(StoppedThread {
+        tid,
+        sp: stack_pointer(&registers),
+        vector: vector_registers(tid).unwrap_or_default(),
+        registers,
+        signal,
+    })
+}
+
+/// The `exit` system call's number: a thread ending itself
+/// (`pthread_exit`), not its process.
+#[cfg(target_arch = "x86_64")]
+const EXIT_CALL: i64 = 60;
+#[cfg(target_arch = "aarch64")]
+const EXIT_CALL: i64 = 93;
+
+/// At its exit stop, whether a thread ends by itself (inside the `exit`
+/// system call) rather than with its whole process (killed by another
+/// thread's `exit_group`, or by a fatal signal): then its registers are
+/// no process's roots any more.
+pub(crate) fn ends_by_itself(thread: &StoppedThread) -> bool {
+    system_call_number(thread) == Some(EXIT_CALL)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn system_call_number(thread: &StoppedThread) -> Option<i64> {
+    // `orig_rax`: the call it is in, -1 outside one.
+    thread.registers.get(15).map(|&n| n as i64)
+}
+
+#[cfg(target_arch = "aarch64")]
+fn system_call_number(thread: &StoppedThread) -> Option<i64> {
+    const NT_ARM_SYSTEM_CALL: u32 = 0x404;
+    let mut words = [0u64; 1];
+    let mut iov = libc::iovec {
+        iov_base: words.as_mut_ptr().cast(),
+        iov_len: 4,
+    };
+    // SAFETY: PTRACE_GETREGSET of the 4-byte system-call number of our
+    // stopped tracee into `words`; the address argument is the note type.
+    let read = unsafe {
+        libc::ptrace(
+            libc::PTRACE_GETREGSET,
+            thread.tid,
+            NT_ARM_SYSTEM_CALL as usize as *mut libc::c_void,
+            (&mut iov as *mut libc::iovec).cast::<libc::c_void>(),
+        )
+    };
+    (read == 0).then(|| i64::from(words[0] as u32 as i32))
+}
+
+/// The process a thread belongs to (`Tgid:` in its status).
+pub(crate) fn thread_group(tid: libc::pid_t) -> Option<libc::pid_t> {
+    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// The vector registers of a stopped tracee, as words: x86-64's xmm0-15
