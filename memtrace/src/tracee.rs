@@ -598,6 +598,11 @@ impl DyingThreads {
                     let who =
                         unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
                     if who == 0 {
+                        // Running on: one in `execve` replaces the process
+                        // (its other threads are killed): it never exits.
+                        if stop::in_exec(process, tid) {
+                            done.insert(tid);
+                        }
                         continue;
                     }
                     if who < 0 || libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
@@ -789,7 +794,12 @@ fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
                 continue;
             }
         } else if event == libc::PTRACE_EVENT_STOP {
-            request = libc::PTRACE_LISTEN;
+            // A group stop (SIGSTOP, SIGTSTP...) is listened through; the
+            // trap that ends it (SIGCONT: SIGTRAP) runs on. Listening there
+            // would hold the thread for good.
+            if libc::WSTOPSIG(status) != libc::SIGTRAP {
+                request = libc::PTRACE_LISTEN;
+            }
         } else if who == main
             && libc::WSTOPSIG(status) == libc::SIGSTOP
             && supervisor.check_stop(main)

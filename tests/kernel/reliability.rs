@@ -378,6 +378,67 @@ fn target_result_is_identical_untraced_traced_and_after_sigkill() {
 // 2. Target life events. (Exit: core_host::target_exiting_mid_trace_gives_a_final_report;
 //    exiting threads: core_host::attach_to_running_process_finds_each_leak_exactly.)
 
+/// Whether every thread of `pid` is in `states` (`/proc/PID/task/*/stat`).
+fn threads_all_in(pid: u32, states: &[char]) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.filter_map(Result::ok).all(|task| {
+        std::fs::read_to_string(task.path().join("stat"))
+            .ok()
+            .and_then(|stat| stat.rsplit_once(") ")?.1.chars().next())
+            .is_some_and(|state| states.contains(&state))
+    })
+}
+
+/// A launched command its user stops (SIGSTOP) and continues (SIGCONT)
+/// runs on to its end, with every thread traced (the exit check: the
+/// default) and with the main thread alone (`--no-leak-check`): the
+/// supervisor listens through the group stop, and lets the trap that ends
+/// it run on (listening there too held the main thread in a tracing stop
+/// for good).
+#[test]
+fn a_launched_command_stopped_and_continued_by_its_user_runs_to_its_end() {
+    if !privileged() {
+        return;
+    }
+    if Command::new("python3").arg("--version").output().is_err() {
+        eprintln!("skipping: no python3");
+        return;
+    }
+    // A thread blocked reading stdin, the main thread joining it.
+    let script = "import os, sys, threading\n\
+                  t = threading.Thread(target=sys.stdin.readline)\n\
+                  t.start()\n\
+                  print('ready', os.getpid(), flush=True)\n\
+                  t.join()\n\
+                  print('done', flush=True)\n";
+    for extra in [&[][..], &["--no-leak-check"][..]] {
+        let out = std::env::temp_dir().join(format!("memtrace-sigstop-{}.json", extra.len()));
+        let mut command = Command::new(crate::support::MEMTRACE);
+        command
+            .args(extra)
+            .args(["--format", "json", "--output"])
+            .arg(&out)
+            .args(["--", "python3", "-c", script]);
+        let mut target = Proc::start(command);
+        let pid = target.pid;
+        // SAFETY: kill(2) of the command this test launched.
+        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
+        wait_until("every thread stopped", || threads_all_in(pid, &['T', 't']));
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGCONT) }, 0);
+        target.send();
+        target.expect("done");
+        let (_, status) = target.finish();
+        assert!(status.success(), "{extra:?}: memtrace ended {status:?}");
+        let report: Value =
+            serde_json::from_slice(&std::fs::read(&out).expect("the report")).expect("json");
+        let ran = report["leak_check"]["ran"].as_bool().unwrap_or(false);
+        assert_eq!(ran, extra.is_empty(), "{extra:?}");
+    }
+}
+
 #[test]
 fn target_exec_of_another_image_is_survived_and_reported() {
     if !privileged() {

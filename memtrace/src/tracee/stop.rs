@@ -412,6 +412,21 @@ fn system_call_number(thread: &StoppedThread) -> Option<i64> {
     (read == 0).then(|| i64::from(words[0] as u32 as i32))
 }
 
+/// `execve` and `execveat`'s numbers.
+#[cfg(target_arch = "x86_64")]
+const EXEC_CALLS: [i64; 2] = [59, 322];
+#[cfg(target_arch = "aarch64")]
+const EXEC_CALLS: [i64; 2] = [221, 281];
+
+/// Whether thread `tid` of `pid` is inside `execve` (`/proc/.../syscall`):
+/// it replaces its process rather than exiting with it.
+pub(crate) fn in_exec(pid: libc::pid_t, tid: libc::pid_t) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall"))
+        .ok()
+        .and_then(|text| text.split_whitespace().next()?.parse::<i64>().ok())
+        .is_some_and(|call| EXEC_CALLS.contains(&call))
+}
+
 /// The process a thread belongs to (`Tgid:` in its status).
 pub(crate) fn thread_group(tid: libc::pid_t) -> Option<libc::pid_t> {
     let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
