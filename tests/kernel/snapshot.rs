@@ -194,6 +194,42 @@ fn a_memory_cgroup_near_its_limit_makes_the_check_stop_the_service_and_say_why()
 }
 
 #[test]
+fn pinned_memory_makes_the_check_stop_the_service_and_say_why() {
+    if !privileged() {
+        return;
+    }
+    // 96 MiB registered with io_uring as fixed buffers: pinned, so a clone
+    // would copy them during the stop.
+    let mut service = Fixture::start("leak_snapshot", &["0", "pinned"]);
+    let (report, _) = checked_by_pid(&mut service, "served", &[]);
+    let status =
+        std::fs::read_to_string(format!("/proc/{}/status", service.pid)).unwrap_or_default();
+    let pinned_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmPin:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    if pinned_kib == 0 {
+        eprintln!("skipping: no io_uring here, nothing pinned");
+        ends_intact(service);
+        return;
+    }
+    assert!(
+        pinned_kib >= 96 << 10,
+        "the kernel counts io_uring's buffers as pinned: {pinned_kib} kB"
+    );
+    let check = &report["leak_check"];
+    assert_eq!(check["mode"], "stopped", "{check}");
+    let fallback = check["fallback"].as_str().unwrap_or_default();
+    assert!(fallback.contains("pinned"), "{check}");
+    assert_eq!(
+        site_split(&report, "lose")["definitely_lost"],
+        (48 * 50, 50)
+    );
+    ends_intact(service);
+}
+
+#[test]
 fn memtrace_killed_during_a_snapshot_scan_leaves_no_child_and_the_service_runs_on() {
     if !privileged() {
         return;

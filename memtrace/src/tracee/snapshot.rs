@@ -44,6 +44,11 @@ pub const COPY_LIMIT: u64 = 64 << 20;
 /// the copy and the pages the service writes during the scan are charged
 /// to it. Below it during the scan, the child is killed.
 pub const CGROUP_MARGIN: u64 = 64 << 20;
+/// Most pinned memory (`VmPin`: RDMA registrations, io_uring's fixed
+/// buffers, drivers' pinned pages) a snapshot takes: the kernel copies a
+/// pinned anonymous page into the child at the clone itself, during the
+/// stop, and charges it.
+pub const PINNED_LIMIT: u64 = 64 << 20;
 
 const CLONE_FILES: u64 = 0x400;
 const WNOHANG: u64 = 1;
@@ -250,6 +255,11 @@ pub fn seccomp_mode(status: &str) -> u32 {
 }
 
 /// A number of a `key: value kB` file (`/proc/meminfo`), in bytes.
+/// Pinned bytes of a process (`VmPin:` of its status).
+fn pinned_bytes(status: &str) -> u64 {
+    meminfo_bytes(status, "VmPin").unwrap_or(0)
+}
+
 fn meminfo_bytes(text: &str, key: &str) -> Option<u64> {
     text.lines()
         .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
@@ -452,12 +462,19 @@ pub fn preflight(pid: u32, mappings: &[Mapping]) -> Result<Plan, String> {
             ));
         }
     }
+    let pinned = pinned_bytes(&status);
+    if pinned > PINNED_LIMIT {
+        return Err(format!(
+            "{} MiB of it is pinned (VmPin: RDMA, io_uring or driver buffers): the clone would copy it during the stop",
+            pinned >> 20
+        ));
+    }
     if let Some(left) = memory_headroom(pid) {
-        if left < CGROUP_MARGIN {
+        if left < CGROUP_MARGIN + pinned {
             return Err(format!(
                 "its memory cgroup is {} MiB from its limit (a snapshot needs {} MiB of headroom)",
                 left >> 20,
-                CGROUP_MARGIN >> 20
+                (CGROUP_MARGIN + pinned) >> 20
             ));
         }
     }
@@ -1146,6 +1163,11 @@ VmFlags: rd wr mr mw me ac um
             meminfo_bytes("CommitLimit:    1000 kB\n", "CommitLimit"),
             Some(1_024_000)
         );
+        assert_eq!(
+            pinned_bytes("VmLck:\t  8 kB\nVmPin:\t   65540 kB\n"),
+            65540 << 10
+        );
+        assert_eq!(pinned_bytes("Name:\tx\n"), 0);
     }
 
     #[cfg(target_arch = "x86_64")]
