@@ -229,6 +229,13 @@ pub enum ChildEvent {
         pid: u32,
         ack: std::sync::mpsc::Sender<()>,
     },
+    /// A process of the command ran `exec` (`pid`, stopped at its exec
+    /// event: the new image has not run): the blocks of its old image are
+    /// gone. It stays stopped until the sender is answered (or dropped).
+    Exec {
+        pid: u32,
+        ack: std::sync::mpsc::Sender<()>,
+    },
     /// The command itself ended, described the way a shell would.
     Exited(String),
 }
@@ -715,6 +722,16 @@ fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
             // The new image and ld.so are mapped; ld.so maps the libraries
             // next: each is reported before the code runs (see `Loading`).
             dying.forget(who);
+            let (ack, answered) = std::sync::mpsc::channel();
+            if events
+                .send(ChildEvent::Exec {
+                    pid: who as u32,
+                    ack,
+                })
+                .is_ok()
+            {
+                let _ = answered.recv();
+            }
             loading.start(who);
         } else if event == libc::PTRACE_EVENT_CLONE {
             // A new thread runs from its first stop (below); a new process

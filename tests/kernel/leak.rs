@@ -293,6 +293,41 @@ fn launch_mode_totals_equal_valgrinds_for_c_shapes() {
     assert!(first.as_u64().unwrap_or(0) > 0, "{}", report["sites"][0]);
 }
 
+/// A launched shell that allocates, then `exec`s the program: the shell's
+/// blocks went with its address space at the exec, so the exit check judges
+/// the program's blocks alone, as when it is launched directly (the shell's
+/// were judged lost before: the new image's memory holds no pointer to them).
+#[test]
+fn an_image_replaced_by_exec_leaves_none_of_its_blocks_to_the_exit_check() {
+    if !privileged() {
+        return;
+    }
+    let shapes = fixture("leak_shapes");
+    let (direct, _) = launched_path(&shapes, &[], &[], &[]);
+    let shapes_arg = shapes.to_string_lossy().to_string();
+    let (through_exec, out) = launched_path(
+        Path::new("/bin/bash"),
+        &[
+            "-c",
+            "x=$(seq 1 2000 | tr '\\n' ' '); exec \"$0\"",
+            &shapes_arg,
+        ],
+        &[],
+        &[],
+    );
+    assert!(out.status.success(), "memtrace: {}", out.status);
+    let (a, b) = (&direct["leak_check"], &through_exec["leak_check"]);
+    for key in ["definitely_lost", "indirectly_lost", "possibly_lost"] {
+        assert_eq!(
+            amount(&a[key]),
+            amount(&b[key]),
+            "{key}: direct {a}, through exec {b}"
+        );
+    }
+    let notes = through_exec["notes"].to_string();
+    assert!(notes.contains("ran exec"), "{notes}");
+}
+
 #[test]
 fn launch_mode_totals_equal_valgrinds_for_cxx_heuristics() {
     if !privileged() {

@@ -272,6 +272,28 @@ impl LiveTable {
         removed
     }
 
+    /// Process `pid` replaced its image (`exec`): its blocks went with the
+    /// old address space. Drops them; returns how many and their bytes.
+    pub fn forget_process(&mut self, pid: u32) -> (u64, u64) {
+        let keys: Vec<BlockKey> = self
+            .blocks
+            .iter()
+            .filter(|&(owner, ..)| owner == pid)
+            .map(|(owner, domain, addr, _)| key(owner, domain, addr))
+            .collect();
+        let (mut blocks, mut bytes) = (0, 0);
+        for key in keys {
+            if let Some(block) = self.remove_block(&key) {
+                self.forget(&block);
+                blocks += 1;
+                bytes += block.size;
+            }
+        }
+        self.superseded.retain(|key, _| key.pid != pid);
+        self.last_release.retain(|_, (key, _)| key.pid != pid);
+        (blocks, bytes)
+    }
+
     fn add_to_origin(&mut self, block: &LiveBlock) {
         let total = self.origins.entry(block.origin()).or_default();
         total.bytes += block.size;

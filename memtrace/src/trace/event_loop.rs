@@ -266,6 +266,20 @@ impl Trace<'_> {
                 }
                 let _ = ack.send(());
             }
+            ChildEvent::Exec { pid: replaced, ack } => {
+                // Every event of the old image is in the ring by now: its
+                // blocks are settled, then dropped with its address space.
+                session
+                    .pipeline
+                    .drain_all(self.ring.get_mut(), &self.probes);
+                let (blocks, bytes) = session.pipeline.forget_blocks(replaced);
+                if blocks > 0 {
+                    session.notes.push(format!(
+                        "pid {replaced} ran exec: {blocks} live blocks ({bytes} bytes) of its old image went with it and are not reported"
+                    ));
+                }
+                let _ = ack.send(());
+            }
             ChildEvent::Mapped { pid: mapped, ack } => {
                 if let Ok(mappings) = crate::probe::maps::read(mapped) {
                     self.probes.update_unwind(mapped, &mappings);

@@ -370,6 +370,12 @@ impl Pipeline {
     }
 
     /// Forgets the mappings of a process that is gone.
+    /// `pid` ran `exec`: the blocks of its old image are gone (see
+    /// [`LiveTable::forget_process`]).
+    pub fn forget_blocks(&mut self, pid: u32) -> (u64, u64) {
+        self.table.forget_process(pid)
+    }
+
     pub fn forget_space(&mut self, pid: u32) {
         self.spaces.remove(&pid);
     }
