@@ -526,33 +526,7 @@ fn interrupt_traced(tid: libc::pid_t, deadline: std::time::Instant) -> stop::Wai
     if interrupted != 0 {
         return stop::Waited::Exited;
     }
-    let mut pause = std::time::Duration::from_micros(20);
-    loop {
-        let mut status = 0;
-        // SAFETY: waitpid on our own tracee with a valid status pointer.
-        let who = unsafe { libc::waitpid(tid, &mut status, libc::__WALL | libc::WNOHANG) };
-        if who == tid {
-            if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
-                return stop::Waited::Exited;
-            }
-            if libc::WIFSTOPPED(status) {
-                let event = (status >> 16) & 0xff;
-                let signal = if event == 0 && libc::WSTOPSIG(status) != libc::SIGTRAP | 0x80 {
-                    libc::WSTOPSIG(status)
-                } else {
-                    0
-                };
-                return stop::Waited::Stopped(signal);
-            }
-        } else if who < 0 {
-            return stop::Waited::Exited;
-        }
-        if std::time::Instant::now() >= deadline {
-            return stop::Waited::TimedOut;
-        }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(std::time::Duration::from_millis(5));
-    }
+    stop::wait_stopped(tid, deadline)
 }
 
 /// Registers of the threads that died with their process, by process,

@@ -666,20 +666,26 @@ mod tests {
         (Counted(Fake(words), 0, 0), top)
     }
 
-    #[test]
-    fn the_walk_reads_big_chunks_by_their_headers_and_small_ones_in_windows() {
-        let base = 0x5555_0000_0000u64;
-        // 100 chunks of 64 KiB: a page read for each header, not the heap.
-        let (mut memory, top) = heap_of(base, 100, 0x1_0000);
+    /// Walks [`heap_of`]'s heap: its chunks, and how many were stepped over.
+    fn walk_heap(memory: &mut Counted, base: u64, top: u64) -> (Vec<Chunk>, u64) {
         let mut walked = 0;
         let chunks = walk_chunks(
-            &mut Words::new(&mut memory),
+            &mut Words::new(memory),
             base,
             top + 0x1000,
             Some(top),
             &mut walked,
         )
         .expect("a well-formed heap");
+        (chunks, walked)
+    }
+
+    #[test]
+    fn the_walk_reads_big_chunks_by_their_headers_and_small_ones_in_windows() {
+        let base = 0x5555_0000_0000u64;
+        // 100 chunks of 64 KiB: a page read for each header, not the heap.
+        let (mut memory, top) = heap_of(base, 100, 0x1_0000);
+        let (chunks, walked) = walk_heap(&mut memory, base, top);
         assert_eq!((chunks.len(), walked), (100, 100));
         // (and one for top)
         assert!(
@@ -689,15 +695,7 @@ mod tests {
         );
         // 100k chunks of 32 bytes: windows grow to a megabyte.
         let (mut memory, top) = heap_of(base, 100_000, 32);
-        let mut walked = 0;
-        let chunks = walk_chunks(
-            &mut Words::new(&mut memory),
-            base,
-            top + 0x1000,
-            Some(top),
-            &mut walked,
-        )
-        .expect("a well-formed heap");
+        let (chunks, _) = walk_heap(&mut memory, base, top);
         assert_eq!(chunks.len(), 100_000);
         assert!(chunks.iter().all(|c| c.size == 24));
         assert!(memory.1 <= 12, "{} reads", memory.1);

@@ -297,7 +297,7 @@ pub(crate) enum Waited {
     TimedOut,
 }
 
-/// Waits for a seized thread's stop.
+/// Waits for a traced thread's next stop.
 pub(crate) fn wait_stopped(tid: libc::pid_t, deadline: Instant) -> Waited {
     let mut pause = Duration::from_micros(20);
     loop {
@@ -309,11 +309,14 @@ pub(crate) fn wait_stopped(tid: libc::pid_t, deadline: Instant) -> Waited {
                 return Waited::Exited;
             }
             if libc::WIFSTOPPED(status) {
+                // A signal-delivery stop's signal is given back; an event
+                // stop (our interrupt, or an event of a thread traced with
+                // options) or a system-call stop has none.
                 let event = (status >> 16) & 0xff;
-                let signal = if event == libc::PTRACE_EVENT_STOP {
-                    0
-                } else {
+                let signal = if event == 0 && libc::WSTOPSIG(status) != libc::SIGTRAP | 0x80 {
                     libc::WSTOPSIG(status)
+                } else {
+                    0
                 };
                 return Waited::Stopped(signal);
             }
