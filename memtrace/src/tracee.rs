@@ -223,8 +223,10 @@ pub enum ChildEvent {
         ack: std::sync::mpsc::Sender<()>,
     },
     /// A process of the command mapped executable code while `ld.so` loads
-    /// its libraries after `exec`; it stays stopped until the sender is
-    /// answered (or dropped), so the unwinder knows the code before it runs.
+    /// its libraries after `exec`, or `ld.so` has mapped them all (its
+    /// thread set-up: the program's own code has not run); it stays stopped
+    /// until the sender is answered (or dropped), so the unwinder knows the
+    /// code, and a CPython is found, before it runs.
     Mapped {
         pid: u32,
         ack: std::sync::mpsc::Sender<()>,
@@ -810,8 +812,8 @@ fn supervise(supervisor: &Supervisor, seized: &std::sync::mpsc::Sender<bool>) {
 /// system call to system call: each `mmap` of executable code is reported
 /// when it returns (the new library is in `/proc/PID/maps`, none of its code
 /// has run). The stepping ends at glibc's thread set-up (`set_robust_list`,
-/// `rseq`), which ld.so does once every library is mapped, or after a bound
-/// for loaders that never make those calls.
+/// `rseq`), which ld.so does once every library is mapped (reported too),
+/// or after a bound for loaders that never make those calls.
 #[derive(Default)]
 struct Loading {
     /// pid -> system-call stops so far, and the call it is inside (number,
@@ -831,7 +833,7 @@ impl Loading {
     }
 
     /// Handles a system-call stop; returns the pid when it just mapped
-    /// executable code. Read with `PTRACE_GET_SYSCALL_INFO` (Linux 5.3),
+    /// executable code, or ld.so's loading ended there. Read with `PTRACE_GET_SYSCALL_INFO` (Linux 5.3),
     /// which says entry or exit on every architecture.
     fn syscall_stop(&mut self, pid: libc::pid_t) -> Option<u32> {
         let (stops, inside) = self.pids.get_mut(&pid)?;
@@ -864,8 +866,10 @@ impl Loading {
                 let (nr, prot) = inside.take()?;
                 let nr = nr as i64;
                 if nr == libc::SYS_set_robust_list || nr == libc::SYS_rseq {
+                    // Every library is in, data segments included: reported
+                    // once more (a CPython is read from them).
                     self.pids.remove(&pid);
-                    return None;
+                    return Some(pid as u32);
                 }
                 let mapped_code = nr == libc::SYS_mmap
                     && prot & libc::PROT_EXEC as u64 != 0

@@ -273,6 +273,73 @@ fn launch_mode_gives_the_same_python_frames() {
     }
 }
 
+/// A launched script whose work is over within milliseconds of its start
+/// (the kernel matrix's `leak.py`, run with `-S`): every block it keeps
+/// carries its Python frames. The interpreter is read at the stops while
+/// `ld.so` maps the libraries, not only by a timer (CI's host row once lost
+/// every Python frame of this script: the timer came after it ended).
+#[test]
+fn a_launched_script_done_at_once_has_python_frames_from_its_first_block() {
+    if !privileged() {
+        return;
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/kernel-matrix/leak.py");
+    for (label, python) in interpreters() {
+        if label.contains("3.8") || label.contains("3.9") || label.contains("3.10") {
+            // Frames are read there too, but `-S` start-up is what is
+            // tested: the newest three and Debian's static build suffice.
+            continue;
+        }
+        let output =
+            std::env::temp_dir().join(format!("memtrace-py-once-{}.json", std::process::id()));
+        let out = memtrace(&[
+            "--format",
+            "json",
+            "--top",
+            "200",
+            "--output",
+            output.to_str().expect("utf-8 path"),
+            "--",
+            python.to_str().expect("utf-8 path"),
+            "-S",
+            script.to_str().expect("utf-8 path"),
+        ]);
+        assert!(out.status.success(), "{label}: {out:?}");
+        let report: Value =
+            serde_json::from_slice(&std::fs::read(&output).expect("report")).expect("JSON");
+        let _ = std::fs::remove_file(&output);
+        check_interpreter(&report, &label);
+        // The 10 kept bytearrays of 100,000 bytes (100,001-byte blocks):
+        // every one under render <- handle <- <module>.
+        let kept = |framed: bool| -> u64 {
+            report["sites"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|s| {
+                    let count = s["live_count"].as_u64().unwrap_or(0);
+                    count > 0 && s["live_bytes"].as_u64() == Some(count * 100_001)
+                })
+                .filter(|s| {
+                    let names: Vec<String> = py_frames(s).into_iter().map(|(n, _)| n).collect();
+                    names.starts_with(&[
+                        "render".to_string(),
+                        "handle".to_string(),
+                        "<module>".to_string(),
+                    ]) == framed
+                })
+                .map(|s| s["live_count"].as_u64().unwrap_or(0))
+                .sum()
+        };
+        assert_eq!(
+            kept(true),
+            10,
+            "{label}: framed sites of the kept bytearrays; without frames: {}",
+            kept(false)
+        );
+    }
+}
+
 #[test]
 fn python_allocator_counts_small_objects_per_line() {
     if !privileged() {

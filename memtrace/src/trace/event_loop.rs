@@ -297,6 +297,9 @@ impl Trace<'_> {
                         library.functions.len()
                     );
                 }
+                session
+                    .python
+                    .check_now(mapped, &mut self.probes, session.pipeline.stacks_mut());
                 let _ = ack.send(());
             }
             ChildEvent::Forked { parent, child, ack } => {

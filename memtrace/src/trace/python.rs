@@ -2,7 +2,8 @@
 //! process is checked soon after it is traced (every 20 ms for its first
 //! 3 s, so a launched `python3` is found before its script runs, then every
 //! 500 ms, so an interpreter loaded later with `dlopen` is found too), and
-//! again after an `exec`. A process found to be CPython 3.11+ gets its
+//! again after an `exec`; a launched command is also checked at each of its
+//! stops while `ld.so` maps its libraries, before its own code runs. A process found to be CPython 3.11+ gets its
 //! reading recipe in the kernel's `PY_PROCS` map; any other version is
 //! named in the report with why its frames are not read.
 
@@ -71,6 +72,17 @@ impl PythonWatch {
 
     /// Checks `pid` if it is due.
     pub fn poll(&mut self, pid: u32, probes: &mut Probes, stacks: &mut StackStore) {
+        self.check(pid, false, probes, stacks);
+    }
+
+    /// Checks `pid` now, due or not: launch mode's stops while `ld.so`
+    /// loads a command's libraries, so a short script's first allocations
+    /// already carry their Python frames (a timer can miss all of them).
+    pub fn check_now(&mut self, pid: u32, probes: &mut Probes, stacks: &mut StackStore) {
+        self.check(pid, true, probes, stacks);
+    }
+
+    fn check(&mut self, pid: u32, now_anyway: bool, probes: &mut Probes, stacks: &mut StackStore) {
         let now = Instant::now();
         let watched = self.procs.entry(pid).or_insert_with(|| Watched {
             first_seen: now,
@@ -83,7 +95,7 @@ impl PythonWatch {
         } else {
             LATER_EVERY
         };
-        if now.duration_since(watched.checked_at) < every {
+        if !now_anyway && now.duration_since(watched.checked_at) < every {
             return;
         }
         watched.checked_at = now;
