@@ -56,6 +56,10 @@ pub enum Command {
     /// left behind if memtrace is killed.
     #[command(hide = true)]
     SnapshotGuard,
+    /// Run by memtrace itself: times forks of a small process with and
+    /// without 64 MiB of anonymous memory (the snapshot's pause estimate).
+    #[command(hide = true)]
+    ForkCost,
 }
 
 /// Options of `memtrace generate-docs`.

@@ -72,6 +72,7 @@ fn main() -> ExitCode {
         Some(cli::Command::Probes(args)) => probe::usdt_list::run(&args),
         Some(cli::Command::GenerateDocs(args)) => reference::run(&args),
         Some(cli::Command::SnapshotGuard) => tracee::snapshot_guard::run(),
+        Some(cli::Command::ForkCost) => tracee::fork_cost::run(),
         None => run_trace(cli.trace),
     };
     match result {

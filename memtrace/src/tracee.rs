@@ -8,6 +8,7 @@
 
 pub mod container;
 pub mod files;
+pub mod fork_cost;
 pub mod glibc_heap;
 pub mod heap_walk;
 pub mod maps;

@@ -116,6 +116,13 @@ fn a_snapshot_judges_as_a_full_stop_does_while_the_service_writes() {
         check["scan_ms"].as_f64().is_some_and(|ms| ms > 0.0),
         "{check}"
     );
+    // Estimated before the stop from this host's measured fork cost.
+    assert!(
+        check["clone_estimate_ms"]
+            .as_f64()
+            .is_some_and(|ms| ms > 0.0),
+        "{check}"
+    );
     assert_eq!(verdicts(&snapshot), expected);
     for key in ["definitely_lost", "indirectly_lost"] {
         assert_eq!(check[key], stopped["leak_check"][key], "{key}");
@@ -225,6 +232,42 @@ fn pinned_memory_makes_the_check_stop_the_service_and_say_why() {
     assert_eq!(
         site_split(&report, "lose")["definitely_lost"],
         (48 * 50, 50)
+    );
+    ends_intact(service);
+}
+
+#[test]
+fn a_clone_estimated_past_the_max_pause_makes_the_check_stop_the_service_and_say_why() {
+    if !privileged() {
+        return;
+    }
+    // No fork of a process takes under a microsecond: the estimate is over
+    // the bound, and the check stops the service instead (its scan cut at
+    // the bound, and said).
+    let mut service = Fixture::start("leak_snapshot", &["16"]);
+    let (report, _) = checked_by_pid(
+        &mut service,
+        "served",
+        &[
+            "--leak-check-mode",
+            "snapshot",
+            "--leak-check-max-pause",
+            "1us",
+        ],
+    );
+    let check = &report["leak_check"];
+    assert_eq!(check["mode"], "stopped", "{check}");
+    let fallback = check["fallback"].as_str().unwrap_or_default();
+    assert!(
+        fallback.contains("its clone would stop it about")
+            && fallback.contains("more than --leak-check-max-pause 0.0 ms"),
+        "{check}"
+    );
+    assert!(
+        check["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("--leak-check-max-pause")),
+        "{check}"
     );
     ends_intact(service);
 }

@@ -150,6 +150,11 @@ pub struct LeakCheck {
     /// pause).
     #[serde(default)]
     pub clone_ms: f64,
+    /// `snapshot` mode: the clone's duration as estimated before the stop,
+    /// from the anonymous memory and the fork cost measured on this host
+    /// (absent when it could not be measured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clone_estimate_ms: Option<f64>,
     /// `snapshot` mode: bytes copied from the target during the stop (ranges
     /// a child does not see as the target has them: `MADV_DONTFORK`,
     /// `MADV_WIPEONFORK`, userfaultfd-registered).

@@ -84,6 +84,7 @@ struct Reading {
     threads: usize,
     pause: Duration,
     clone: Duration,
+    clone_estimate: Option<Duration>,
     scan: Duration,
     copied: u64,
 }
@@ -101,6 +102,9 @@ impl Reading {
             summary.fallback.clone_from(&self.fallback);
         }
         summary.clone_ms += self.clone.as_secs_f64() * 1000.0;
+        if let Some(estimate) = self.clone_estimate {
+            *summary.clone_estimate_ms.get_or_insert(0.0) += estimate.as_secs_f64() * 1000.0;
+        }
         summary.scan_ms += self.scan.as_secs_f64() * 1000.0;
         summary.copied_at_stop_bytes += self.copied;
     }
@@ -648,7 +652,9 @@ impl Session<'_> {
         let mut plan = (mode == CheckMode::Snapshot).then(|| {
             crate::tracee::maps::read_raw(pid)
                 .map_err(|_| format!("pid {pid} exited"))
-                .and_then(|mappings| snapshot::preflight(pid, &mappings))
+                .and_then(|mappings| {
+                    snapshot::preflight(pid, &mappings, self.args.leak_check_max_pause)
+                })
         });
         let stop_started = Instant::now();
         let stopped = Stopped::stop(pid, STOP_TIMEOUT).map_err(|e| Refused::Stop(e.to_string()))?;
@@ -685,7 +691,10 @@ impl Session<'_> {
             ..Reading::default()
         };
         let taken = match plan.as_mut() {
-            Some(Ok(plan)) => take_snapshot(&prepared, &stopped, plan),
+            Some(Ok(plan)) => {
+                reading.clone_estimate = plan.clone_estimate;
+                take_snapshot(&prepared, &stopped, plan)
+            }
             Some(Err(reason)) => Err(reason.clone()),
             None => Err(String::new()),
         };
@@ -716,6 +725,7 @@ impl Session<'_> {
             }
             Err(reason) => {
                 reading.mode = Some(CheckMode::Stopped);
+                reading.clone_estimate = None;
                 reading.fallback = (!reason.is_empty()).then_some(reason);
                 let scan_started = Instant::now();
                 let deadline = stop_started + self.args.leak_check_max_pause;

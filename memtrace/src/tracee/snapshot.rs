@@ -196,6 +196,10 @@ pub struct Plan {
     /// The service runs under a seccomp filter: the injected thread's is
     /// suspended.
     pub suspend_seccomp: bool,
+    /// How long the clone should take, from the anonymous memory and the
+    /// host's measured fork cost ([`super::fork_cost`]); None when the cost
+    /// could not be measured.
+    pub clone_estimate: Option<std::time::Duration>,
 }
 
 /// The VmFlags of `/proc/PID/smaps` that make a range differ in a child,
@@ -428,9 +432,14 @@ fn private_dirty_at(pid: u32, addr: u64) -> Option<u64> {
     None
 }
 
-/// Whether a snapshot of `pid` is safe and complete, read before the
-/// stop; the reason it is not (the check then stops the service).
-pub fn preflight(pid: u32, mappings: &[Mapping]) -> Result<Plan, String> {
+/// Whether a snapshot of `pid` is safe and complete, and its clone fits
+/// in `max_pause`, read before the stop; the reason it is not (the check
+/// then stops the service, its scan cut at `max_pause`).
+pub fn preflight(
+    pid: u32,
+    mappings: &[Mapping],
+    max_pause: std::time::Duration,
+) -> Result<Plan, String> {
     if cfg!(not(any(target_arch = "x86_64", target_arch = "aarch64"))) {
         return Err("snapshots are made on x86-64 and arm64 only".into());
     }
@@ -481,6 +490,15 @@ pub fn preflight(pid: u32, mappings: &[Mapping]) -> Result<Plan, String> {
     if pids_headroom(pid) == Some(0) {
         return Err("its pids cgroup is at its limit".into());
     }
+    let clone_estimate = clone_estimate(pid);
+    if let Some((estimate, anon)) = clone_estimate.filter(|(estimate, _)| *estimate > max_pause) {
+        return Err(format!(
+            "its clone would stop it about {:.1} ms ({} MiB of anonymous memory at this host's measured fork cost), more than --leak-check-max-pause {:.1} ms",
+            estimate.as_secs_f64() * 1e3,
+            anon >> 20,
+            max_pause.as_secs_f64() * 1e3
+        ));
+    }
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))
         .map_err(|e| format!("cannot read /proc/{pid}/smaps: {e}"))?;
     let (flagged, bounds) = flagged_ranges(&smaps);
@@ -488,7 +506,16 @@ pub fn preflight(pid: u32, mappings: &[Mapping]) -> Result<Plan, String> {
         flagged,
         bounds,
         suspend_seccomp,
+        clone_estimate: clone_estimate.map(|(estimate, _)| estimate),
     })
+}
+
+/// The clone's estimated duration for `pid`, with its anonymous bytes.
+fn clone_estimate(pid: u32) -> Option<(std::time::Duration, u64)> {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let (anon, huge) = super::fork_cost::anonymous(&rollup)?;
+    let cost = super::fork_cost::for_host()?;
+    Some((cost.estimate(anon, huge), anon))
 }
 
 impl Plan {

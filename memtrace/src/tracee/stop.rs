@@ -484,6 +484,10 @@ pub struct ProcessMemory {
     /// `/proc/PID/mem`, read instead of `process_vm_readv` (a snapshot's
     /// child: see [`ProcessMemory::through_proc_mem`]).
     mem_file: Option<std::fs::File>,
+    /// The buffer neighbours are read into, kept: a fresh megabyte per
+    /// read was a fresh mapping (glibc's mmap threshold), a page fault and
+    /// a cleared page for every 4 KiB read (a tenth of a 10M-block check).
+    scratch: Vec<u8>,
 }
 
 impl ProcessMemory {
@@ -496,6 +500,7 @@ impl ProcessMemory {
             skipped: 0,
             copies: Vec::new(),
             mem_file: None,
+            scratch: Vec::new(),
         }
     }
 
@@ -688,7 +693,7 @@ impl ProcessMemory {
     fn read_neighbours(&mut self, ranges: &[(u64, usize)], buf: &mut [u8]) {
         const GAP: u64 = 4096;
         const SPAN: u64 = 1 << 20;
-        let mut scratch = Vec::new();
+        let mut scratch = std::mem::take(&mut self.scratch);
         let mut first = 0;
         let mut at = 0;
         while first < ranges.len() {
@@ -707,8 +712,11 @@ impl ProcessMemory {
             if last == first {
                 crate::reach::Memory::read(self, start, &mut buf[at..at + count]);
             } else {
-                scratch.resize((end - start) as usize, 0);
-                crate::reach::Memory::read(self, start, &mut scratch);
+                let span = (end - start) as usize;
+                if scratch.len() < span {
+                    scratch.resize(span, 0);
+                }
+                crate::reach::Memory::read(self, start, &mut scratch[..span]);
                 let mut out = at;
                 for &(addr, len) in &ranges[first..=last] {
                     let from = (addr - start) as usize;
@@ -719,6 +727,7 @@ impl ProcessMemory {
             at += count;
             first = last + 1;
         }
+        self.scratch = scratch;
     }
 
     /// Reads `buf.len()` bytes of the process at `addr` (holes as zeros).
