@@ -134,11 +134,16 @@ fn measure(name: &str, count: usize, size: usize, stride: usize, chain: bool) {
         ..tuned
     };
     let mut verdicts = None;
+    // `REACH_BENCH_ONLY=default` (a label) runs one way only: for a profiler.
+    let only = std::env::var("REACH_BENCH_ONLY").ok();
     for (label, tuning) in [
         ("word by word", one_by_one),
         ("sorted", sorted),
         ("default", tuned),
     ] {
+        if only.as_deref().is_some_and(|only| only != label) {
+            continue;
+        }
         let (seconds, outcome) = run(&mut heap, tuning);
         let rate = outcome.scanned_bytes as f64 / seconds;
         let reachable = outcome

@@ -167,10 +167,17 @@ impl Index {
             return None;
         }
         let at = *cursor;
-        // The last position starting at or before `word`.
+        // The last position starting at or before `word`: galloping on from
+        // the cursor, or back from it (words sorted coarsely come back a
+        // few nodes at a time).
         let last = match self.starts.get(at) {
             Some(&start) if start <= word => {
                 at + gallop(&self.starts[at + 1..], |start| start <= word)
+            }
+            Some(_) if at > 0 && self.starts[0] <= word => {
+                // starts[0] <= word < starts[at]: at least one position is
+                // passed back over.
+                at - gallop_back(&self.starts[..at], |start| start > word) - 1
             }
             _ => {
                 let mut last = None;
@@ -229,6 +236,27 @@ fn gallop(sorted: &[u64], below: impl Fn(u64) -> bool) -> usize {
     }
 }
 
+/// How many of the last elements of `sorted` satisfy `above` (true for a
+/// suffix), searched back from the end: steps 1, 2, 4... then a binary
+/// search in the last step.
+#[inline]
+fn gallop_back(sorted: &[u64], above: impl Fn(u64) -> bool) -> usize {
+    let len = sorted.len();
+    let mut count = 0;
+    let mut step = 1;
+    loop {
+        let probe = count + step;
+        if probe > len || !above(sorted[len - probe]) {
+            let high = probe.min(len);
+            // Within sorted[len - high..len - count], the suffix above.
+            let part = &sorted[len - high..len - count];
+            return count + part.len() - part.partition_point(|&v| !above(v));
+        }
+        count = probe;
+        step *= 2;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -278,6 +306,14 @@ mod tests {
             );
         }
         assert_eq!(gallop(&[], |_| true), 0);
+        for target in [0, 1, 2, 3, 500, 1997, 1998, 1999, 5000] {
+            assert_eq!(
+                gallop_back(&sorted, |v| v > target),
+                sorted.len() - sorted.partition_point(|&v| v <= target),
+                "{target}"
+            );
+        }
+        assert_eq!(gallop_back(&[], |_| true), 0);
     }
 
     #[test]

@@ -481,7 +481,12 @@ pub fn walk(
         match arena_walk {
             Ok((found, extents)) => {
                 walk.arenas_walked += 1;
-                chunks.extend(found);
+                // (the main arena's millions of chunks are moved, not copied)
+                if chunks.is_empty() {
+                    chunks = found;
+                } else {
+                    chunks.extend(found);
+                }
                 walk.walked.extend(extents);
                 for k in 0..10 {
                     if let Some(first) = words.get(current + header - 96 + 8 * k) {
@@ -493,10 +498,12 @@ pub fn walk(
         }
         current = next;
     }
-    let in_use: Vec<Chunk> = chunks
-        .into_iter()
-        .filter(|c| !free.contains(&c.start))
-        .collect();
+    // Filtered in place, each set looked up only when it holds something
+    // (10M chunks: copies and look-ups were a third of the walk).
+    let mut in_use = chunks;
+    if !free.is_empty() {
+        in_use.retain(|c| !free.contains(&c.start));
+    }
     // The tcache structures: each thread's, in its arena's heap.
     let mut tcache_free = HashSet::new();
     for chunk in &in_use {
@@ -506,10 +513,11 @@ pub fn walk(
         }
     }
     let metadata: HashSet<u64> = walk.metadata.iter().map(|m| m.0 + 16).collect();
-    walk.chunks = in_use
-        .into_iter()
-        .filter(|c| !tcache_free.contains(&c.start) && !metadata.contains(&c.start))
-        .collect();
+    tcache_free.extend(metadata);
+    if !tcache_free.is_empty() {
+        in_use.retain(|c| !tcache_free.contains(&c.start));
+    }
+    walk.chunks = in_use;
     let mut mmapped = mmapped_chunks(mappings, &walk.walked, stacks, memory);
     // glibc's own count: fewer found and the others stay roots (never
     // judged); more found and some header fooled the search, so none of

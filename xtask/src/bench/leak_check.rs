@@ -101,6 +101,8 @@ struct Walked {
     reachable_blocks: u64,
     mode: String,
     clone_ms: f64,
+    /// The preflight's estimate of the clone (NaN: none).
+    clone_estimate_ms: f64,
     scan_ms: f64,
     scanned_bytes: u64,
 }
@@ -205,6 +207,7 @@ fn walk_by_pid(env: &Env, pid: i32, mode: &str) -> Result<Walked> {
             None => check["mode"].as_str().unwrap_or("?").to_string(),
         },
         clone_ms: check["clone_ms"].as_f64().unwrap_or(f64::NAN),
+        clone_estimate_ms: check["clone_estimate_ms"].as_f64().unwrap_or(f64::NAN),
         scan_ms: check["scan_ms"].as_f64().unwrap_or(f64::NAN),
         scanned_bytes: check["scanned_bytes"].as_u64().unwrap_or(0),
     })
@@ -453,20 +456,22 @@ fn render_snapshot(rows: &[Row], s: &mut String) {
          (`--leak-check-mode stopped`), then from a snapshot (the default: the process is \
          stopped only to clone a copy-on-write child, which is scanned while it runs). The \
          goal for the snapshot's pause: at most 50 ms plus 15 ms per GiB of anonymous memory \
-         (`RssAnon`); for its scan, at least a quarter of the copy rate.\n"
+         (`RssAnon`); for its scan, at least a quarter of the copy rate. The clone's estimate \
+         is the preflight's, from the anonymous memory and this host's measured fork cost \
+         (`leak_check.clone_estimate_ms`).\n"
     );
     let _ = writeln!(
         s,
-        "| live heap | blocks | anon | stopped: pause | snapshot: pause | of it the clone | goal | pause ratio | scan | scan rate | copy rate | scan / copy | mode | judged reachable |"
+        "| live heap | blocks | anon | stopped: pause | snapshot: pause | of it the clone | clone estimated | goal | pause ratio | scan | scan rate | copy rate | scan / copy | mode | judged reachable |"
     );
     let _ = writeln!(
         s,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for row in rows {
         let heap = format!("{} MiB", row.bytes / MIB);
         let Ok(m) = &row.outcome else {
-            let _ = writeln!(s, "| {heap} | {} | (see above) |||||||||||", row.blocks);
+            let _ = writeln!(s, "| {heap} | {} | (see above) ||||||||||||", row.blocks);
             continue;
         };
         match (&m.walk, &m.snapshot) {
@@ -476,12 +481,13 @@ fn render_snapshot(rows: &[Row], s: &mut String) {
                 let scan_gbps = snap.scanned_bytes as f64 / (snap.scan_ms / 1000.0) / 1e9;
                 let _ = writeln!(
                     s,
-                    "| {heap} | {} | {:.2} GiB | {:.0} ms | {:.1} ms | {:.1} ms | {:.0} ms | {:.3} | {:.0} ms | {:.2} GB/s | {:.2} GB/s | {:.2} | {} | {} of {} |",
+                    "| {heap} | {} | {:.2} GiB | {:.0} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.0} ms | {:.3} | {:.0} ms | {:.2} GB/s | {:.2} GB/s | {:.2} | {} | {} of {} |",
                     row.blocks,
                     anon_gib,
                     stopped.pause_ms,
                     snap.pause_ms,
                     snap.clone_ms,
+                    snap.clone_estimate_ms,
                     goal,
                     snap.pause_ms / stopped.pause_ms,
                     snap.scan_ms,
@@ -500,7 +506,7 @@ fn render_snapshot(rows: &[Row], s: &mut String) {
                     .or(snap.as_ref().err())
                     .cloned()
                     .unwrap_or_default();
-                let _ = writeln!(s, "| {heap} | {} | failed: {err} |||||||||||", row.blocks);
+                let _ = writeln!(s, "| {heap} | {} | failed: {err} ||||||||||||", row.blocks);
             }
         }
     }
