@@ -269,6 +269,14 @@ fn a_clone_estimated_past_the_max_pause_makes_the_check_stop_the_service_and_say
             .is_some_and(|r| r.contains("--leak-check-max-pause")),
         "{check}"
     );
+    // The heap walk, cut too, says so.
+    let walk = &check["before_attach"]["heap_walk"];
+    assert!(
+        walk["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("the walk was cut at --leak-check-max-pause")),
+        "{walk}"
+    );
     ends_intact(service);
 }
 

@@ -300,7 +300,17 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
     let walk_started = Instant::now();
     let walked = prepared.heap_walk.then(|| {
         let sps: Vec<u64> = threads.iter().map(|t| t.sp).collect();
-        before_attach::walk(pid, mappings, &sps, &mut memory)
+        let mut walked = before_attach::walk(pid, mappings, &sps, &mut memory);
+        if memory.skipped > 0 {
+            // Reads past the deadline give nothing: said as what it is, not
+            // as the unreadable chunk the walk then met.
+            let cut = "the walk was cut at --leak-check-max-pause".to_string();
+            match &mut walked {
+                Ok(walk) => walk.partial.insert(0, cut),
+                Err(reason) => *reason = format!("{cut} ({reason})"),
+            }
+        }
+        walked
     });
     let walk_ms = walk_started.elapsed().as_secs_f64() * 1000.0;
     phase.done("heap walk");
