@@ -38,6 +38,7 @@ mod proc;
 mod redis;
 mod report;
 mod tables;
+mod thread_churn;
 mod usdt;
 mod watch;
 mod workloads;
@@ -110,6 +111,9 @@ pub enum Section {
     /// `--leak-check`: pause and scan rate against heap size, beside the
     /// `process_vm_readv` copy rate.
     LeakCheck,
+    /// Launch mode: ns per thread created and joined, untraced, with
+    /// `--no-leak-check` and with the exit check (every thread traced).
+    ThreadChurn,
 }
 
 impl Section {
@@ -341,6 +345,7 @@ fn one_section(section: Section, env: &Env, peers: &Peers, requests: u64) -> Str
         Section::Usdt => usdt::render(&usdt::bench(env), &mut s),
         Section::Attach => attach::render(&attach::bench(env), &mut s),
         Section::LeakCheck => leak_check::render(&leak_check::bench(env), &mut s),
+        Section::ThreadChurn => thread_churn::render(&thread_churn::bench(env), &mut s),
     }
     s
 }
@@ -416,7 +421,8 @@ mod tests {
                 "ending",
                 "usdt",
                 "attach",
-                "leak-check"
+                "leak-check",
+                "thread-churn"
             ]
         );
         assert_eq!(Section::from_str("python", false), Ok(Section::Workloads));
