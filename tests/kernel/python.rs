@@ -137,6 +137,26 @@ pub fn trace_script_by_pid_env(
     report
 }
 
+/// memtrace's JSON report of a launched command: `args` after the report
+/// flags (`--format json --top 200 --output FILE`).
+fn launched_report(label: &str, args: &[&str]) -> Value {
+    let output = std::env::temp_dir().join(format!("memtrace-py-{}.json", std::process::id()));
+    let mut all = vec![
+        "--format",
+        "json",
+        "--top",
+        "200",
+        "--output",
+        output.to_str().expect("utf-8 path"),
+    ];
+    all.extend_from_slice(args);
+    let out = memtrace(&all);
+    assert!(out.status.success(), "{label}: {out:?}");
+    let report = serde_json::from_slice(&std::fs::read(&output).expect("report")).expect("JSON");
+    let _ = std::fs::remove_file(&output);
+    report
+}
+
 fn check_interpreter(report: &Value, label: &str) {
     let found = &report["python"][0];
     assert_eq!(found["frames_read"], true, "{label}: {found}");
@@ -236,26 +256,18 @@ fn launch_mode_gives_the_same_python_frames() {
     for (label, python) in interpreters() {
         let by_pid = trace_by_pid(&python);
         let script = script();
-        let output = std::env::temp_dir().join(format!("memtrace-py-{}.json", std::process::id()));
-        let out = memtrace(&[
-            "--duration",
-            "8s",
-            "--format",
-            "json",
-            "--top",
-            "200",
-            "--output",
-            output.to_str().expect("utf-8 path"),
-            "--",
-            python.to_str().expect("utf-8 path"),
-            script.to_str().expect("utf-8 path"),
-            "12",
-            "2",
-        ]);
-        assert!(out.status.success(), "{label}: {out:?}");
-        let launched: Value =
-            serde_json::from_slice(&std::fs::read(&output).expect("report")).expect("JSON");
-        let _ = std::fs::remove_file(&output);
+        let launched = launched_report(
+            &label,
+            &[
+                "--duration",
+                "8s",
+                "--",
+                python.to_str().expect("utf-8 path"),
+                script.to_str().expect("utf-8 path"),
+                "12",
+                "2",
+            ],
+        );
         check_interpreter(&launched, &label);
         for name in ["render", "worker", "c_alloc"] {
             // The distinct Python call paths (sites may differ below them
@@ -290,24 +302,15 @@ fn a_launched_script_done_at_once_has_python_frames_from_its_first_block() {
             // tested: the newest three and Debian's static build suffice.
             continue;
         }
-        let output =
-            std::env::temp_dir().join(format!("memtrace-py-once-{}.json", std::process::id()));
-        let out = memtrace(&[
-            "--format",
-            "json",
-            "--top",
-            "200",
-            "--output",
-            output.to_str().expect("utf-8 path"),
-            "--",
-            python.to_str().expect("utf-8 path"),
-            "-S",
-            script.to_str().expect("utf-8 path"),
-        ]);
-        assert!(out.status.success(), "{label}: {out:?}");
-        let report: Value =
-            serde_json::from_slice(&std::fs::read(&output).expect("report")).expect("JSON");
-        let _ = std::fs::remove_file(&output);
+        let report = launched_report(
+            &label,
+            &[
+                "--",
+                python.to_str().expect("utf-8 path"),
+                "-S",
+                script.to_str().expect("utf-8 path"),
+            ],
+        );
         check_interpreter(&report, &label);
         // The 10 kept bytearrays of 100,000 bytes (100,001-byte blocks):
         // every one under render <- handle <- <module>.
