@@ -83,6 +83,16 @@ fn checked(mode: &str, args: &[&str]) -> (Value, Fixture) {
     (report, service)
 }
 
+/// The check fell back to the full stop, its `fallback` naming `why`, and
+/// judged the fixture's lost blocks all the same.
+fn stopped_because(report: &Value, why: &str) {
+    let check = &report["leak_check"];
+    assert_eq!(check["mode"], "stopped", "{check}");
+    let fallback = check["fallback"].as_str().unwrap_or_default();
+    assert!(fallback.contains(why), "{check}");
+    assert_eq!(site_split(report, "lose")["definitely_lost"], (48 * 50, 50));
+}
+
 #[test]
 fn a_snapshot_judges_as_a_full_stop_does_while_the_service_writes() {
     if !privileged() {
@@ -189,14 +199,7 @@ fn a_memory_cgroup_near_its_limit_makes_the_check_stop_the_service_and_say_why()
     let mut service = Fixture::start("leak_snapshot", &["0"]);
     let _cgroup = MemoryCgroup::create(service.pid, 48 << 20);
     let (report, _) = checked_by_pid(&mut service, "served", &[]);
-    let check = &report["leak_check"];
-    assert_eq!(check["mode"], "stopped", "{check}");
-    let fallback = check["fallback"].as_str().unwrap_or_default();
-    assert!(fallback.contains("memory cgroup"), "{check}");
-    assert_eq!(
-        site_split(&report, "lose")["definitely_lost"],
-        (48 * 50, 50)
-    );
+    stopped_because(&report, "memory cgroup");
     ends_intact(service);
 }
 
@@ -225,14 +228,7 @@ fn pinned_memory_makes_the_check_stop_the_service_and_say_why() {
         pinned_kib >= 96 << 10,
         "the kernel counts io_uring's buffers as pinned: {pinned_kib} kB"
     );
-    let check = &report["leak_check"];
-    assert_eq!(check["mode"], "stopped", "{check}");
-    let fallback = check["fallback"].as_str().unwrap_or_default();
-    assert!(fallback.contains("pinned"), "{check}");
-    assert_eq!(
-        site_split(&report, "lose")["definitely_lost"],
-        (48 * 50, 50)
-    );
+    stopped_because(&report, "pinned");
     ends_intact(service);
 }
 
