@@ -131,6 +131,7 @@ fn measure(name: &str, count: usize, size: usize, stride: usize, chain: bool) {
     };
     let sorted = Tuning {
         sorted: true,
+        direct: false,
         ..tuned
     };
     let mut verdicts = None;

@@ -26,6 +26,25 @@ pub struct Traced {
     pub node: u32,
 }
 
+/// A waiting entry, with or without where it was found.
+pub trait Entry {
+    fn entry(&self) -> u64;
+}
+
+impl Entry for u64 {
+    #[inline(always)]
+    fn entry(&self) -> u64 {
+        *self
+    }
+}
+
+impl Entry for Traced {
+    #[inline(always)]
+    fn entry(&self) -> u64 {
+        self.entry
+    }
+}
+
 /// The waiting words.
 pub struct Found {
     /// The lowest node start: an entry holds `word - low`.
@@ -38,6 +57,8 @@ pub struct Found {
     pub traced: Vec<Traced>,
     scratch: Vec<u64>,
     scratch_traced: Vec<Traced>,
+    direct: Vec<u64>,
+    direct_traced: Vec<Traced>,
 }
 
 impl Found {
@@ -51,6 +72,8 @@ impl Found {
             traced: Vec::with_capacity(if traced { limit } else { 0 }),
             scratch: Vec::new(),
             scratch_traced: Vec::new(),
+            direct: Vec::new(),
+            direct_traced: Vec::new(),
         }
     }
 
@@ -58,23 +81,60 @@ impl Found {
         self.words.is_empty() && self.traced.is_empty()
     }
 
-    /// Takes the waiting entries, sorted by value (see [`sort_by_key`];
-    /// the buffers come back through [`Found::put_back`]).
-    pub fn take_sorted(&mut self) -> (Vec<u64>, Vec<Traced>) {
-        let mut words = std::mem::take(&mut self.words);
-        let mut traced = std::mem::take(&mut self.traced);
-        sort_by_key(&mut words, &mut self.scratch, |&entry| entry & KEY);
-        sort_by_key(&mut traced, &mut self.scratch_traced, |t| t.entry & KEY);
-        (words, traced)
+    /// Takes the waiting entries: those whose word `direct` accepts in
+    /// the order they were found, the others sorted by value (see
+    /// [`sort_by_key`]); the buffers come back through [`Found::put_back`].
+    pub fn take(&mut self, direct: impl Fn(u64) -> bool) -> Batch {
+        let low = self.low;
+        let mut batch = Batch {
+            direct: std::mem::take(&mut self.direct),
+            direct_traced: std::mem::take(&mut self.direct_traced),
+            words: std::mem::take(&mut self.words),
+            traced: std::mem::take(&mut self.traced),
+        };
+        let (into, into_traced) = (&mut batch.direct, &mut batch.direct_traced);
+        batch.words.retain(|&entry| {
+            let taken = direct((entry & KEY) + low);
+            if taken {
+                into.push(entry);
+            }
+            !taken
+        });
+        batch.traced.retain(|t| {
+            let taken = direct((t.entry & KEY) + low);
+            if taken {
+                into_traced.push(*t);
+            }
+            !taken
+        });
+        sort_by_key(&mut batch.words, &mut self.scratch, |&entry| entry & KEY);
+        sort_by_key(&mut batch.traced, &mut self.scratch_traced, |t| {
+            t.entry & KEY
+        });
+        batch
     }
 
-    /// Returns the buffers [`Found::take_sorted`] took, emptied.
-    pub fn put_back(&mut self, mut words: Vec<u64>, mut traced: Vec<Traced>) {
-        words.clear();
-        traced.clear();
-        self.words = words;
-        self.traced = traced;
+    /// Returns the buffers [`Found::take`] took, emptied.
+    pub fn put_back(&mut self, mut batch: Batch) {
+        batch.direct.clear();
+        batch.direct_traced.clear();
+        batch.words.clear();
+        batch.traced.clear();
+        self.direct = batch.direct;
+        self.direct_traced = batch.direct_traced;
+        self.words = batch.words;
+        self.traced = batch.traced;
     }
+}
+
+/// A batch of waiting entries taken to be looked up.
+pub struct Batch {
+    /// Looked up directly, in the order found.
+    pub direct: Vec<u64>,
+    pub direct_traced: Vec<Traced>,
+    /// Looked up in address order: sorted.
+    pub words: Vec<u64>,
+    pub traced: Vec<Traced>,
 }
 
 /// Bits sorted per pass (4096 counters: they stay in the L1 cache).

@@ -206,6 +206,25 @@ impl Index {
         (self.low, self.high)
     }
 
+    /// The cluster holding the most nodes: its positions (first, last)
+    /// and where it ends.
+    pub fn densest(&self) -> Option<(usize, usize, u64)> {
+        self.clusters
+            .iter()
+            .max_by_key(|c| c.last - c.first)
+            .map(|c| (c.first, c.last, c.end))
+    }
+
+    /// Every node's start, in address order.
+    pub fn starts(&self) -> &[u64] {
+        &self.starts
+    }
+
+    /// Every node's effective end, in address order.
+    pub fn ends(&self) -> &[u64] {
+        &self.ends
+    }
+
     /// The start of the node at `position`.
     #[inline]
     pub fn start(&self, position: u32) -> u64 {

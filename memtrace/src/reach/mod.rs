@@ -43,7 +43,11 @@
 //! and looked up in address order, each lookup walking on from the
 //! one before (nodes that overlap: a lookup each), and what it marks waits
 //! in turn: marking goes level by level, a level looked up in batches. A
-//! level of a few words (a long list) is sorted by comparison.
+//! level of a few words (a long list) is sorted by comparison. With
+//! disjoint nodes, the words in the densest region (the heap) are not
+//! sorted: [`rank`] finds each one's node in one cache line, fetched ahead
+//! while earlier words are marked, and a start pointer to a block already
+//! reachable is done there.
 //! The words' order changes nothing of the categories (the marking is a
 //! fixpoint; a block upgraded is scanned again); what it may change is
 //! which of several words is kept as a mark, and which heuristic is named
@@ -51,12 +55,15 @@
 
 mod found;
 mod heuristics;
+mod huge;
 mod index;
+mod rank;
 
 use std::collections::HashMap;
 
 use found::{Found, Traced};
 use index::Index;
+use rank::Rank;
 
 /// A live block: the nodes of the graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -259,6 +266,22 @@ const SORT_MIN_NODE_BYTES: u64 = 4096;
 const SORT_BATCH_MIN: usize = 1 << 16;
 const SORT_BATCH_MAX: usize = 1 << 22;
 
+/// Direct lookups ([`Marker::mark_direct`]): words ahead whose line is
+/// fetched, and whose node's data is.
+const LINE_AHEAD: usize = 32;
+const NODE_AHEAD: usize = 16;
+
+/// Where a waiting word with provenance was found.
+fn traced_source(t: &Traced) -> Source {
+    match t.node {
+        found::ROOT => Source::Root { at: t.at },
+        node => Source::Block {
+            node: node as usize,
+            at: t.at,
+        },
+    }
+}
+
 /// How pass 1 looks words up (fixed by the node count; tests vary it).
 #[derive(Clone, Copy, Debug)]
 struct Tuning {
@@ -266,6 +289,9 @@ struct Tuning {
     sorted: bool,
     /// Words a batch holds before it is looked up.
     batch: usize,
+    /// With sorted batches and disjoint nodes: the densest region's words
+    /// looked up directly ([`rank`]), not sorted.
+    direct: bool,
 }
 
 impl Tuning {
@@ -279,6 +305,7 @@ impl Tuning {
             sorted: count >= SORT_MIN_NODES
                 || scanned / (count.max(1) as u64) >= SORT_MIN_NODE_BYTES,
             batch: count.clamp(SORT_BATCH_MIN, SORT_BATCH_MAX),
+            direct: true,
         }
     }
 }
@@ -309,6 +336,9 @@ struct Marker<'a> {
     scanning: Option<u32>,
     /// Words found in pass 1 waiting for a sorted lookup (with many nodes).
     waiting: Option<Found>,
+    /// With `waiting` and disjoint nodes: direct lookups in the densest
+    /// region (words there wait, but are not sorted).
+    rank: Option<Rank>,
     /// Per position: the node's first word, once scanned (with
     /// `Input::first_words`).
     heads: Option<Vec<u64>>,
@@ -325,6 +355,11 @@ fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) ->
     // An entry keeps the word less `low` in its low 62 bits.
     let waiting = (tuning.sorted && high.saturating_sub(low) <= found::KEY)
         .then(|| Found::new(low, tuning.batch, input.provenance));
+    let rank = waiting
+        .as_ref()
+        .filter(|_| index.disjoint() && tuning.direct)
+        .and_then(|_| index.densest())
+        .and_then(|(first, last, end)| Rank::new(&index.starts()[first..=last], first, end));
     let sorted: Vec<Node> = index
         .order()
         .iter()
@@ -345,6 +380,7 @@ fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) ->
         marks: input.provenance.then(|| vec![None; input.nodes.len()]),
         scanning: None,
         waiting,
+        rank,
         heads: input.first_words.then(|| vec![0; input.nodes.len()]),
     };
     // Pass 1: from the roots.
@@ -531,11 +567,14 @@ impl Marker<'_> {
             return false;
         }
         let low = waiting.low;
-        let (words, traced) = waiting.take_sorted();
+        let rank = self.rank.as_ref();
+        let batch = waiting.take(|word| rank.is_some_and(|r| r.holds(word)));
         let unused = Source::Root { at: 0 };
+        self.mark_direct(low, &batch.direct, |_| unused, memory);
+        self.mark_direct(low, &batch.direct_traced, traced_source, memory);
         let disjoint = self.index.disjoint();
         let mut cursor = 0;
-        for &entry in &words {
+        for &entry in &batch.words {
             let definite = entry & found::DEFINITE != 0;
             let runtime = entry & found::RUNTIME != 0;
             let word = (entry & found::KEY) + low;
@@ -546,28 +585,95 @@ impl Marker<'_> {
                 self.mark(word, n, unused, definite, runtime, memory);
             }
         }
-        for t in &traced {
-            let source = match t.node {
-                found::ROOT => Source::Root { at: t.at },
-                node => Source::Block {
-                    node: node as usize,
-                    at: t.at,
-                },
-            };
+        for t in &batch.traced {
             let definite = t.entry & found::DEFINITE != 0;
             let runtime = t.entry & found::RUNTIME != 0;
             self.found(
                 (t.entry & found::KEY) + low,
-                source,
+                traced_source(t),
                 definite,
                 runtime,
                 memory,
             );
         }
         if let Some(waiting) = self.waiting.as_mut() {
-            waiting.put_back(words, traced);
+            waiting.put_back(batch);
         }
         true
+    }
+
+    /// Marks what the words of `items` (in `rank`'s region) point to, in
+    /// the order found: each word's line is fetched [`LINE_AHEAD`] words
+    /// ahead, its node's end and state [`NODE_AHEAD`] words ahead, so the
+    /// misses of many words overlap.
+    fn mark_direct<T: found::Entry>(
+        &mut self,
+        low: u64,
+        items: &[T],
+        source: impl Fn(&T) -> Source,
+        memory: &mut dyn Memory,
+    ) {
+        let word_of = |item: &T| (item.entry() & found::KEY) + low;
+        let mut ahead = [None; NODE_AHEAD];
+        if let Some(rank) = self.rank.as_ref() {
+            for (k, item) in items.iter().take(NODE_AHEAD).enumerate() {
+                ahead[k] = rank.lookup(word_of(item));
+            }
+        }
+        for (k, item) in items.iter().enumerate() {
+            let Some(rank) = self.rank.as_ref() else {
+                return;
+            };
+            if let Some(later) = items.get(k + LINE_AHEAD) {
+                rank.prefetch(word_of(later));
+            }
+            let hit = ahead[k % NODE_AHEAD];
+            ahead[k % NODE_AHEAD] = items.get(k + NODE_AHEAD).and_then(|later| {
+                let found = rank.lookup(word_of(later));
+                if let Some(hit) = found.filter(|hit| !hit.plain) {
+                    let i = hit.position as usize;
+                    if !hit.start {
+                        rank::prefetch(&self.index.ends()[i]);
+                    }
+                    rank::prefetch(&self.state[i]);
+                    rank::prefetch(&self.heuristic[i]);
+                }
+                found
+            });
+            let Some(hit) = hit else {
+                continue;
+            };
+            if hit.plain {
+                // Into a plainly reachable node: nothing changes.
+                self.hits += 1;
+                continue;
+            }
+            let (word, n) = (word_of(item), hit.position);
+            // A start pointer is inside its node (of one byte at least).
+            if !hit.start && self.index.ends()[n as usize] <= word {
+                continue;
+            }
+            self.hits += 1;
+            let entry = item.entry();
+            self.mark_known(
+                word,
+                n,
+                hit.start,
+                source(item),
+                entry & found::DEFINITE != 0,
+                entry & found::RUNTIME != 0,
+                memory,
+            );
+        }
+    }
+
+    /// Notes the node starting at `start` plainly reachable for direct
+    /// lookups.
+    #[inline]
+    fn set_plain(&mut self, start: u64) {
+        if let Some(rank) = self.rank.as_mut() {
+            rank.set_plain(start);
+        }
     }
 
     /// Notes what set node `n`'s state (with provenance).
@@ -616,11 +722,27 @@ impl Marker<'_> {
         runtime: bool,
         memory: &mut dyn Memory,
     ) {
+        let start = word == self.index.start(n);
+        self.mark_known(word, n, start, source, definite, runtime, memory);
+    }
+
+    /// [`Marker::mark`] with whether `word` is node `n`'s start known.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn mark_known(
+        &mut self,
+        word: u64,
+        n: u32,
+        start: bool,
+        source: Source,
+        definite: bool,
+        runtime: bool,
+        memory: &mut dyn Memory,
+    ) {
         let i = n as usize;
         // What most words find (a reachable block) is decided from the
         // index and the state alone, the node itself left unread.
         let state = self.state[i];
-        let start = word == self.index.start(n);
         if runtime && !self.nodes[i].scan {
             return;
         }
@@ -630,6 +752,7 @@ impl Marker<'_> {
             if start && definite && self.heuristic[i].is_some() {
                 self.heuristic[i] = None;
                 self.note(n, source, word);
+                self.set_plain(word);
             }
             return;
         }
@@ -646,6 +769,10 @@ impl Marker<'_> {
                 self.heuristic[i] = heuristic;
                 self.stack.push(n);
                 self.note(n, source, word);
+                if heuristic.is_none() {
+                    // Reached by its start pointer: `word` is its start.
+                    self.set_plain(word);
+                }
             }
             _ if state == UNREACHED => {
                 self.state[i] = POSSIBLE;
