@@ -55,7 +55,6 @@
 
 mod found;
 mod heuristics;
-mod huge;
 mod index;
 mod rank;
 

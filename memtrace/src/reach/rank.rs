@@ -18,8 +18,6 @@
 //! marked: the misses overlap, and a word costs a few nanoseconds where a
 //! radix sort of it and a lookup in address order cost tens.
 
-use super::huge;
-
 /// Granules per line (3 words of bits).
 const LINE_GRANULES: u64 = 3 * 64;
 /// At most this many bytes of lines: 4 bytes per node, at least 1 MiB.
@@ -77,7 +75,7 @@ impl Rank {
         if lines.saturating_mul(64) > budget {
             return None;
         }
-        let mut table: Vec<Line> = huge::zeroed(usize::try_from(lines).ok()?);
+        let mut table = vec![Line::default(); usize::try_from(lines).ok()?];
         for &start in starts {
             let granule = (start - region) >> shift;
             let line = &mut table[(granule / LINE_GRANULES) as usize];
