@@ -930,22 +930,21 @@ impl Marker<'_> {
         if self.pending.len() != count.div_ceil(64) {
             self.pending = vec![0; count.div_ceil(64)];
         }
+        // (In the stack's order, at random: whether each still needs a
+        // scan is asked in address order, by `next_due`.)
         for n in std::mem::take(&mut self.stack) {
             let i = n as usize;
-            let node = self.nodes[i];
-            if node.scan && node.size >= 8 && self.scanned_as[i] != self.state[i] {
-                self.pending[i / 64] |= 1 << (i % 64);
-            }
+            self.pending[i / 64] |= 1 << (i % 64);
         }
         let mut position = 0;
-        while let Some(first) = self.next_pending(position) {
+        while let Some(first) = self.next_due(position) {
             // A window: this node and the waiting ones after it, close
             // enough, within one chunk.
             let window_start = self.nodes[first].start;
             let mut window_end = window_start;
             let mut members = Vec::new();
             position = first;
-            while let Some(n) = self.next_pending(position) {
+            while let Some(n) = self.next_due(position) {
                 let node = self.nodes[n];
                 let end = node.start + (node.size & !7);
                 let far = node.start > window_end.saturating_add(SWEEP_GAP);
@@ -1001,6 +1000,21 @@ impl Marker<'_> {
             if base == self.nodes[n as usize].start {
                 heads[n as usize] = u64::from_le_bytes(*first);
             }
+        }
+    }
+
+    /// The first position from `from` on that waits for the sweep and
+    /// still needs a scan (the others waiting before it are dropped).
+    fn next_due(&mut self, from: usize) -> Option<usize> {
+        let mut at = from;
+        loop {
+            let n = self.next_pending(at)?;
+            let node = self.nodes[n];
+            if node.scan && node.size >= 8 && self.scanned_as[n] != self.state[n] {
+                return Some(n);
+            }
+            self.pending[n / 64] &= !(1 << (n % 64));
+            at = n + 1;
         }
     }
 

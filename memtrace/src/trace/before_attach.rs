@@ -163,6 +163,9 @@ pub fn notes(mappings: &[Mapping]) -> Vec<String> {
     notes
 }
 
+/// What groups pre-attach blocks: their size, type and category.
+type GroupKey = (u64, Option<Arc<str>>, Category);
+
 /// The summary of a walk and of the judged blocks from before the attach
 /// (`blocks`: size and category of each).
 pub fn summary(
@@ -173,15 +176,28 @@ pub fn summary(
 ) -> BeforeAttach {
     let mut split = crate::report::LeakSplit::default();
     let mut count = 0u64;
-    let mut groups: foldhash::HashMap<(u64, Option<Arc<str>>, Category), Amount> =
-        Default::default();
+    let mut groups: foldhash::HashMap<GroupKey, Amount> = Default::default();
+    // Neighbours in a heap are often alike (a size, no type, a category):
+    // a run of equal keys is added up before it goes to the map.
+    let mut run: Option<(GroupKey, Amount)> = None;
     for block in blocks {
         count += 1;
         split.add(block.category, block.size);
-        groups
-            .entry((block.size, block.type_name, block.category))
-            .or_default()
-            .add(block.size);
+        let key = (block.size, block.type_name, block.category);
+        match &mut run {
+            Some((current, amount)) if *current == key => amount.add(block.size),
+            _ => {
+                if let Some((key, amount)) = run.take() {
+                    groups.entry(key).or_default().merge(amount);
+                }
+                let mut amount = Amount::default();
+                amount.add(block.size);
+                run = Some((key, amount));
+            }
+        }
+    }
+    if let Some((key, amount)) = run {
+        groups.entry(key).or_default().merge(amount);
     }
     let mut groups: Vec<BlockGroup> = groups
         .into_iter()
