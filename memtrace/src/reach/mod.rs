@@ -58,6 +58,7 @@ mod heuristics;
 mod index;
 mod rank;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use found::{Found, Traced};
@@ -313,7 +314,9 @@ impl Tuning {
 /// order (the index's), so a node's data, state and neighbours sit
 /// together; the verdicts go back to input order at the end.
 struct Marker<'a> {
-    nodes: Vec<Node>,
+    /// The nodes in address order (the input itself when it is in that
+    /// order already: a heap walked).
+    nodes: Cow<'a, [Node]>,
     index: Index,
     state: Vec<u8>,
     heuristic: Vec<Option<Heuristic>>,
@@ -359,11 +362,22 @@ fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) ->
         .filter(|_| index.disjoint() && tuning.direct)
         .and_then(|_| index.densest())
         .and_then(|(first, last, end)| Rank::new(&index.starts()[first..=last], first, end));
-    let sorted: Vec<Node> = index
+    let in_order = index
         .order()
         .iter()
-        .map(|&n| input.nodes[n as usize])
-        .collect();
+        .enumerate()
+        .all(|(position, &n)| position == n as usize);
+    let sorted: Cow<'_, [Node]> = if in_order {
+        Cow::Borrowed(input.nodes)
+    } else {
+        Cow::Owned(
+            index
+                .order()
+                .iter()
+                .map(|&n| input.nodes[n as usize])
+                .collect(),
+        )
+    };
     let mut marker = Marker {
         nodes: sorted,
         index,
