@@ -34,7 +34,8 @@ pub struct Index {
     starts: Vec<u64>,
     /// Effective ends (a zero-size node covers its start only).
     ends: Vec<u64>,
-    /// Running maximum of `ends` in sorted order.
+    /// Running maximum of `ends` in sorted order (empty for disjoint
+    /// nodes: `ends` is its own).
     max_end: Vec<u64>,
     clusters: Vec<Cluster>,
     low: u64,
@@ -56,12 +57,21 @@ impl Index {
                 node.start.saturating_add(node.size.max(1))
             })
             .collect();
-        let mut max_end = Vec::with_capacity(ends.len());
-        let mut running = 0;
-        for &end in &ends {
-            running = running.max(end);
-            max_end.push(running);
+        let disjoint = starts
+            .windows(2)
+            .zip(&ends)
+            .all(|(pair, &end)| end <= pair[1]);
+        // Disjoint nodes' ends are their own running maximum.
+        let mut max_end = Vec::new();
+        if !disjoint {
+            max_end.reserve(ends.len());
+            let mut running = 0;
+            for &end in &ends {
+                running = running.max(end);
+                max_end.push(running);
+            }
         }
+        let running_end = if disjoint { &ends } else { &max_end };
         let mut clusters: Vec<Cluster> = Vec::new();
         for position in 0..starts.len() {
             match clusters.last_mut() {
@@ -88,19 +98,15 @@ impl Index {
             let mut position = cluster.first;
             for page in 0..pages {
                 let page_start = cluster.start + (page << PAGE_SHIFT);
-                while position < cluster.last && max_end[position] <= page_start {
+                while position < cluster.last && running_end[position] <= page_start {
                     position += 1;
                 }
                 table.push(position as u32);
             }
             cluster.pages = table;
         }
-        let disjoint = starts
-            .windows(2)
-            .zip(&ends)
-            .all(|(pair, &end)| end <= pair[1]);
         let low = starts.first().copied().unwrap_or(u64::MAX);
-        let high = max_end.last().copied().unwrap_or(0);
+        let high = running_end.last().copied().unwrap_or(0);
         Index {
             order,
             starts,

@@ -242,7 +242,7 @@ pub fn summary(
             mmapped_chunks_glibc: walk.mmapped_glibc,
             arenas: walk.arenas,
             arenas_walked: walk.arenas_walked,
-            chunks: walk.chunks.len() as u64,
+            chunks: walk.chunks_in_use(),
             chunks_walked: walk.chunks_walked,
             mmapped_chunks: walk.mmapped_chunks,
             blocks_before_attach: count,

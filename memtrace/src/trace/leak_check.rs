@@ -298,7 +298,7 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
     let mut excluded: Vec<(u64, u64)> = Vec::new();
     let mut phase = Phases::new(pid);
     let walk_started = Instant::now();
-    let walked = prepared.heap_walk.then(|| {
+    let mut walked = prepared.heap_walk.then(|| {
         let sps: Vec<u64> = threads.iter().map(|t| t.sp).collect();
         let mut walked = before_attach::walk(pid, mappings, &sps, &mut memory);
         if memory.skipped > 0 {
@@ -314,15 +314,16 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
     });
     let walk_ms = walk_started.elapsed().as_secs_f64() * 1000.0;
     phase.done("heap walk");
-    if let Some(Ok(walk)) = &walked {
+    if let Some(Ok(walk)) = &mut walked {
         judgement.arena_locked = walk.locked;
         let mut traced: Vec<u64> = nodes.iter().map(|n| n.start).collect();
         traced.sort_unstable();
         // Both in address order: one pass over the two.
         let mut next_traced = traced.iter().peekable();
-        nodes.reserve(walk.chunks.len());
+        let chunks = walk.take_chunks();
+        nodes.reserve(chunks.len());
         nodes.extend(
-            walk.chunks
+            chunks
                 .iter()
                 .filter(|c| {
                     while next_traced.next_if(|&&t| t < c.start).is_some() {}
@@ -367,6 +368,8 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
             runtime_library: &runtime_library,
         },
     );
+    // (160 MB for 10M blocks: not kept through the marking.)
+    drop(scanned_ranges);
     let registers: Vec<u64> = threads.iter().flat_map(StoppedThread::root_words).collect();
     let vtable = roots::vtable_predicate(mappings);
     phase.done("roots");

@@ -147,6 +147,23 @@ pub struct HeapWalk {
     pub main_arena_from: Option<&'static str>,
     /// glibc's own count of its mmapped chunks (`mp_.n_mmaps`), when found.
     pub mmapped_glibc: Option<u64>,
+    /// Chunks in use taken out of `chunks` ([`HeapWalk::take_chunks`]).
+    pub taken: u64,
+}
+
+impl HeapWalk {
+    /// Takes the chunks in use (the leak check makes them its nodes: a
+    /// heap of 10M blocks holds 240 MB of them), keeping their count.
+    pub fn take_chunks(&mut self) -> Vec<Chunk> {
+        let chunks = std::mem::take(&mut self.chunks);
+        self.taken += chunks.len() as u64;
+        chunks
+    }
+
+    /// How many chunks in use the walk found, taken or not.
+    pub fn chunks_in_use(&self) -> u64 {
+        self.chunks.len() as u64 + self.taken
+    }
 }
 
 /// A buffered reader of words: a heap is read a window at a time. The
