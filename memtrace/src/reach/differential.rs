@@ -90,7 +90,7 @@ fn word(rng: &mut Rng, nodes: &[Node]) -> u64 {
         0..=3 => target.start,
         4 => target.start + 8,
         5 => target.start + 24,
-        6 => target.start + rng.below(target.size.max(1)),
+        6 => target.start + rng.below(target.size().max(1)),
         7 => VTABLES.start + 8 * rng.below(64),
         8 => rng.below(1000),
         _ => 0,
@@ -106,10 +106,7 @@ fn case(seed: u64, count: usize) -> Case {
     for _ in 0..count {
         let size = sizes[rng.below(sizes.len() as u64) as usize];
         let node = if rng.chance(8) {
-            let node = Node {
-                scan: false,
-                ..Node::host(device_at, size)
-            };
+            let node = Node::new(device_at, size, false, false);
             device_at += 16 + size.next_multiple_of(16);
             node
         } else {
@@ -117,20 +114,17 @@ fn case(seed: u64, count: usize) -> Case {
             let inside = nodes
                 .iter()
                 .rev()
-                .find(|n| n.scan)
-                .filter(|n| n.size >= 64 && rng.chance(10));
+                .find(|n| n.scan())
+                .filter(|n| n.size() >= 64 && rng.chance(10));
             let start = match inside {
-                Some(outer) => outer.start + 16 + 16 * rng.below((outer.size - 32) / 16),
+                Some(outer) => outer.start + 16 + 16 * rng.below((outer.size() - 32) / 16),
                 None => {
                     let start = at + 16 * rng.below(3);
                     at = start + size.next_multiple_of(16) + 16;
                     start
                 }
             };
-            Node {
-                runtime_owned: rng.chance(5),
-                ..Node::host(start, size)
-            }
+            Node::new(start, size, true, rng.chance(5))
         };
         nodes.push(node);
     }
@@ -140,15 +134,15 @@ fn case(seed: u64, count: usize) -> Case {
     nodes.retain(|n| seen.insert(n.start));
     // Device memory holds pointers too: never to be read.
     let mut memory = Words::default();
-    for node in nodes.iter().filter(|n| !n.scan) {
-        for k in 0..node.size / 8 {
+    for node in nodes.iter().filter(|n| !n.scan()) {
+        for k in 0..node.size() / 8 {
             let w = word(&mut rng, &nodes);
             memory.words.insert(node.start + 8 * k, w);
         }
     }
-    let hosts: Vec<Node> = nodes.iter().copied().filter(|n| n.scan).collect();
+    let hosts: Vec<Node> = nodes.iter().copied().filter(|n| n.scan()).collect();
     for node in &hosts {
-        let words = node.size / 8;
+        let words = node.size() / 8;
         // Sparse graphs leave some blocks lost.
         let density = rng.below(4);
         for k in 0..words {
@@ -159,18 +153,18 @@ fn case(seed: u64, count: usize) -> Case {
         }
         // The heuristics' shapes.
         match rng.below(8) {
-            0 if node.size >= 8 => {
-                memory.words.insert(node.start, node.size - 8);
+            0 if node.size() >= 8 => {
+                memory.words.insert(node.start, node.size() - 8);
             }
-            1 if node.size >= 16 => {
+            1 if node.size() >= 16 => {
                 memory.words.insert(node.start, 1 + rng.below(4));
             }
-            2 if node.size == 65 || node.size == 89 => {
-                let capacity = node.size - 25;
+            2 if node.size() == 65 || node.size() == 89 => {
+                let capacity = node.size() - 25;
                 memory.words.insert(node.start, rng.below(capacity + 2));
                 memory.words.insert(node.start + 8, capacity);
             }
-            3 if node.size >= 24 => {
+            3 if node.size() >= 24 => {
                 memory
                     .words
                     .insert(node.start, VTABLES.start + 8 * rng.below(64));
@@ -183,7 +177,9 @@ fn case(seed: u64, count: usize) -> Case {
     }
     if rng.chance(20) {
         if let Some(node) = hosts.get(rng.below(hosts.len() as u64) as usize) {
-            memory.unreadable.push((node.start, node.start + node.size));
+            memory
+                .unreadable
+                .push((node.start, node.start + node.size()));
         }
     }
     let mut roots = Vec::new();
@@ -227,7 +223,7 @@ struct Reference {
 }
 
 fn end(node: &Node) -> u64 {
-    node.start + node.size.max(1)
+    node.start + node.size().max(1)
 }
 
 fn reference(case: &Case) -> Reference {
@@ -235,7 +231,7 @@ fn reference(case: &Case) -> Reference {
     let memory = &case.memory;
     let vtable = |p: u64| VTABLES.contains(&p);
     // The candidates for a word start at most the largest size below it.
-    let largest = nodes.iter().map(|n| n.size).max().unwrap_or(0);
+    let largest = nodes.iter().map(|n| n.size()).max().unwrap_or(0);
     let mut by_start: Vec<(u64, usize)> = nodes
         .iter()
         .enumerate()
@@ -253,10 +249,10 @@ fn reference(case: &Case) -> Reference {
     };
     let block_words = |i: usize| -> Vec<u64> {
         let node = nodes[i];
-        if !node.scan {
+        if !node.scan() {
             return Vec::new();
         }
-        (0..node.size / 8)
+        (0..node.size() / 8)
             .map(|k| node.start + 8 * k)
             .map(|at| {
                 if memory.readable(at, 8) {
@@ -269,20 +265,20 @@ fn reference(case: &Case) -> Reference {
     };
     let heuristic = |w: u64, j: usize| -> Option<Heuristic> {
         let node = nodes[j];
-        if !node.scan {
+        if !node.scan() {
             return None;
         }
         let first =
-            (node.size >= 8 && memory.readable(node.start, 8)).then(|| memory.get(node.start));
-        let second = (node.size >= 16 && memory.readable(node.start, 16))
+            (node.size() >= 8 && memory.readable(node.start, 8)).then(|| memory.get(node.start));
+        let second = (node.size() >= 16 && memory.readable(node.start, 16))
             .then(|| memory.get(node.start + 8));
         let at_pointer =
-            (w.is_multiple_of(8) && w + 8 <= node.start + node.size && memory.readable(w, 8))
+            (w.is_multiple_of(8) && w + 8 <= node.start + node.size() && memory.readable(w, 8))
                 .then(|| memory.get(w));
         heuristics::accepts(
             w,
             node.start,
-            node.size,
+            node.size(),
             &heuristics::Words {
                 first,
                 second,
@@ -316,7 +312,7 @@ fn reference(case: &Case) -> Reference {
     loop {
         for (w, definite, runtime) in sources.drain(..) {
             for j in hits(w) {
-                if runtime && !nodes[j].scan {
+                if runtime && !nodes[j].scan() {
                     continue;
                 }
                 let strong = w == nodes[j].start || heuristic(w, j).is_some();
@@ -333,7 +329,7 @@ fn reference(case: &Case) -> Reference {
             break;
         };
         let definite = state[i] == R;
-        let runtime = nodes[i].runtime_owned;
+        let runtime = nodes[i].runtime_owned();
         sources.extend(block_words(i).into_iter().map(|w| (w, definite, runtime)));
     }
     // Heuristics: only where no definite start pointer reaches the block.
@@ -341,7 +337,7 @@ fn reference(case: &Case) -> Reference {
     definite_words.extend(root_words.iter().copied());
     for i in 0..nodes.len() {
         if state[i] == R {
-            let runtime = nodes[i].runtime_owned;
+            let runtime = nodes[i].runtime_owned();
             definite_words.extend(block_words(i).into_iter().map(|w| (w, runtime)));
         }
     }
@@ -349,7 +345,7 @@ fn reference(case: &Case) -> Reference {
     let mut accepted: Vec<Vec<Heuristic>> = vec![Vec::new(); nodes.len()];
     for &(w, runtime) in &definite_words {
         for j in hits(w) {
-            if runtime && !nodes[j].scan {
+            if runtime && !nodes[j].scan() {
                 continue;
             }
             if w == nodes[j].start {
@@ -369,10 +365,10 @@ fn reference(case: &Case) -> Reference {
         state[leader] = L;
         let mut todo = vec![leader];
         while let Some(n) = todo.pop() {
-            let runtime = nodes[n].runtime_owned;
+            let runtime = nodes[n].runtime_owned();
             for w in block_words(n) {
                 for m in hits(w) {
-                    if m == leader || (runtime && !nodes[m].scan) {
+                    if m == leader || (runtime && !nodes[m].scan()) {
                         continue;
                     }
                     match state[m] {
@@ -426,7 +422,7 @@ fn check(case: &Case, expected: &Reference, outcome: &Outcome, what: &str) {
     // first word as the memory holds it.
     for (j, &word) in outcome.first_words.iter().enumerate() {
         let node = case.nodes[j];
-        let held = if node.scan && node.size >= 8 && case.memory.readable(node.start, 8) {
+        let held = if node.scan() && node.size() >= 8 && case.memory.readable(node.start, 8) {
             case.memory.get(node.start)
         } else {
             0
@@ -466,7 +462,9 @@ fn check(case: &Case, expected: &Reference, outcome: &Outcome, what: &str) {
             Source::Block { node: from, at } => {
                 assert_eq!(case.memory.get(at), mark.value, "{what}: node {j}");
                 let source = case.nodes[from];
-                assert!(source.scan && source.start <= at && at + 8 <= source.start + source.size);
+                assert!(
+                    source.scan() && source.start <= at && at + 8 <= source.start + source.size()
+                );
                 Some(categories[from])
             }
         };
@@ -553,7 +551,7 @@ fn random_graphs_of_disjoint_nodes_classify_as_the_rules_say() {
         case.nodes.sort_by_key(|n| n.start);
         case.nodes.retain(|n| {
             let keep = n.start >= end;
-            end = end.max(n.start + n.size.max(1));
+            end = end.max(n.start + n.size().max(1));
             keep
         });
         differ_case(seed, &mut case);

@@ -5,7 +5,10 @@
 //! search among clusters, a table read, and a binary search within a page.
 //! Overlapping nodes (a host block and the device block a stub runtime
 //! backs with it; a caching allocator's blocks inside its segments) are all
-//! found.
+//! found. Nodes already in address order (a heap walked) are indexed where
+//! they lie: no copy of 10M nodes.
+
+use std::borrow::Cow;
 
 use super::Node;
 
@@ -28,14 +31,15 @@ struct Cluster {
     pages: Vec<u32>,
 }
 
-pub struct Index {
-    /// Node numbers (input order) sorted by start.
+pub struct Index<'a> {
+    /// The nodes in address order (the input itself when it is in that
+    /// order already).
+    nodes: Cow<'a, [Node]>,
+    /// Node numbers (input order) at each position; empty when the input
+    /// is in address order (a position is its own number).
     order: Vec<u32>,
-    starts: Vec<u64>,
-    /// Effective ends (a zero-size node covers its start only).
-    ends: Vec<u64>,
-    /// Running maximum of `ends` in sorted order (empty for disjoint
-    /// nodes: `ends` is its own).
+    /// Running maximum of the nodes' ends in address order (empty for
+    /// disjoint nodes: each end is its own).
     max_end: Vec<u64>,
     clusters: Vec<Cluster>,
     low: u64,
@@ -45,43 +49,44 @@ pub struct Index {
     disjoint: bool,
 }
 
-impl Index {
-    pub fn new(nodes: &[Node]) -> Index {
-        let mut order: Vec<u32> = (0..nodes.len() as u32).collect();
-        order.sort_unstable_by_key(|&n| nodes[n as usize].start);
-        let starts: Vec<u64> = order.iter().map(|&n| nodes[n as usize].start).collect();
-        let ends: Vec<u64> = order
-            .iter()
-            .map(|&n| {
-                let node = &nodes[n as usize];
-                node.start.saturating_add(node.size.max(1))
-            })
-            .collect();
-        let disjoint = starts
-            .windows(2)
-            .zip(&ends)
-            .all(|(pair, &end)| end <= pair[1]);
+impl<'a> Index<'a> {
+    pub fn new(input: &'a [Node]) -> Index<'a> {
+        let (nodes, order) = if input.is_sorted_by_key(|n| n.start) {
+            (Cow::Borrowed(input), Vec::new())
+        } else {
+            let mut order: Vec<u32> = (0..input.len() as u32).collect();
+            order.sort_unstable_by_key(|&n| input[n as usize].start);
+            let sorted = order.iter().map(|&n| input[n as usize]).collect();
+            (Cow::Owned(sorted), order)
+        };
+        let disjoint = nodes.windows(2).all(|pair| pair[0].end() <= pair[1].start);
         // Disjoint nodes' ends are their own running maximum.
         let mut max_end = Vec::new();
         if !disjoint {
-            max_end.reserve(ends.len());
+            max_end.reserve(nodes.len());
             let mut running = 0;
-            for &end in &ends {
-                running = running.max(end);
+            for node in nodes.iter() {
+                running = running.max(node.end());
                 max_end.push(running);
             }
         }
-        let running_end = if disjoint { &ends } else { &max_end };
+        let running_end = |position: usize| {
+            if disjoint {
+                nodes[position].end()
+            } else {
+                max_end[position]
+            }
+        };
         let mut clusters: Vec<Cluster> = Vec::new();
-        for position in 0..starts.len() {
+        for (position, node) in nodes.iter().enumerate() {
             match clusters.last_mut() {
-                Some(c) if starts[position] <= c.end.saturating_add(CLUSTER_GAP) => {
-                    c.end = c.end.max(ends[position]);
+                Some(c) if node.start <= c.end.saturating_add(CLUSTER_GAP) => {
+                    c.end = c.end.max(node.end());
                     c.last = position;
                 }
                 _ => clusters.push(Cluster {
-                    start: starts[position],
-                    end: ends[position],
+                    start: node.start,
+                    end: node.end(),
                     first: position,
                     last: position,
                     pages: Vec::new(),
@@ -98,19 +103,18 @@ impl Index {
             let mut position = cluster.first;
             for page in 0..pages {
                 let page_start = cluster.start + (page << PAGE_SHIFT);
-                while position < cluster.last && running_end[position] <= page_start {
+                while position < cluster.last && running_end(position) <= page_start {
                     position += 1;
                 }
                 table.push(position as u32);
             }
             cluster.pages = table;
         }
-        let low = starts.first().copied().unwrap_or(u64::MAX);
-        let high = running_end.last().copied().unwrap_or(0);
+        let low = nodes.first().map_or(u64::MAX, |n| n.start);
+        let high = nodes.len().checked_sub(1).map_or(0, running_end);
         Index {
+            nodes,
             order,
-            starts,
-            ends,
             max_end,
             clusters,
             low,
@@ -121,7 +125,7 @@ impl Index {
 
     /// Calls `hit(position)` for every node `word` points into (start or
     /// interior; a zero-size node only at its start): positions in address
-    /// order ([`Index::order`] gives the node's input number).
+    /// order ([`Index::input`] gives the node's input number).
     #[inline]
     pub fn find(&self, word: u64, mut hit: impl FnMut(u32)) {
         if word < self.low || word >= self.high {
@@ -140,19 +144,20 @@ impl Index {
         } else {
             cluster.pages[((word - cluster.start) >> PAGE_SHIFT) as usize] as usize
         };
+        let nodes = &self.nodes[..=cluster.last];
         if self.disjoint {
             // The one candidate: the last node starting at or before `word`.
-            let to = from + gallop(&self.starts[from..=cluster.last], |start| start <= word);
-            if to > from && self.ends[to - 1] > word {
+            let to = from + gallop(&nodes[from..], |n| n.start <= word);
+            if to > from && nodes[to - 1].end() > word {
                 hit((to - 1) as u32);
             }
             return;
         }
-        let from = from + gallop(&self.max_end[from..=cluster.last], |end| end <= word);
+        let from = from + gallop(&self.max_end[from..=cluster.last], |&end| end <= word);
         // The last position starting at or before `word`.
-        let to = from + gallop(&self.starts[from..=cluster.last], |start| start <= word);
-        for position in from..to {
-            if self.ends[position] > word {
+        let to = from + gallop(&nodes[from..], |n| n.start <= word);
+        for (position, node) in nodes.iter().enumerate().take(to).skip(from) {
+            if node.end() > word {
                 hit(position as u32);
             }
         }
@@ -173,17 +178,16 @@ impl Index {
             return None;
         }
         let at = *cursor;
+        let nodes = &self.nodes[..];
         // The last position starting at or before `word`: galloping on from
         // the cursor, or back from it (words sorted coarsely come back a
         // few nodes at a time).
-        let last = match self.starts.get(at) {
-            Some(&start) if start <= word => {
-                at + gallop(&self.starts[at + 1..], |start| start <= word)
-            }
-            Some(_) if at > 0 && self.starts[0] <= word => {
-                // starts[0] <= word < starts[at]: at least one position is
+        let last = match nodes.get(at) {
+            Some(node) if node.start <= word => at + gallop(&nodes[at + 1..], |n| n.start <= word),
+            Some(_) if at > 0 && nodes[0].start <= word => {
+                // nodes[0] <= word < nodes[at]: at least one position is
                 // passed back over.
-                at - gallop_back(&self.starts[..at], |start| start > word) - 1
+                at - gallop_back(&nodes[..at], |n| n.start > word) - 1
             }
             _ => {
                 let mut last = None;
@@ -196,7 +200,7 @@ impl Index {
             }
         };
         *cursor = last;
-        (self.ends[last] > word).then_some(last as u32)
+        (nodes[last].end() > word).then_some(last as u32)
     }
 
     /// Whether `word` may point into some node (the cheap test every word
@@ -221,25 +225,27 @@ impl Index {
             .map(|c| (c.first, c.last, c.end))
     }
 
-    /// Every node's start, in address order.
-    pub fn starts(&self) -> &[u64] {
-        &self.starts
+    /// The nodes in address order.
+    #[inline(always)]
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
     }
 
-    /// Every node's effective end, in address order.
-    pub fn ends(&self) -> &[u64] {
-        &self.ends
+    /// The node at `position`.
+    #[inline(always)]
+    pub fn node(&self, position: usize) -> Node {
+        self.nodes[position]
     }
 
-    /// The start of the node at `position`.
+    /// The input number of the node at `position`.
     #[inline]
-    pub fn start(&self, position: u32) -> u64 {
-        self.starts[position as usize]
+    pub fn input(&self, position: usize) -> usize {
+        self.order.get(position).map_or(position, |&n| n as usize)
     }
 
-    /// The input number of the node at each position (address order).
-    pub fn order(&self) -> &[u32] {
-        &self.order
+    /// Whether the input was in address order (positions are input numbers).
+    pub fn in_input_order(&self) -> bool {
+        self.order.is_empty()
     }
 }
 
@@ -247,14 +253,14 @@ impl Index {
 /// by galloping from the front: a few steps when it is near, as it is
 /// within a page.
 #[inline]
-fn gallop(sorted: &[u64], below: impl Fn(u64) -> bool) -> usize {
+fn gallop<T>(sorted: &[T], below: impl Fn(&T) -> bool) -> usize {
     let mut low = 0;
     let mut step = 1;
     loop {
         let probe = low + step;
-        if probe > sorted.len() || !below(sorted[probe - 1]) {
+        if probe > sorted.len() || !below(&sorted[probe - 1]) {
             let high = probe.min(sorted.len());
-            return low + sorted[low..high].partition_point(|&v| below(v));
+            return low + sorted[low..high].partition_point(&below);
         }
         low = probe;
         step *= 2;
@@ -265,17 +271,17 @@ fn gallop(sorted: &[u64], below: impl Fn(u64) -> bool) -> usize {
 /// suffix), searched back from the end: steps 1, 2, 4... then a binary
 /// search in the last step.
 #[inline]
-fn gallop_back(sorted: &[u64], above: impl Fn(u64) -> bool) -> usize {
+fn gallop_back<T>(sorted: &[T], above: impl Fn(&T) -> bool) -> usize {
     let len = sorted.len();
     let mut count = 0;
     let mut step = 1;
     loop {
         let probe = count + step;
-        if probe > len || !above(sorted[len - probe]) {
+        if probe > len || !above(&sorted[len - probe]) {
             let high = probe.min(len);
             // Within sorted[len - high..len - count], the suffix above.
             let part = &sorted[len - high..len - count];
-            return count + part.len() - part.partition_point(|&v| !above(v));
+            return count + part.len() - part.partition_point(|v| !above(v));
         }
         count = probe;
         step *= 2;
@@ -325,20 +331,20 @@ mod tests {
         let sorted: Vec<u64> = (0..1000).map(|v| v * 2).collect();
         for target in [0, 1, 2, 3, 500, 1997, 1998, 1999, 5000] {
             assert_eq!(
-                gallop(&sorted, |v| v <= target),
+                gallop(&sorted, |&v| v <= target),
                 sorted.partition_point(|&v| v <= target),
                 "{target}"
             );
         }
-        assert_eq!(gallop(&[], |_| true), 0);
+        assert_eq!(gallop(&[0u64; 0], |_| true), 0);
         for target in [0, 1, 2, 3, 500, 1997, 1998, 1999, 5000] {
             assert_eq!(
-                gallop_back(&sorted, |v| v > target),
+                gallop_back(&sorted, |&v| v > target),
                 sorted.len() - sorted.partition_point(|&v| v <= target),
                 "{target}"
             );
         }
-        assert_eq!(gallop_back(&[], |_| true), 0);
+        assert_eq!(gallop_back(&[0u64; 0], |_| true), 0);
     }
 
     #[test]

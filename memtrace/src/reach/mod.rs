@@ -58,34 +58,79 @@ mod heuristics;
 mod index;
 mod rank;
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 
 use found::{Found, Traced};
 use index::Index;
 use rank::Rank;
 
-/// A live block: the nodes of the graph.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A live block: the nodes of the graph. 16 bytes (a heap of 10M blocks
+/// makes 160 MB of them): its kind sits in the size's top bits.
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Node {
     pub start: u64,
-    pub size: u64,
-    /// Host memory, read when reached; false for device memory (never read).
-    pub scan: bool,
-    /// Allocated by a GPU/NPU runtime for itself: its pointers never mark a
-    /// device block.
-    pub runtime_owned: bool,
+    /// The size, less [`NOT_SCANNED`] and [`RUNTIME_OWNED`].
+    size_and_kind: u64,
 }
 
+/// Device memory, never read (host memory is read when reached).
+const NOT_SCANNED: u64 = 1 << 63;
+/// Allocated by a GPU/NPU runtime for itself: its pointers never mark a
+/// device block.
+const RUNTIME_OWNED: u64 = 1 << 62;
+/// The largest size a node keeps (larger ones are cut: no address space
+/// holds them).
+const SIZE_MASK: u64 = RUNTIME_OWNED - 1;
+
 impl Node {
-    /// A host block: scanned when reached, the program's own.
-    pub fn host(start: u64, size: u64) -> Node {
+    /// A block: `scan` for host memory (read when reached), not for
+    /// device memory; `runtime_owned` for a GPU/NPU runtime's own block.
+    pub fn new(start: u64, size: u64, scan: bool, runtime_owned: bool) -> Node {
         Node {
             start,
-            size,
-            scan: true,
-            runtime_owned: false,
+            size_and_kind: size.min(SIZE_MASK)
+                | if scan { 0 } else { NOT_SCANNED }
+                | if runtime_owned { RUNTIME_OWNED } else { 0 },
         }
+    }
+
+    /// A host block: scanned when reached, the program's own.
+    pub fn host(start: u64, size: u64) -> Node {
+        Node::new(start, size, true, false)
+    }
+
+    #[inline(always)]
+    pub fn size(self) -> u64 {
+        self.size_and_kind & SIZE_MASK
+    }
+
+    /// Host memory, read when reached; false for device memory.
+    #[inline(always)]
+    pub fn scan(self) -> bool {
+        self.size_and_kind & NOT_SCANNED == 0
+    }
+
+    /// Allocated by a GPU/NPU runtime for itself.
+    #[inline(always)]
+    pub fn runtime_owned(self) -> bool {
+        self.size_and_kind & RUNTIME_OWNED != 0
+    }
+
+    /// Where it ends (a zero-size node covers its start only).
+    #[inline(always)]
+    pub fn end(self) -> u64 {
+        self.start.saturating_add(self.size().max(1))
+    }
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("start", &format_args!("{:#x}", self.start))
+            .field("size", &self.size())
+            .field("scan", &self.scan())
+            .field("runtime_owned", &self.runtime_owned())
+            .finish()
     }
 }
 
@@ -299,7 +344,7 @@ impl Tuning {
     /// even when the nodes are few: sorted, each word's lookup starts next
     /// to the last one's).
     fn for_nodes(nodes: &[Node]) -> Tuning {
-        let scanned: u64 = nodes.iter().filter(|n| n.scan).map(|n| n.size).sum();
+        let scanned: u64 = nodes.iter().filter(|n| n.scan()).map(|n| n.size()).sum();
         let count = nodes.len();
         Tuning {
             sorted: count >= SORT_MIN_NODES
@@ -314,10 +359,9 @@ impl Tuning {
 /// order (the index's), so a node's data, state and neighbours sit
 /// together; the verdicts go back to input order at the end.
 struct Marker<'a> {
-    /// The nodes in address order (the input itself when it is in that
+    /// The nodes, in address order (the input itself when it is in that
     /// order already: a heap walked).
-    nodes: Cow<'a, [Node]>,
-    index: Index,
+    index: Index<'a>,
     state: Vec<u8>,
     heuristic: Vec<Option<Heuristic>>,
     stack: Vec<u32>,
@@ -361,25 +405,11 @@ fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) ->
         .as_ref()
         .filter(|_| index.disjoint() && tuning.direct)
         .and_then(|_| index.densest())
-        .and_then(|(first, last, end)| Rank::new(&index.starts()[first..=last], first, end));
-    let in_order = index
-        .order()
-        .iter()
-        .enumerate()
-        .all(|(position, &n)| position == n as usize);
-    let sorted: Cow<'_, [Node]> = if in_order {
-        Cow::Borrowed(input.nodes)
-    } else {
-        Cow::Owned(
-            index
-                .order()
-                .iter()
-                .map(|&n| input.nodes[n as usize])
-                .collect(),
-        )
-    };
+        .and_then(|(first, last, end)| {
+            let starts = index.nodes()[first..=last].iter().map(|n| n.start);
+            Rank::new(starts, first, end)
+        });
     let mut marker = Marker {
-        nodes: sorted,
         index,
         state: vec![UNREACHED; input.nodes.len()],
         heuristic: vec![None; input.nodes.len()],
@@ -418,7 +448,7 @@ fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) ->
     }
     marker.drain(memory, &mut buf);
     // Pass 2: cliques of what is left, in address order.
-    for leader in 0..marker.nodes.len() as u32 {
+    for leader in 0..marker.index.nodes().len() as u32 {
         if marker.state[leader as usize] != UNREACHED {
             continue;
         }
@@ -426,14 +456,17 @@ fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) ->
         marker.stack.push(leader);
         marker.drain_clique(leader, memory, &mut buf);
     }
-    let order = marker.index.order();
+    let index = &marker.index;
     let marks = marker.marks.take().map_or_else(Vec::new, |by_position| {
+        if index.in_input_order() {
+            return by_position;
+        }
         let mut marks = vec![None; input.nodes.len()];
         for (position, mark) in by_position.into_iter().enumerate() {
-            marks[order[position] as usize] = mark.map(|mark| Mark {
+            marks[index.input(position)] = mark.map(|mark| Mark {
                 source: match mark.source {
                     Source::Block { node, at } => Source::Block {
-                        node: order[node] as usize,
+                        node: index.input(node),
                         at,
                     },
                     other => other,
@@ -444,9 +477,12 @@ fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) ->
         marks
     });
     let first_words = marker.heads.take().map_or_else(Vec::new, |by_position| {
+        if index.in_input_order() {
+            return by_position;
+        }
         let mut words = vec![0; input.nodes.len()];
-        for (&node, word) in order.iter().zip(by_position) {
-            words[node as usize] = word;
+        for (position, word) in by_position.into_iter().enumerate() {
+            words[index.input(position)] = word;
         }
         words
     });
@@ -457,9 +493,8 @@ fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) ->
         };
         input.nodes.len()
     ];
-    for (position, &node) in marker.index.order().iter().enumerate() {
-        let (state, heuristic) = (marker.state[position], marker.heuristic[position]);
-        verdicts[node as usize] = Verdict {
+    for (position, (&state, &heuristic)) in marker.state.iter().zip(&marker.heuristic).enumerate() {
+        verdicts[index.input(position)] = Verdict {
             category: match state {
                 REACHABLE => Category::StillReachable,
                 POSSIBLE => Category::PossiblyLost,
@@ -646,7 +681,7 @@ impl Marker<'_> {
                 if let Some(hit) = found.filter(|hit| !hit.plain) {
                     let i = hit.position as usize;
                     if !hit.start {
-                        rank::prefetch(&self.index.ends()[i]);
+                        rank::prefetch(&self.index.nodes()[i]);
                     }
                     rank::prefetch(&self.state[i]);
                     rank::prefetch(&self.heuristic[i]);
@@ -663,7 +698,7 @@ impl Marker<'_> {
             }
             let (word, n) = (word_of(item), hit.position);
             // A start pointer is inside its node (of one byte at least).
-            if !hit.start && self.index.ends()[n as usize] <= word {
+            if !hit.start && self.index.node(n as usize).end() <= word {
                 continue;
             }
             self.hits += 1;
@@ -735,7 +770,7 @@ impl Marker<'_> {
         runtime: bool,
         memory: &mut dyn Memory,
     ) {
-        let start = word == self.index.start(n);
+        let start = word == self.index.node(n as usize).start;
         self.mark_known(word, n, start, source, definite, runtime, memory);
     }
 
@@ -756,7 +791,7 @@ impl Marker<'_> {
         // What most words find (a reachable block) is decided from the
         // index and the state alone, the node itself left unread.
         let state = self.state[i];
-        if runtime && !self.nodes[i].scan {
+        if runtime && !self.index.nodes()[i].scan() {
             return;
         }
         if state == REACHABLE {
@@ -798,13 +833,13 @@ impl Marker<'_> {
 
     /// The heuristic accepting an interior pointer `word` into node `n`.
     fn heuristic_for(&mut self, word: u64, n: u32, memory: &mut dyn Memory) -> Option<Heuristic> {
-        let node = self.nodes[n as usize];
-        if !node.scan {
+        let node = self.index.nodes()[n as usize];
+        if !node.scan() {
             return None;
         }
         let (first, second) = *self.first_words.entry(n).or_insert_with(|| {
             let mut bytes = [0u8; 16];
-            let len = (node.size.min(16) as usize) & !7;
+            let len = (node.size().min(16) as usize) & !7;
             let read = memory.read(node.start, &mut bytes[..len]);
             let word_at = |k: usize| {
                 (read >= (k + 1) * 8).then(|| {
@@ -813,7 +848,7 @@ impl Marker<'_> {
             };
             (word_at(0), word_at(1))
         });
-        let at_pointer = if word.is_multiple_of(8) && word + 8 <= node.start + node.size {
+        let at_pointer = if word.is_multiple_of(8) && word + 8 <= node.start + node.size() {
             let mut bytes = [0u8; 8];
             (memory.read(word, &mut bytes) == 8).then(|| u64::from_le_bytes(bytes))
         } else {
@@ -822,7 +857,7 @@ impl Marker<'_> {
         heuristics::accepts(
             word,
             node.start,
-            node.size,
+            node.size(),
             &heuristics::Words {
                 first,
                 second,
@@ -838,13 +873,13 @@ impl Marker<'_> {
         out.clear();
         let mut bytes = 0usize;
         while let Some(&n) = self.stack.last() {
-            let node = self.nodes[n as usize];
+            let node = self.index.nodes()[n as usize];
             let done = self.scanned_as[n as usize] == self.state[n as usize];
-            if !node.scan || node.size < 8 || done {
+            if !node.scan() || node.size() < 8 || done {
                 self.stack.pop();
                 continue;
             }
-            let size = node.size as usize;
+            let size = node.size() as usize;
             if !out.is_empty() && (out.len() == BATCH || bytes + size > CHUNK) {
                 break;
             }
@@ -866,11 +901,11 @@ impl Marker<'_> {
         mut each: impl FnMut(&mut Self, u32, u64, &[u8], &mut dyn Memory),
     ) {
         if let [one] = batch {
-            let node = self.nodes[*one as usize];
-            if node.size as usize > CHUNK {
+            let node = self.index.nodes()[*one as usize];
+            if node.size() as usize > CHUNK {
                 // A big block: read and scanned a chunk at a time.
                 let mut at = node.start;
-                let end = node.start + (node.size & !7);
+                let end = node.start + (node.size() & !7);
                 while at < end {
                     let len = ((end - at) as usize).min(CHUNK);
                     memory.read(at, &mut buf[..len]);
@@ -886,8 +921,8 @@ impl Marker<'_> {
         let ranges: Vec<(u64, usize)> = batch
             .iter()
             .map(|&n| {
-                let node = self.nodes[n as usize];
-                (node.start, (node.size as usize) & !7)
+                let node = self.index.nodes()[n as usize];
+                (node.start, (node.size() as usize) & !7)
             })
             .collect();
         let total: usize = ranges.iter().map(|r| r.1).sum();
@@ -930,7 +965,7 @@ impl Marker<'_> {
         let i = n as usize;
         self.scanned_as[i] = self.state[i];
         let definite = self.state[i] == REACHABLE;
-        let runtime = self.nodes[i].runtime_owned;
+        let runtime = self.index.nodes()[i].runtime_owned();
         self.scanning = Some(n);
         self.scan_words(words, base, definite, runtime, memory);
         self.scanning = None;
@@ -940,7 +975,7 @@ impl Marker<'_> {
     /// together; what is marked meanwhile ahead of the sweep joins it, what
     /// is marked behind it waits on the stack.
     fn sweep(&mut self, memory: &mut dyn Memory, buf: &mut Vec<u8>) {
-        let count = self.nodes.len();
+        let count = self.index.nodes().len();
         if self.pending.len() != count.div_ceil(64) {
             self.pending = vec![0; count.div_ceil(64)];
         }
@@ -954,13 +989,13 @@ impl Marker<'_> {
         while let Some(first) = self.next_due(position) {
             // A window: this node and the waiting ones after it, close
             // enough, within one chunk.
-            let window_start = self.nodes[first].start;
+            let window_start = self.index.nodes()[first].start;
             let mut window_end = window_start;
             let mut members = Vec::new();
             position = first;
             while let Some(n) = self.next_due(position) {
-                let node = self.nodes[n];
-                let end = node.start + (node.size & !7);
+                let node = self.index.nodes()[n];
+                let end = node.start + (node.size() & !7);
                 let far = node.start > window_end.saturating_add(SWEEP_GAP);
                 let long = end.saturating_sub(window_start) > CHUNK as u64;
                 if !members.is_empty() && (far || long) {
@@ -989,16 +1024,16 @@ impl Marker<'_> {
                 if self.scanned_as[i] == self.state[i] {
                     continue;
                 }
-                let node = self.nodes[i];
+                let node = self.index.nodes()[i];
                 let from = (node.start - window_start) as usize;
-                let words = &window[from..from + (node.size as usize & !7)];
+                let words = &window[from..from + (node.size() as usize & !7)];
                 self.scanned += words.len() as u64;
                 let before = self.stack.len();
                 self.scan_node(n, node.start, words, memory);
                 // Marked ahead of the sweep: scanned by it.
                 for k in before..self.stack.len() {
                     let m = self.stack[k] as usize;
-                    if m >= position && self.nodes[m].scan {
+                    if m >= position && self.index.nodes()[m].scan() {
                         self.pending[m / 64] |= 1 << (m % 64);
                     }
                 }
@@ -1011,7 +1046,7 @@ impl Marker<'_> {
     #[inline]
     fn keep_head(&mut self, n: u32, base: u64, words: &[u8]) {
         if let (Some(heads), Some(first)) = (self.heads.as_mut(), words.first_chunk::<8>()) {
-            if base == self.nodes[n as usize].start {
+            if base == self.index.nodes()[n as usize].start {
                 heads[n as usize] = u64::from_le_bytes(*first);
             }
         }
@@ -1023,8 +1058,8 @@ impl Marker<'_> {
         let mut at = from;
         loop {
             let n = self.next_pending(at)?;
-            let node = self.nodes[n];
-            if node.scan && node.size >= 8 && self.scanned_as[n] != self.state[n] {
+            let node = self.index.nodes()[n];
+            if node.scan() && node.size() >= 8 && self.scanned_as[n] != self.state[n] {
                 return Some(n);
             }
             self.pending[n / 64] &= !(1 << (n % 64));
@@ -1057,7 +1092,7 @@ impl Marker<'_> {
             let current = batch.clone();
             self.read_batch(&current, memory, buf, |marker, n, base, words, _| {
                 marker.keep_head(n, base, words);
-                let runtime = marker.nodes[n as usize].runtime_owned;
+                let runtime = marker.index.nodes()[n as usize].runtime_owned();
                 for (k, word) in words.chunks_exact(8).enumerate() {
                     let value = u64::from_le_bytes([
                         word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
@@ -1070,7 +1105,7 @@ impl Marker<'_> {
                     };
                     for m in reached {
                         let i = m as usize;
-                        if m == leader || (runtime && !marker.nodes[i].scan) {
+                        if m == leader || (runtime && !marker.index.nodes()[i].scan()) {
                             continue;
                         }
                         match marker.state[i] {

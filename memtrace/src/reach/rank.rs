@@ -60,23 +60,26 @@ impl Rank {
     /// Lines over `starts` (sorted, of disjoint nodes; position `first` is
     /// the first), the region ending at `end`; none when the lines would
     /// cost more than [`BYTES_PER_NODE`] per node.
-    pub fn new(starts: &[u64], first: usize, end: u64) -> Option<Rank> {
-        let region = *starts.first()?;
+    pub fn new(
+        starts: impl ExactSizeIterator<Item = u64> + Clone,
+        first: usize,
+        end: u64,
+    ) -> Option<Rank> {
+        let count = starts.len() as u64;
+        let region = starts.clone().next()?;
         let shift = starts
-            .iter()
-            .fold(0u64, |bits, &start| bits | (start - region))
+            .clone()
+            .fold(0u64, |bits, start| bits | (start - region))
             .trailing_zeros()
             .min(63);
         let granules = ((end.checked_sub(region)?.saturating_sub(1)) >> shift) + 1;
         let lines = granules.div_ceil(LINE_GRANULES);
-        let budget = (starts.len() as u64)
-            .saturating_mul(BYTES_PER_NODE)
-            .max(MIN_BYTES);
+        let budget = count.saturating_mul(BYTES_PER_NODE).max(MIN_BYTES);
         if lines.saturating_mul(64) > budget {
             return None;
         }
         let mut table = vec![Line::default(); usize::try_from(lines).ok()?];
-        for &start in starts {
+        for start in starts {
             let granule = (start - region) >> shift;
             let line = &mut table[(granule / LINE_GRANULES) as usize];
             let within = granule % LINE_GRANULES;
@@ -208,7 +211,7 @@ mod tests {
             at += 16 * (1 + state % if state.is_multiple_of(7) { 1024 } else { 8 });
         }
         let end = at + 40;
-        let rank = Rank::new(&starts, 0, end).expect("within budget");
+        let rank = Rank::new(starts.iter().copied(), 0, end).expect("within budget");
         assert_eq!(rank.shift, 4);
         for word in (base..end).step_by(8).chain([base + 1, base + 17, end - 1]) {
             assert!(rank.holds(word));
@@ -217,7 +220,7 @@ mod tests {
         assert!(!rank.holds(base - 1));
         assert!(!rank.holds(end));
         // Positions are offset by the region's first.
-        let later = Rank::new(&starts, 7, end).expect("within budget");
+        let later = Rank::new(starts.iter().copied(), 7, end).expect("within budget");
         assert_eq!(found(&later, starts[3]), Some((10, true)));
         // Plainly reachable: its start pointer says so, nothing else does.
         let mut rank = rank;
@@ -232,14 +235,24 @@ mod tests {
     #[test]
     fn starts_off_the_heaps_alignment_get_smaller_granules_or_no_lines() {
         let starts = [0x1000, 0x1008, 0x1018, 0x1100];
-        let rank = Rank::new(&starts, 0, 0x1200).expect("small");
+        let rank = Rank::new(starts.iter().copied(), 0, 0x1200).expect("small");
         assert_eq!(rank.shift, 3);
         assert_eq!(found(&rank, 0x1010), Some((1, false)));
         assert_eq!(found(&rank, 0x1018), Some((2, true)));
         assert_eq!(found(&rank, 0x101f), Some((2, false)));
         // Two nodes over a terabyte: lines past the budget.
-        assert!(Rank::new(&[0x1000, 0x1010 + (1 << 40)], 0, 0x2000 + (1 << 40)).is_none());
+        assert!(Rank::new(
+            [0x1000, 0x1010 + (1 << 40)].into_iter(),
+            0,
+            0x2000 + (1 << 40)
+        )
+        .is_none());
         // The same far apart on a common alignment: two granules.
-        assert!(Rank::new(&[0x1000, 0x1000 + (1 << 40)], 0, 0x2000 + (1 << 40)).is_some());
+        assert!(Rank::new(
+            [0x1000, 0x1000 + (1 << 40)].into_iter(),
+            0,
+            0x2000 + (1 << 40)
+        )
+        .is_some());
     }
 }

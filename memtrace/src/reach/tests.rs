@@ -48,10 +48,7 @@ fn host(start: u64, size: u64) -> Node {
 }
 
 fn device(start: u64, size: u64) -> Node {
-    Node {
-        scan: false,
-        ..host(start, size)
-    }
+    Node::new(start, size, false, false)
 }
 
 fn root(len: u64) -> RootRegion {
@@ -304,10 +301,7 @@ fn runtime_memory_never_keeps_a_device_block() {
     let mut m = Fake::default();
     m.put(ROOT, A);
     m.put(A, dev);
-    let owned = Node {
-        runtime_owned: true,
-        ..host(A, 64)
-    };
+    let owned = Node::new(A, 64, true, true);
     assert_eq!(
         run(&[owned, device(dev, 4096)], &[root(8)], &[], &mut m),
         [SR, DL]

@@ -162,7 +162,7 @@ impl Context<'_> {
                     format!(
                         "block {:#x} ({} B, {}) +{:#x}",
                         holder.start,
-                        holder.size,
+                        holder.size(),
                         category_name(self.categories[node]),
                         at - holder.start
                     ),
@@ -190,7 +190,7 @@ impl Context<'_> {
             "pid {}: block {:#x} ({} B) is {}{}",
             self.pid,
             block.start,
-            block.size,
+            block.size(),
             category_name(category),
             match category {
                 Category::DefinitelyLost =>
@@ -222,7 +222,7 @@ impl Context<'_> {
             asked,
             pid: self.pid,
             block: Some(block.start),
-            size: block.size,
+            size: block.size(),
             category: Some(category_name(category).to_string()),
             chain,
             lines,
@@ -236,7 +236,8 @@ impl Context<'_> {
             match *target {
                 ExplainTarget::Address(addr) => {
                     let holding = self.nodes.iter().position(|n| {
-                        n.start == addr || (addr > n.start && addr < n.start.saturating_add(n.size))
+                        n.start == addr
+                            || (addr > n.start && addr < n.start.saturating_add(n.size()))
                     });
                     out.push(match holding {
                         Some(node) => self.explain_node(format!("{addr:#x}"), node),
@@ -255,7 +256,7 @@ impl Context<'_> {
                     let mut members: Vec<usize> = (0..self.nodes.len())
                         .filter(|&n| self.categories[n] == category)
                         .collect();
-                    members.sort_by_key(|&n| (std::cmp::Reverse(self.nodes[n].size), n));
+                    members.sort_by_key(|&n| (std::cmp::Reverse(self.nodes[n].size()), n));
                     for node in members.into_iter().take(PER_CATEGORY) {
                         out.push(self.explain_node(category_name(category).to_string(), node));
                     }
