@@ -13,6 +13,7 @@ pub mod glibc_heap;
 pub mod heap_walk;
 pub mod maps;
 pub mod pod;
+pub mod read_ahead;
 pub mod roots;
 pub mod select;
 pub mod snapshot;

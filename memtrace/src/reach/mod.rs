@@ -196,6 +196,11 @@ pub trait Memory {
     /// not be read is left as zeros, and counted by the implementation).
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> usize;
 
+    /// Says `[addr, addr + len)` is to be read soon, in address order: an
+    /// implementation may read it ahead, beside the work on what it read
+    /// before. A hint: nothing is read for the caller.
+    fn prefetch(&mut self, _addr: u64, _len: u64) {}
+
     /// Reads several ranges into consecutive parts of `buf` (whose length
     /// is their sum); an implementation may do it in one system call.
     fn read_many(&mut self, ranges: &[(u64, usize)], buf: &mut [u8]) {
@@ -296,6 +301,9 @@ const BATCH: usize = 1024;
 const SWEEP_MIN: usize = 4096;
 /// A sweep reads across a gap between waiting blocks up to this long.
 const SWEEP_GAP: u64 = 64 << 10;
+/// A sweep going on close by has this much memory after its window read
+/// ahead ([`Memory::prefetch`]).
+const SWEEP_AHEAD: u64 = 3 * CHUNK as u64;
 /// A state no node has: never scanned.
 const NEVER: u8 = u8::MAX;
 /// With at least this many nodes, pass 1 looks the words it finds up in
@@ -439,6 +447,7 @@ fn classify_tuned(input: &Input<'_>, memory: &mut dyn Memory, tuning: Tuning) ->
             if len == 0 {
                 break;
             }
+            memory.prefetch(at, end - at);
             memory.read(at, &mut buf[..len]);
             marker.scanned += len as u64;
             marker.scanning = None;
@@ -907,6 +916,7 @@ impl Marker<'_> {
                 let mut at = node.start;
                 let end = node.start + (node.size() & !7);
                 while at < end {
+                    memory.prefetch(at, end - at);
                     let len = ((end - at) as usize).min(CHUNK);
                     memory.read(at, &mut buf[..len]);
                     self.scanned += len as u64;
@@ -1017,6 +1027,16 @@ impl Marker<'_> {
                 });
                 continue;
             }
+            // The sweep goes on close by: the memory after this window is
+            // read ahead while this one is scanned.
+            let ahead = self
+                .next_pending(position)
+                .map(|n| self.index.node(n).start)
+                .filter(|&next| next <= window_end.saturating_add(SWEEP_GAP))
+                .map_or(len as u64, |next| {
+                    next.saturating_add(SWEEP_AHEAD) - window_start
+                });
+            memory.prefetch(window_start, ahead);
             memory.read(window_start, &mut buf[..len]);
             let window = std::mem::take(buf);
             for &n in &members {

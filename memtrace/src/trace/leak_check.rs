@@ -391,9 +391,10 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
         &mut memory,
     );
     log::info!(
-        "leak check of pid {pid}: {} bytes scanned in {} ms",
+        "leak check of pid {pid}: {} bytes scanned in {} ms ({} read ahead)",
         outcome.scanned_bytes,
-        scan_started.elapsed().as_millis()
+        scan_started.elapsed().as_millis(),
+        memory.read_ahead()
     );
     if memory.gone || !crate::tracee::is_alive(memory_pid) {
         return Err(gone());

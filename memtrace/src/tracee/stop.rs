@@ -483,7 +483,10 @@ pub struct ProcessMemory {
     copies: Vec<(u64, Vec<u8>)>,
     /// `/proc/PID/mem`, read instead of `process_vm_readv` (a snapshot's
     /// child: see [`ProcessMemory::through_proc_mem`]).
-    mem_file: Option<std::fs::File>,
+    mem_file: Option<std::sync::Arc<std::fs::File>>,
+    /// Blocks read ahead on helper threads ([`crate::reach::Memory::prefetch`]),
+    /// started at the first request.
+    ahead: Option<super::read_ahead::ReadAhead>,
     /// The buffer neighbours are read into, kept: a fresh megabyte per
     /// read was a fresh mapping (glibc's mmap threshold), a page fault and
     /// a cleared page for every 4 KiB read (a tenth of a 10M-block check).
@@ -500,6 +503,7 @@ impl ProcessMemory {
             skipped: 0,
             copies: Vec::new(),
             mem_file: None,
+            ahead: None,
             scratch: Vec::new(),
         }
     }
@@ -512,8 +516,16 @@ impl ProcessMemory {
     /// memory cgroup. `/proc/PID/mem` takes plain references, which leave
     /// a shared page shared.
     pub fn through_proc_mem(mut self) -> std::io::Result<Self> {
-        self.mem_file = Some(std::fs::File::open(format!("/proc/{}/mem", self.pid))?);
+        self.mem_file = Some(std::sync::Arc::new(std::fs::File::open(format!(
+            "/proc/{}/mem",
+            self.pid
+        ))?));
         Ok(self)
+    }
+
+    /// Bytes served from blocks read ahead.
+    pub fn read_ahead(&self) -> u64 {
+        self.ahead.as_ref().map_or(0, |a| a.served)
     }
 
     /// Serves reads of these ranges from the bytes given (sorted, disjoint).
@@ -598,6 +610,19 @@ impl ProcessMemory {
 const PAGE: u64 = 4096;
 
 impl crate::reach::Memory for ProcessMemory {
+    fn prefetch(&mut self, addr: u64, len: u64) {
+        if self.gone || self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return;
+        }
+        let source = match &self.mem_file {
+            Some(file) => super::read_ahead::Source::File(std::sync::Arc::clone(file)),
+            None => super::read_ahead::Source::Pid(self.pid),
+        };
+        self.ahead
+            .get_or_insert_with(|| super::read_ahead::ReadAhead::new(source))
+            .request(addr, len);
+    }
+
     /// Up to 1024 ranges per `process_vm_readv`; a batch that fails part
     /// way is read again range by range (holes as zeros).
     fn read_many(&mut self, ranges: &[(u64, usize)], buf: &mut [u8]) {
@@ -736,6 +761,9 @@ impl ProcessMemory {
             self.skipped += buf.len() as u64;
             buf.fill(0);
             return 0;
+        }
+        if !self.gone && self.ahead.as_mut().is_some_and(|a| a.serve(addr, buf)) {
+            return buf.len();
         }
         let mut done = 0usize;
         while done < buf.len() && !self.gone {
