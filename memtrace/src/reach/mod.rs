@@ -62,7 +62,7 @@ use std::collections::HashMap;
 
 use found::{Found, Traced};
 use index::Index;
-use rank::Rank;
+use rank::{Hit, Rank};
 
 /// A live block: the nodes of the graph. 16 bytes (a heap of 10M blocks
 /// makes 160 MB of them): its kind sits in the size's top bits.
@@ -319,8 +319,9 @@ const SORT_MIN_NODE_BYTES: u64 = 4096;
 const SORT_BATCH_MIN: usize = 1 << 16;
 const SORT_BATCH_MAX: usize = 1 << 22;
 
-/// Direct lookups ([`Marker::mark_direct`]): words ahead whose line is
-/// fetched, and whose node's data is.
+/// Direct lookups ([`Marker::mark_direct`]): words ahead whose bit of the
+/// plain bitmap is fetched, whose line is, and whose node's data is.
+const PLAIN_AHEAD: usize = 48;
 const LINE_AHEAD: usize = 32;
 const NODE_AHEAD: usize = 16;
 
@@ -660,9 +661,10 @@ impl Marker<'_> {
     }
 
     /// Marks what the words of `items` (in `rank`'s region) point to, in
-    /// the order found: each word's line is fetched [`LINE_AHEAD`] words
-    /// ahead, its node's end and state [`NODE_AHEAD`] words ahead, so the
-    /// misses of many words overlap.
+    /// the order found. Each word's bit of the plain bitmap is fetched
+    /// [`PLAIN_AHEAD`] words ahead; its line [`LINE_AHEAD`] words ahead,
+    /// unless the bit settled it; its node's end and state [`NODE_AHEAD`]
+    /// words ahead: the misses of many words overlap.
     fn mark_direct<T: found::Entry>(
         &mut self,
         low: u64,
@@ -681,15 +683,20 @@ impl Marker<'_> {
             let Some(rank) = self.rank.as_ref() else {
                 return;
             };
-            if let Some(later) = items.get(k + LINE_AHEAD) {
-                rank.prefetch(word_of(later));
+            if let Some(later) = items.get(k + PLAIN_AHEAD) {
+                rank.prefetch_plain(word_of(later));
+            }
+            if let Some(later) = items.get(k + LINE_AHEAD).map(word_of) {
+                if !rank.plain(later) {
+                    rank.prefetch(later);
+                }
             }
             let hit = ahead[k % NODE_AHEAD];
             ahead[k % NODE_AHEAD] = items.get(k + NODE_AHEAD).and_then(|later| {
                 let found = rank.lookup(word_of(later));
-                if let Some(hit) = found.filter(|hit| !hit.plain) {
-                    let i = hit.position as usize;
-                    if !hit.start {
+                if let Some(Hit::Node { position, start }) = found {
+                    let i = position as usize;
+                    if !start {
                         rank::prefetch(&self.index.nodes()[i]);
                     }
                     rank::prefetch(&self.state[i]);
@@ -697,17 +704,18 @@ impl Marker<'_> {
                 }
                 found
             });
-            let Some(hit) = hit else {
-                continue;
+            let (n, start) = match hit {
+                None => continue,
+                Some(Hit::Plain) => {
+                    // Into a plainly reachable node: nothing changes.
+                    self.hits += 1;
+                    continue;
+                }
+                Some(Hit::Node { position, start }) => (position, start),
             };
-            if hit.plain {
-                // Into a plainly reachable node: nothing changes.
-                self.hits += 1;
-                continue;
-            }
-            let (word, n) = (word_of(item), hit.position);
+            let word = word_of(item);
             // A start pointer is inside its node (of one byte at least).
-            if !hit.start && self.index.node(n as usize).end() <= word {
+            if !start && self.index.node(n as usize).end() <= word {
                 continue;
             }
             self.hits += 1;
@@ -715,7 +723,7 @@ impl Marker<'_> {
             self.mark_known(
                 word,
                 n,
-                hit.start,
+                start,
                 source(item),
                 entry & found::DEFINITE != 0,
                 entry & found::RUNTIME != 0,

@@ -8,14 +8,16 @@
 //! last one starting at or before it: the nodes are disjoint) is that
 //! count plus a few popcounts, read from one line. Whether the word is
 //! inside that node takes its end; whether it is the node's start pointer
-//! is the bit of its own granule. The line also has a bit per granule for
-//! the nodes marked reachable by a start pointer ("plainly": nothing that
-//! points into them changes anything more), so most words of a heap, start
-//! pointers to blocks already marked, are done with that one line.
+//! is the bit of its own granule. A bitmap beside the lines has a bit per
+//! granule where a node marked reachable by a start pointer starts
+//! ("plainly": nothing that points into it changes anything more): most
+//! words of a heap, start pointers to blocks already marked, are done with
+//! one bit of it (a bit per 16 bytes: 8 MiB for a 1 GiB heap, where the
+//! lines take 11 MiB), their line never read.
 //!
-//! Lookups come in batches (pass 1's waiting words), so each line and each
-//! node's data is fetched ahead ([`prefetch`]) while earlier words are
-//! marked: the misses overlap, and a word costs a few nanoseconds where a
+//! Lookups come in batches (pass 1's waiting words), so each word's bit,
+//! then its line, then its node's data are fetched ahead ([`prefetch`])
+//! while earlier words are marked: the misses overlap, and a word costs a few nanoseconds where a
 //! radix sort of it and a lookup in address order cost tens.
 
 /// Granules per line (3 words of bits).
@@ -24,25 +26,23 @@ const LINE_GRANULES: u64 = 3 * 64;
 const BYTES_PER_NODE: u64 = 4;
 const MIN_BYTES: u64 = 1 << 20;
 
-/// One cache line: the count of node starts in earlier lines, a bit per
-/// granule where a node starts, and one where a plainly reachable node does.
-#[repr(C, align(64))]
+/// Half a cache line: the count of node starts in earlier lines and a bit
+/// per granule where a node starts.
+#[repr(C, align(32))]
 #[derive(Clone, Copy, Debug, Default)]
 struct Line {
     before: u64,
     bits: [u64; 3],
-    plain: [u64; 3],
 }
 
 /// What [`Rank::lookup`] found for a word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Hit {
-    /// The last node starting at or before the word.
-    pub position: u32,
-    /// The word is that node's start.
-    pub start: bool,
-    /// ... and the node is plainly reachable: the word changes nothing.
-    pub plain: bool,
+pub enum Hit {
+    /// The start of a plainly reachable node: the word changes nothing.
+    Plain,
+    /// The last node starting at or before the word, and whether the word
+    /// is its start.
+    Node { position: u32, start: bool },
 }
 
 /// The lines over one region of disjoint nodes.
@@ -54,6 +54,8 @@ pub struct Rank {
     /// The position (address order) of the region's first node.
     first: u32,
     lines: Vec<Line>,
+    /// A bit per granule where a plainly reachable node starts.
+    plain: Vec<u64>,
 }
 
 impl Rank {
@@ -75,7 +77,8 @@ impl Rank {
         let granules = ((end.checked_sub(region)?.saturating_sub(1)) >> shift) + 1;
         let lines = granules.div_ceil(LINE_GRANULES);
         let budget = count.saturating_mul(BYTES_PER_NODE).max(MIN_BYTES);
-        if lines.saturating_mul(64) > budget {
+        // Lines of 32 bytes and 24 bytes of the bitmap over as many granules.
+        if lines.saturating_mul(32 + 24) > budget {
             return None;
         }
         let mut table = vec![Line::default(); usize::try_from(lines).ok()?];
@@ -100,6 +103,7 @@ impl Rank {
             shift,
             first: u32::try_from(first).ok()?,
             lines: table,
+            plain: vec![0; usize::try_from(granules.div_ceil(64)).ok()?],
         })
     }
 
@@ -107,6 +111,28 @@ impl Rank {
     #[inline(always)]
     pub fn holds(&self, word: u64) -> bool {
         word.wrapping_sub(self.start) < self.end - self.start
+    }
+
+    /// Fetches the bit of `word` (in the region) ahead of its lookup.
+    #[inline(always)]
+    pub fn prefetch_plain(&self, word: u64) {
+        let granule = (word - self.start) >> self.shift;
+        if let Some(bits) = self.plain.get((granule / 64) as usize) {
+            prefetch(bits);
+        }
+    }
+
+    /// Whether `word` (in the region) is the start of a plainly reachable
+    /// node.
+    #[inline(always)]
+    pub fn plain(&self, word: u64) -> bool {
+        let offset = word - self.start;
+        let granule = offset >> self.shift;
+        offset & ((1 << self.shift) - 1) == 0
+            && self
+                .plain
+                .get((granule / 64) as usize)
+                .is_some_and(|bits| bits >> (granule % 64) & 1 != 0)
     }
 
     /// Fetches the line of `word` (in the region) ahead of its lookup.
@@ -118,10 +144,13 @@ impl Rank {
         }
     }
 
-    /// For `word` in the region: the last node starting at or before it
-    /// (none: before the first).
+    /// For `word` in the region: a plainly reachable node's start, or the
+    /// last node starting at or before it (none: before the first).
     #[inline(always)]
     pub fn lookup(&self, word: u64) -> Option<Hit> {
+        if self.plain(word) {
+            return Some(Hit::Plain);
+        }
         let offset = word - self.start;
         let granule = offset >> self.shift;
         let line = self.lines.get((granule / LINE_GRANULES) as usize)?;
@@ -135,10 +164,9 @@ impl Rank {
         count += u64::from((own & (u64::MAX >> (63 - bit))).count_ones());
         let start = own >> bit & 1 != 0 && offset & ((1 << self.shift) - 1) == 0;
         let position = count.checked_sub(1)?;
-        Some(Hit {
+        Some(Hit::Node {
             position: self.first + position as u32,
             start,
-            plain: start && line.plain[word_index] >> bit & 1 != 0,
         })
     }
 
@@ -150,9 +178,8 @@ impl Rank {
             return;
         }
         let granule = (start - self.start) >> self.shift;
-        if let Some(line) = self.lines.get_mut((granule / LINE_GRANULES) as usize) {
-            let within = granule % LINE_GRANULES;
-            line.plain[(within / 64) as usize] |= 1 << (within % 64);
+        if let Some(bits) = self.plain.get_mut((granule / 64) as usize) {
+            *bits |= 1 << (granule % 64);
         }
     }
 }
@@ -193,7 +220,10 @@ mod tests {
     }
 
     fn found(rank: &Rank, word: u64) -> Option<(u32, bool)> {
-        rank.lookup(word).map(|hit| (hit.position, hit.start))
+        match rank.lookup(word)? {
+            Hit::Node { position, start } => Some((position, start)),
+            Hit::Plain => None,
+        }
     }
 
     #[test]
@@ -224,12 +254,14 @@ mod tests {
         assert_eq!(found(&later, starts[3]), Some((10, true)));
         // Plainly reachable: its start pointer says so, nothing else does.
         let mut rank = rank;
-        assert!(!rank.lookup(starts[5]).is_some_and(|hit| hit.plain));
+        assert_ne!(rank.lookup(starts[5]), Some(Hit::Plain));
         rank.set_plain(starts[5]);
         rank.set_plain(base - 16);
-        assert!(rank.lookup(starts[5]).is_some_and(|hit| hit.plain));
-        assert!(!rank.lookup(starts[5] + 8).is_some_and(|hit| hit.plain));
-        assert!(!rank.lookup(starts[6]).is_some_and(|hit| hit.plain));
+        assert_eq!(rank.lookup(starts[5]), Some(Hit::Plain));
+        assert!(rank.plain(starts[5]));
+        assert_eq!(found(&rank, starts[5] + 8), Some((5, false)));
+        assert_eq!(found(&rank, starts[6]), Some((6, true)));
+        assert!(!rank.plain(starts[5] + 1));
     }
 
     #[test]
