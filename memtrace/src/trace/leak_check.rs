@@ -13,6 +13,7 @@
 //! handles are not judged: mappings are roots, as in valgrind); the roots
 //! come from [`crate::tracee::roots`]; [`crate::reach`] splits the blocks.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -276,8 +277,10 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
         not_judged: prepared.not_judged,
         ..Judgement::default()
     };
-    let mut nodes = prepared.nodes.clone();
-    let keys = prepared.keys.clone();
+    // Borrowed (10M traced blocks: 160 MB of nodes, 320 MB of keys),
+    // copied only when the walk adds its blocks.
+    let mut nodes: Cow<'_, [Node]> = Cow::Borrowed(&prepared.nodes);
+    let keys = &prepared.keys;
     let memory_pid = memory.pid;
     let gone = || {
         if memory_pid != pid {
@@ -335,8 +338,8 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
             })
             .map(|c| Node::host(c.start, c.size))
             .collect();
-        with_walked.splice(0..0, nodes.drain(..));
-        nodes = with_walked;
+        with_walked.splice(0..0, nodes.iter().copied());
+        nodes = Cow::Owned(with_walked);
         excluded.extend_from_slice(&walk.walked);
         excluded.extend_from_slice(&walk.metadata);
     }
@@ -446,7 +449,7 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
         }
         .explain(&prepared.explain);
     }
-    for ((key, size), verdict) in keys.into_iter().zip(outcome.verdicts) {
+    for (&(key, size), verdict) in keys.iter().zip(outcome.verdicts) {
         // A scan cut short proves only what it reached.
         if cut && verdict.category != Category::StillReachable {
             judgement.not_judged.add(size);
