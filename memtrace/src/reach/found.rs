@@ -55,10 +55,12 @@ pub struct Found {
     pub words: Vec<u64>,
     /// Entries and where they were (with provenance).
     pub traced: Vec<Traced>,
+    /// Entries looked up in the order found (in the densest region, with
+    /// direct lookups), without and with provenance.
+    pub direct: Vec<u64>,
+    pub direct_traced: Vec<Traced>,
     scratch: Vec<u64>,
     scratch_traced: Vec<Traced>,
-    direct: Vec<u64>,
-    direct_traced: Vec<Traced>,
 }
 
 impl Found {
@@ -70,43 +72,33 @@ impl Found {
             limit,
             words: Vec::with_capacity(if traced { 0 } else { limit }),
             traced: Vec::with_capacity(if traced { limit } else { 0 }),
+            // (Room only: pages are touched when used.)
+            direct: Vec::with_capacity(if traced { 0 } else { limit }),
+            direct_traced: Vec::with_capacity(if traced { limit } else { 0 }),
             scratch: Vec::new(),
             scratch_traced: Vec::new(),
-            direct: Vec::new(),
-            direct_traced: Vec::new(),
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.words.is_empty() && self.traced.is_empty()
+    /// Entries waiting, of every kind.
+    pub fn len(&self) -> usize {
+        self.words.len() + self.traced.len() + self.direct.len() + self.direct_traced.len()
     }
 
-    /// Takes the waiting entries: those whose word `direct` accepts in
-    /// the order they were found, the others sorted by value (see
-    /// [`sort_by_key`]); the buffers come back through [`Found::put_back`].
-    pub fn take(&mut self, direct: impl Fn(u64) -> bool) -> Batch {
-        let low = self.low;
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Takes the waiting entries: the direct ones in the order they were
+    /// found, the others sorted by value (see [`sort_by_key`]); the
+    /// buffers come back through [`Found::put_back`].
+    pub fn take(&mut self) -> Batch {
         let mut batch = Batch {
             direct: std::mem::take(&mut self.direct),
             direct_traced: std::mem::take(&mut self.direct_traced),
             words: std::mem::take(&mut self.words),
             traced: std::mem::take(&mut self.traced),
         };
-        let (into, into_traced) = (&mut batch.direct, &mut batch.direct_traced);
-        batch.words.retain(|&entry| {
-            let taken = direct((entry & KEY) + low);
-            if taken {
-                into.push(entry);
-            }
-            !taken
-        });
-        batch.traced.retain(|t| {
-            let taken = direct((t.entry & KEY) + low);
-            if taken {
-                into_traced.push(*t);
-            }
-            !taken
-        });
         sort_by_key(&mut batch.words, &mut self.scratch, |&entry| entry & KEY);
         sort_by_key(&mut batch.traced, &mut self.scratch_traced, |t| {
             t.entry & KEY

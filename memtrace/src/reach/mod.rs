@@ -572,6 +572,11 @@ impl Marker<'_> {
         let traced = self.marks.is_some();
         let node = self.scanning.unwrap_or(found::ROOT);
         let mut words = bytes.chunks_exact(8).enumerate();
+        // Words in the rank's region wait apart: looked up directly.
+        let (direct_from, direct_span) = self.rank.as_ref().map_or((0, 0), |rank| {
+            let (start, end) = rank.region();
+            (start, end - start)
+        });
         loop {
             let Some(waiting) = self.waiting.as_mut() else {
                 return;
@@ -580,9 +585,7 @@ impl Marker<'_> {
                 waiting.low,
                 self.index.bounds().1.saturating_sub(waiting.low),
             );
-            let mut left = waiting
-                .limit
-                .saturating_sub(waiting.words.len() + waiting.traced.len());
+            let mut left = waiting.limit.saturating_sub(waiting.len());
             if left == 0 {
                 self.flush(memory);
                 continue;
@@ -593,14 +596,22 @@ impl Marker<'_> {
                 ]);
                 let key = value.wrapping_sub(low);
                 if key < span {
-                    if traced {
-                        waiting.traced.push(Traced {
-                            entry: key | flags,
-                            at: base + 8 * k as u64,
-                            node,
-                        });
-                    } else {
-                        waiting.words.push(key | flags);
+                    let direct = value.wrapping_sub(direct_from) < direct_span;
+                    match (traced, direct) {
+                        (true, _) => {
+                            let t = Traced {
+                                entry: key | flags,
+                                at: base + 8 * k as u64,
+                                node,
+                            };
+                            if direct {
+                                waiting.direct_traced.push(t);
+                            } else {
+                                waiting.traced.push(t);
+                            }
+                        }
+                        (false, true) => waiting.direct.push(key | flags),
+                        (false, false) => waiting.words.push(key | flags),
                     }
                     left -= 1;
                     if left == 0 {
@@ -625,9 +636,10 @@ impl Marker<'_> {
             return false;
         }
         let low = waiting.low;
-        let rank = self.rank.as_ref();
-        let batch = waiting.take(|word| rank.is_some_and(|r| r.holds(word)));
+        let mut batch = waiting.take();
         let unused = Source::Root { at: 0 };
+        self.drop_plain(low, &mut batch.direct);
+        self.drop_plain(low, &mut batch.direct_traced);
         self.mark_direct(low, &batch.direct, |_| unused, memory);
         self.mark_direct(low, &batch.direct_traced, traced_source, memory);
         let disjoint = self.index.disjoint();
@@ -658,6 +670,31 @@ impl Marker<'_> {
             waiting.put_back(batch);
         }
         true
+    }
+
+    /// Drops the words of `items` (in `rank`'s region) that are start
+    /// pointers to blocks already plainly reachable (nothing they could
+    /// change: a plain block is reachable without a heuristic), counting
+    /// them as hits: a pass of one bit each, fetched [`PLAIN_AHEAD`] words
+    /// ahead, before the costlier lookups of the others.
+    fn drop_plain<T: found::Entry + Copy>(&mut self, low: u64, items: &mut Vec<T>) {
+        let Some(rank) = self.rank.as_ref() else {
+            return;
+        };
+        let word_of = |item: &T| (item.entry() & found::KEY) + low;
+        let mut kept = 0;
+        for k in 0..items.len() {
+            if let Some(later) = items.get(k + PLAIN_AHEAD) {
+                rank.prefetch_plain(word_of(later));
+            }
+            let item = items[k];
+            if !rank.plain(word_of(&item)) {
+                items[kept] = item;
+                kept += 1;
+            }
+        }
+        self.hits += (items.len() - kept) as u64;
+        items.truncate(kept);
     }
 
     /// Marks what the words of `items` (in `rank`'s region) point to, in

@@ -107,6 +107,11 @@ impl Rank {
         })
     }
 
+    /// The region's start and end.
+    pub fn region(&self) -> (u64, u64) {
+        (self.start, self.end)
+    }
+
     /// Whether `word` lies in the region.
     #[inline(always)]
     pub fn holds(&self, word: u64) -> bool {

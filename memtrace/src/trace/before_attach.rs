@@ -31,6 +31,9 @@ pub struct Block {
 /// over without a lookup.
 pub struct TypeNames<'a> {
     read_only: Vec<(u64, u64)>,
+    /// The last gap between read-only mappings a word fell in: a heap's
+    /// first words (pointers into it, small numbers) mostly fall in one.
+    gap: (u64, u64),
     names: crate::tracee::vtables::VtableNames<'a>,
     known: foldhash::HashMap<u64, Option<Arc<str>>>,
 }
@@ -45,6 +48,7 @@ impl<'a> TypeNames<'a> {
         read_only.sort_unstable();
         TypeNames {
             read_only,
+            gap: (0, 0),
             names: crate::tracee::vtables::VtableNames::new(pid, mappings),
             known: Default::default(),
         }
@@ -52,8 +56,14 @@ impl<'a> TypeNames<'a> {
 
     /// The type of a block whose first word is `word`.
     pub fn of(&mut self, word: u64) -> Option<Arc<str>> {
+        if (self.gap.0..self.gap.1).contains(&word) {
+            return None;
+        }
         let k = self.read_only.partition_point(|&(start, _)| start <= word);
-        if k == 0 || word >= self.read_only[k - 1].1 {
+        let before_end = k.checked_sub(1).map_or(0, |k| self.read_only[k].1);
+        if word >= before_end {
+            let after = self.read_only.get(k).map_or(u64::MAX, |m| m.0);
+            self.gap = (before_end, after);
             return None;
         }
         let names = &mut self.names;
