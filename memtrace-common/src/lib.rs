@@ -213,6 +213,11 @@ pub enum EventKind {
     /// `munmap(addr, size)`: the range `addr..addr + size` was unmapped,
     /// whole mappings or parts of them (user space keeps the ranges).
     Unmap = 6,
+    /// Traced process `pid` ran exec (`sched_process_exec`): its old image
+    /// is gone, and every event of it came before this one (what its
+    /// exec'ing thread and the leader held in the kernel included); `aux`
+    /// is the exec'ing thread's id before the exec. No spec, no address.
+    Exec = 7,
 }
 
 /// One event in the ring buffer: 56 bytes.
@@ -679,7 +684,8 @@ try_from_u8!(EventKind {
     Failed,
     Fork,
     MapsStale,
-    Unmap
+    Unmap,
+    Exec
 });
 try_from_u8!(SpecKind {
     Alloc,
@@ -778,6 +784,9 @@ mod tests {
             EventKind::Realloc,
             EventKind::Failed,
             EventKind::Fork,
+            EventKind::MapsStale,
+            EventKind::Unmap,
+            EventKind::Exec,
         ] {
             assert_eq!(EventKind::try_from(kind as u8), Ok(kind));
         }

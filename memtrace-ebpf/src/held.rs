@@ -245,6 +245,41 @@ pub fn settle(pid_tgid: u64, ptr: u64, spec: u16, release: bool) -> bool {
     settle_elsewhere(pid, ptr, index)
 }
 
+/// Sends the event held in thread `tid`'s slot now, if it holds one (a
+/// process running exec: its old image's blocks go into the ring before
+/// the exec's event, never after). Like user space's take: the record is
+/// reserved first, the slot locked, sent, then freed at its next version;
+/// a slot locked meanwhile (a release settling it, user space taking it)
+/// is left to them, and a full ring leaves it held (user space takes it).
+#[inline(always)]
+pub fn send(tid: u32) {
+    let index = held_slot(tid);
+    let Some(slot) = HELD.get_ptr_mut(index) else {
+        return;
+    };
+    // SAFETY: `slot` is an element of an array map.
+    let state_word = unsafe { addr_of_mut!((*slot).state) };
+    let state = load(state_word);
+    if state & 1 != 0 || held_owner(state) != tid.wrapping_add(1) {
+        return;
+    }
+    let Some(mut record) = EVENTS.reserve::<WireEvent>(0) else {
+        return;
+    };
+    let sent_ns = now_ns();
+    if !swap(state_word, state, state | 1) {
+        record.discard(0);
+        return;
+    }
+    // SAFETY: the slot is locked by this program (its odd state).
+    let mut sent = unsafe { (*slot).event };
+    sent.ts_ns = sent_ns;
+    record.write(sent);
+    record.submit(wakeup_flags());
+    release_hint(held_hint(sent.addr), u64::from(index) + 1);
+    publish(slot, held_freed(state));
+}
+
 /// Forgets the block the current thread settled last: it made another
 /// event, so a release of that address now is a release of its own.
 #[inline(always)]

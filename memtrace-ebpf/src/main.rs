@@ -25,6 +25,11 @@
 //! `task_newtask`, which runs in the forking task), reports each new process
 //! (not thread) of a traced process (`TRACED`) with a `Fork` event, waking the
 //! reader at once so it can attach the child's probes quickly.
+//!
+//! A fourth, `task_exec` (a raw tracepoint on `sched_process_exec`, in the
+//! task that ran exec), reports an exec of a traced process with an `Exec`
+//! event, after sending what the exec'ing thread and the leader held:
+//! every event of the old image is then before it in the ring.
 #![no_std]
 #![no_main]
 #![feature(core_intrinsics)]
@@ -64,6 +69,9 @@ mod held {
 
     #[inline(always)]
     pub fn forget_settled(_tid: u32) {}
+
+    #[inline(always)]
+    pub fn send(_tid: u32) {}
 }
 
 use aya_ebpf::{
@@ -118,8 +126,8 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
 static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
 #[map]
 static SPECS: Array<ProbeSpec> = Array::with_max_entries(MAX_SPECS, 0);
-/// Processes whose forks are reported (`--follow-forks`), by tgid; filled by
-/// the loader.
+/// Processes whose forks and execs are reported, by tgid; filled by the
+/// loader.
 #[map]
 static TRACED: HashMap<u32, u8> = HashMap::with_max_entries(1024, 0);
 #[map]
@@ -218,6 +226,30 @@ pub fn task_new(ctx: RawTracePointContext) -> i32 {
     }
     let mut event = base_event(pid_tgid, 0, EventKind::Fork);
     event.aux = clone_flags;
+    emit_now(event);
+    0
+}
+
+/// A process ran exec (`sched_process_exec(task, old_pid, bprm)`), in the
+/// context of the task that did, its new image in place and not yet run.
+/// Attached whenever forks are watched.
+#[raw_tracepoint(tracepoint = "sched_process_exec")]
+pub fn task_exec(ctx: RawTracePointContext) -> i32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let pid = (pid_tgid >> 32) as u32;
+    if TRACED.get_ptr(&pid).is_none() {
+        return 0;
+    }
+    // The exec'ing thread's id before the exec (the leader's after it).
+    let old_tid: u64 = ctx.arg(1);
+    let old_tid = old_tid as u32;
+    held::send(old_tid);
+    if old_tid != pid {
+        // The leader, killed by the exec: what it held goes first too.
+        held::send(pid);
+    }
+    let mut event = base_event(pid_tgid, 0, EventKind::Exec);
+    event.aux = u64::from(old_tid);
     emit_now(event);
     0
 }

@@ -85,6 +85,11 @@ pub enum Action {
         addr: u64,
         len: u64,
     },
+    /// The process ran exec: every block of its old image is gone.
+    /// `old_tid`: the thread that ran it, by its id before the exec.
+    Exec {
+        old_tid: u32,
+    },
 }
 
 /// Why bytes could not be decoded.
@@ -141,6 +146,9 @@ pub fn from_wire(wire: &WireEvent) -> Result<Event, DecodeError> {
         EventKind::Unmap => Action::Unmap {
             addr: wire.addr,
             len: wire.size,
+        },
+        EventKind::Exec => Action::Exec {
+            old_tid: wire.aux as u32,
         },
     };
     Ok(Event {

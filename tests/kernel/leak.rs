@@ -328,6 +328,76 @@ fn an_image_replaced_by_exec_leaves_none_of_its_blocks_to_the_exit_check() {
     assert!(notes.contains("ran exec"), "{notes}");
 }
 
+/// By pid, a shell that allocates after the attach, then `exec`s: the
+/// blocks of its old image went with its address space, so none is
+/// reported live nor judged against the new image's memory (they were all
+/// "definitely lost" before: the new image holds no pointer to them), and
+/// the report says how many went. The exec reaches memtrace as an event in
+/// the stream (`task_exec`), so exactly the old image's blocks go.
+#[test]
+fn by_pid_an_image_replaced_by_exec_leaves_none_of_its_blocks() {
+    if !privileged() {
+        return;
+    }
+    let mut command = Command::new("/bin/bash");
+    command.args([
+        "-c",
+        "echo ready $$; read go; declare -A h; for i in $(seq 1 2000); do h[k$i]=value-$i; done; \
+         exec sh -c 'echo execd; exec sleep 60'",
+    ]);
+    let mut shell = Fixture::start_command(command);
+    let pid = shell.pid.to_string();
+    let tracer = Tracer::attach(&[
+        "--pid",
+        &pid,
+        "--leak-check",
+        "--format",
+        "json",
+        "--top",
+        "1000",
+    ]);
+    shell.send_line();
+    shell.expect_line("execd");
+    std::thread::sleep(Duration::from_millis(500));
+    tracer.signal(libc::SIGINT);
+    let (report, _) = tracer.report_last_line();
+    let prefix = format!("pid {pid} ran exec: ");
+    let dropped: u64 = report["notes"]
+        .as_array()
+        .expect("notes")
+        .iter()
+        .filter_map(|n| n.as_str()?.strip_prefix(&prefix))
+        .filter_map(|rest| rest.split(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert!(
+        dropped >= 2000,
+        "{dropped} blocks dropped: {}",
+        report["notes"]
+    );
+    let from_bash: Vec<&Value> = report["sites"]
+        .as_array()
+        .expect("sites")
+        .iter()
+        .filter(|site| {
+            site["frames"].as_array().is_some_and(|frames| {
+                frames
+                    .iter()
+                    .any(|f| f["module"].as_str().is_some_and(|m| m.ends_with("/bash")))
+            })
+        })
+        .collect();
+    assert!(
+        from_bash.is_empty(),
+        "the old image's blocks are live: {from_bash:?}"
+    );
+    let check = &report["leak_check"];
+    assert_eq!(check["ran"], true, "{check}");
+    assert!(
+        amount(&check["definitely_lost"]).0 < 2000,
+        "the old image's blocks judged lost: {check}"
+    );
+}
+
 #[test]
 fn launch_mode_totals_equal_valgrinds_for_cxx_heuristics() {
     if !privileged() {

@@ -217,7 +217,8 @@ pub struct DeviceTensors {
 )]
 pub struct ProgramCost {
     /// The BPF program: `call_enter` (allocator entries), `call_exit`
-    /// (their returns), `usdt_fire` (USDT probes) or `task_new` (forks).
+    /// (their returns), `usdt_fire` (USDT probes), `task_new` (forks) or
+    /// `task_exec` (execs).
     pub program: String,
     /// Times it ran while the kernel's BPF statistics were on.
     pub runs: u64,

@@ -80,6 +80,17 @@ pub struct OriginTotal {
     pub blocks: u64,
 }
 
+/// The blocks a process's exec took with its old image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExecDrop {
+    pub pid: u32,
+    pub blocks: u64,
+    pub bytes: u64,
+    /// Of them, allocations the kernel still held for threads the exec
+    /// killed (dropped before they reached the table).
+    pub held: u64,
+}
+
 /// What the table has seen.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Counts {
@@ -128,6 +139,8 @@ pub struct LiveTable {
     /// The live blocks of [`Domain::Mapping`] as ranges: (process, start)
     /// to length, so an unmapped range finds every mapping it meets.
     mappings: BTreeMap<(u32, u64), u64>,
+    /// Execs met in the stream, not yet taken ([`LiveTable::take_execs`]).
+    execs: Vec<ExecDrop>,
 }
 
 impl LiveTable {
@@ -141,7 +154,13 @@ impl LiveTable {
             origins: HashMap::new(),
             superseded: BTreeMap::new(),
             mappings: BTreeMap::new(),
+            execs: Vec::new(),
         }
+    }
+
+    /// The execs met since the last call, with the blocks each dropped.
+    pub fn take_execs(&mut self) -> Vec<ExecDrop> {
+        std::mem::take(&mut self.execs)
     }
 
     /// Marks the end of the trace at `ts_ns` (monotonic, the events' clock).
@@ -204,6 +223,15 @@ impl LiveTable {
                 *self.counts.failed.entry((event.spec, code)).or_insert(0) += 1;
             }
             Action::Unmap { addr, len } => self.unmap(event, addr, len),
+            Action::Exec { .. } => {
+                let (blocks, bytes) = self.forget_process(event.pid);
+                self.execs.push(ExecDrop {
+                    pid: event.pid,
+                    blocks,
+                    bytes,
+                    held: 0,
+                });
+            }
             Action::Fork { .. } | Action::MapsStale => {}
         }
     }
@@ -545,6 +573,37 @@ mod tests {
             table.origins().next().is_none(),
             "emptied origins are dropped"
         );
+    }
+
+    #[test]
+    fn an_exec_drops_every_block_of_its_process_there_and_says_how_many() {
+        let mut table = LiveTable::new(100);
+        table.apply(&alloc(0x10, 48), Domain::Heap);
+        table.apply(&alloc(0x20, 16), Domain::CudaMemory);
+        let other = Event {
+            pid: 9,
+            tid: 9,
+            ..alloc(0x10, 8)
+        };
+        table.apply(&other, Domain::Heap);
+        table.apply(&event(Action::Exec { old_tid: 2 }), Domain::Heap);
+        assert_eq!(
+            table.take_execs(),
+            vec![ExecDrop {
+                pid: 1,
+                blocks: 2,
+                bytes: 64,
+                held: 0
+            }]
+        );
+        assert!(table.take_execs().is_empty(), "taken once");
+        // The other process keeps its block; the new image starts afresh,
+        // and a release of an old block's address is its own business.
+        assert_eq!((table.len(), table.live_bytes()), (1, 8));
+        table.apply(&alloc(0x10, 32), Domain::Heap);
+        assert_eq!(table.counts().addresses_reused, 0);
+        let (kept, summed) = origin_totals(&table);
+        assert_eq!(kept, summed);
     }
 
     #[test]

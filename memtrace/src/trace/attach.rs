@@ -130,6 +130,13 @@ impl<'a> Trace<'a> {
             }
             Err(err) => log::warn!("fork reports unavailable, children found by polling: {err:#}"),
         }
+        // An exec drops the old image's blocks where it happened in the
+        // stream; without it, by pid, they stay in the table.
+        let exec_reports = probes.watch_execs().err().map(|err| {
+            format!(
+                "exec reports unavailable ({err:#}): a traced process that runs exec keeps its old image's blocks in the report"
+            )
+        });
         // The session clock starts before any probe is attached.
         let (started, started_ns) = (Instant::now(), monotonic_ns());
         let kernel_log = if args.verbose > 0 {
@@ -286,7 +293,7 @@ impl<'a> Trace<'a> {
             })),
             memory_at_attach: read_memory(pid),
             memory_last: read_memory(pid),
-            notes: Vec::new(),
+            notes: exec_reports.into_iter().collect(),
             python: python::PythonWatch::default(),
             leak: Default::default(),
         };

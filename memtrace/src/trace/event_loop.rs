@@ -272,11 +272,13 @@ impl Trace<'_> {
                 session
                     .pipeline
                     .drain_all(self.ring.get_mut(), &self.probes);
+                session.note_exec_drops();
+                // Without the exec reports (`task_exec`), the stream had no
+                // exec event: dropped here, at the stop.
                 let (blocks, bytes) = session.pipeline.forget_blocks(replaced);
                 if blocks > 0 {
-                    session.notes.push(format!(
-                        "pid {replaced} ran exec: {blocks} live blocks ({bytes} bytes) of its old image went with it and are not reported"
-                    ));
+                    let note = super::session::exec_drop_note(replaced, blocks, bytes);
+                    session.notes.push(note);
                 }
                 let _ = ack.send(());
             }

@@ -59,6 +59,8 @@ static EBPF_OBJECT_COMPAT: &[u8] =
 const ENTER: &str = "call_enter";
 const EXIT: &str = "call_exit";
 const FORKS: &str = "task_new";
+/// The exec reporter (see [`Probes::watch_forks`]).
+const EXECS: &str = "task_exec";
 /// The program of every USDT probe (`memtrace-ebpf/src/usdt.rs`).
 const USDT: &str = "usdt_fire";
 /// The tail-called programs of the `tailcall` and `compat` objects, at
@@ -629,6 +631,29 @@ impl Probes {
         program
             .attach("task_newtask")
             .context("cannot attach to the task_newtask tracepoint")?;
+        Ok(())
+    }
+
+    /// Loads and attaches the exec reporter: an exec of a traced process
+    /// (as `TRACED` names them: [`Probes::watch_forks`] first) becomes an
+    /// event in the stream, after every event of the old image, so the
+    /// table drops that image's blocks exactly there. Runs on every exec
+    /// on the machine, a hash lookup each.
+    pub fn watch_execs(&mut self) -> anyhow::Result<()> {
+        if self.traced.is_none() {
+            anyhow::bail!("the traced processes' map is not set up");
+        }
+        let program: &mut RawTracePoint = self
+            .ebpf
+            .program_mut(EXECS)
+            .with_context(|| format!("program {EXECS} missing from the eBPF object"))?
+            .try_into()?;
+        program
+            .load()
+            .map_err(|err| program_load_failure(EXECS, &self.options, &err))?;
+        program
+            .attach("sched_process_exec")
+            .context("cannot attach to the sched_process_exec tracepoint")?;
         Ok(())
     }
 
@@ -1238,7 +1263,7 @@ pub struct ProgramLoad {
 }
 
 /// Loads the embedded object with `options` and each of its programs
-/// (`call_enter`, `call_exit`, `usdt_fire`, `task_new`), attaching nothing; everything is
+/// (`call_enter`, `call_exit`, `usdt_fire`, `task_new`, `task_exec`), attaching nothing; everything is
 /// unloaded on return. An error: the maps could not be created.
 pub fn load_test(options: &LoadOptions) -> Result<Vec<ProgramLoad>, aya::EbpfError> {
     let choice = crate::kernel::variant::choose(true);
@@ -1252,7 +1277,7 @@ pub fn load_test(options: &LoadOptions) -> Result<Vec<ProgramLoad>, aya::EbpfErr
     } else {
         &[]
     };
-    for name in [ENTER, EXIT, USDT, FORKS].iter().chain(tail) {
+    for name in [ENTER, EXIT, USDT, FORKS, EXECS].iter().chain(tail) {
         let name = *name;
         let outcome = match ebpf.program_mut(name) {
             None => Err(aya::programs::ProgramError::NotLoaded),

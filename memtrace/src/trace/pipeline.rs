@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use aya::maps::{MapData, RingBuf};
-use memtrace_common::{WireEvent, HELD_SLOTS};
+use memtrace_common::{EventKind, WireEvent, HELD_SLOTS};
 
 use crate::event::{self, Action, Event, StackRef};
 use crate::probe::maps::{self, AddressSpace};
@@ -68,6 +68,11 @@ pub struct Pipeline {
     held_buf: Vec<WireEvent>,
     /// The held table's states at its previous scan (see `Take::Unchanged`).
     held_seen: Vec<u64>,
+    /// Held allocations of an old image's threads dropped before its
+    /// exec's event is applied.
+    held_dropped_at_exec: (u64, u64),
+    /// Execs met in the stream, not yet taken ([`Pipeline::take_execs`]).
+    execs: Vec<crate::table::ExecDrop>,
     /// Device index and stream of live USDT allocations that carry them.
     pub usdt_tags: crate::trace::usdt_probes::UsdtTags,
 }
@@ -90,6 +95,8 @@ impl Pipeline {
             held_taken: None,
             held_buf: Vec::new(),
             held_seen: Vec::new(),
+            held_dropped_at_exec: (0, 0),
+            execs: Vec::new(),
             usdt_tags: Default::default(),
         }
     }
@@ -179,6 +186,9 @@ impl Pipeline {
                         self.take(&held, probes);
                         next_taken += 1;
                     }
+                    if wire.kind == EventKind::Exec as u8 {
+                        self.before_exec(&wire, &mut taken, next_taken, probes);
+                    }
                     self.take(&wire, probes);
                 }
                 Err(err) => {
@@ -191,6 +201,42 @@ impl Pipeline {
             self.take(&held, probes);
         }
         self.held_buf = taken;
+    }
+
+    /// Process `wire.pid` ran exec (its event is next): what its other
+    /// threads held in the kernel when they died with the old image is
+    /// taken now and dropped, like every block of it, from the taken
+    /// events still to apply too. The exec'ing thread and the leader sent
+    /// theirs before the event; held events of the process's thread `pid`
+    /// taken from now on are the new image's. (A thread the new image
+    /// made in the moment since the exec, holding a block, loses it here;
+    /// its release is then an unmatched free, counted.)
+    fn before_exec(
+        &mut self,
+        wire: &WireEvent,
+        taken: &mut Vec<WireEvent>,
+        next_taken: usize,
+        probes: &Probes,
+    ) {
+        let pid = wire.pid;
+        let of_old_image = |h: &WireEvent| h.pid == pid && h.tid != pid;
+        if let Some(held) = probes.held() {
+            let mut now = Vec::new();
+            held.take(Take::All, &mut now);
+            // Stamped now: after every event taken before.
+            taken.extend(now);
+        }
+        let mut kept = next_taken;
+        for k in next_taken..taken.len() {
+            if of_old_image(&taken[k]) {
+                self.held_dropped_at_exec.0 += 1;
+                self.held_dropped_at_exec.1 += taken[k].size;
+            } else {
+                taken[kept] = taken[k];
+                kept += 1;
+            }
+        }
+        taken.truncate(kept);
     }
 
     /// Takes held allocations, to be applied by the next
@@ -230,6 +276,32 @@ impl Pipeline {
             if !self.stale_maps.contains(&event.pid) {
                 self.stale_maps.push(event.pid);
             }
+            return;
+        }
+        if let Action::Exec { old_tid } = event.action {
+            log::debug!(
+                "exec of pid {} (thread {}, {old_tid} before), at {} ns",
+                event.pid,
+                event.tid,
+                event.ts_ns
+            );
+            // Every block of the old image goes (whatever its domain); the
+            // new image's mappings are read at once.
+            self.table.apply(event, crate::probe::catalog::Domain::Heap);
+            let (held, held_bytes) = std::mem::take(&mut self.held_dropped_at_exec);
+            for mut drop in self.table.take_execs() {
+                drop.held = held;
+                drop.blocks += held;
+                drop.bytes += held_bytes;
+                self.execs.push(drop);
+            }
+            if !self.stale_maps.contains(&event.pid) {
+                self.stale_maps.push(event.pid);
+            }
+            // Its threads are named anew (the new image's `comm`).
+            let (pid, threads) = (event.pid, &self.thread_process);
+            self.thread_names
+                .retain(|tid, _| threads.get(tid) != Some(&pid));
             return;
         }
         if let Action::Fork { .. } = event.action {
@@ -369,10 +441,16 @@ impl Pipeline {
         }
     }
 
-    /// Forgets the mappings of a process that is gone.
+    /// The execs met in the stream since the last call, each with the
+    /// blocks of the old image it dropped.
+    pub fn take_execs(&mut self) -> Vec<crate::table::ExecDrop> {
+        std::mem::take(&mut self.execs)
+    }
+
     /// `pid` ran `exec`: the blocks of its old image are gone (see
     /// [`LiveTable::forget_process`]).
     pub fn forget_blocks(&mut self, pid: u32) -> (u64, u64) {
+        // (Blocks an exec event already dropped are in `take_execs`.)
         self.table.forget_process(pid)
     }
 

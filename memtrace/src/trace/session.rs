@@ -55,6 +55,7 @@ impl Session<'_> {
     /// so new stacks are symbolized against the new image, and the report
     /// says so.
     pub fn follow_execs(&mut self, probes: &mut Probes) {
+        self.note_exec_drops();
         let target = self.target.pid;
         for pid in self.family.running().collect::<Vec<_>>() {
             let Some((exe, was)) = self.family.follow_exec(pid, &mut self.pipeline) else {
@@ -80,6 +81,14 @@ impl Session<'_> {
                     Err(_) => self.target.exe = exe,
                 }
             }
+        }
+    }
+
+    /// Says what each exec met in the stream took with the old image.
+    pub fn note_exec_drops(&mut self) {
+        for drop in self.pipeline.take_execs() {
+            self.notes
+                .push(exec_drop_note(drop.pid, drop.blocks, drop.bytes));
         }
     }
 
@@ -278,4 +287,12 @@ pub fn monotonic_ns() -> u64 {
     // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     (ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64
+}
+
+/// The report's note on the blocks an exec of `pid` took with its old
+/// image.
+pub fn exec_drop_note(pid: u32, blocks: u64, bytes: u64) -> String {
+    format!(
+        "pid {pid} ran exec: {blocks} live blocks ({bytes} bytes) of its old image went with it and are not reported"
+    )
 }
