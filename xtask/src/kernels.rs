@@ -189,7 +189,8 @@ pub struct CheckArgs {
     /// A memtrace JSON report.
     file: PathBuf,
     /// `site:SYM=BYTES/COUNT`, `chain:SYM=A,B,..`, `nostacks`, `total:ALLOC>=BYTES`,
-    /// `py:F1,F2,..>=BYTES/COUNT`, `processes>=N`.
+    /// `py:F1,F2,..>=BYTES/COUNT`, `processes>=N`, `!note:TEXT` (no note
+    /// holds TEXT).
     assertions: Vec<String>,
 }
 
@@ -1662,6 +1663,18 @@ pub fn check_assertion(report: &Value, assertion: &str) -> Result<String, String
             Err(format!("leak_check.{path}: {got}, expected {want}"))
         };
     }
+    if let Some(text) = assertion.strip_prefix("!note:") {
+        let found = report["notes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .find(|note| note.contains(text));
+        return match found {
+            None => Ok(format!("no note of {text:?}")),
+            Some(note) => Err(format!("note: {note}")),
+        };
+    }
     if let Some(min) = assertion.strip_prefix("processes>=") {
         let min: usize = min.parse().map_err(|_| format!("bad number {min:?}"))?;
         let n = report["processes"].as_array().map_or(0, Vec::len);
@@ -1931,5 +1944,9 @@ linux-binary-7.1.4+deb14-cloud-amd64 - image
         assert!(check_assertion(&report, "processes>=1").is_ok());
         assert!(check_assertion(&report, "processes>=3").is_err());
         assert!(check_assertion(&report, "bogus").is_err());
+        let noted = json!({"notes": ["exec reports unavailable (refused)"]});
+        assert!(check_assertion(&noted, "!note:exec reports").is_err());
+        assert!(check_assertion(&noted, "!note:fork reports").is_ok());
+        assert!(check_assertion(&report, "!note:exec reports").is_ok());
     }
 }

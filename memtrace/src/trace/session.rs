@@ -84,11 +84,14 @@ impl Session<'_> {
         }
     }
 
-    /// Says what each exec met in the stream took with the old image.
+    /// Says what each exec met in the stream took with the old image (an
+    /// image that left nothing, such as the launcher's, goes unsaid).
     pub fn note_exec_drops(&mut self) {
         for drop in self.pipeline.take_execs() {
-            self.notes
-                .push(exec_drop_note(drop.pid, drop.blocks, drop.bytes));
+            if drop.blocks > 0 {
+                let note = exec_drop_note(drop.pid, drop.blocks, drop.bytes);
+                self.notes.push(note);
+            }
         }
     }
 
