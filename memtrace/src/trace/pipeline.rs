@@ -298,6 +298,9 @@ impl Pipeline {
             if !self.stale_maps.contains(&event.pid) {
                 self.stale_maps.push(event.pid);
             }
+            // The old image's map goes (and its stacks still waiting for a
+            // better one): the next stack reads the new image's.
+            self.spaces.remove(&event.pid);
             // Its threads are named anew (the new image's `comm`).
             let (pid, threads) = (event.pid, &self.thread_process);
             self.thread_names
