@@ -620,18 +620,7 @@ impl Probes {
             traced.insert(pid, 1, 0)?;
         }
         self.traced = Some(traced);
-        let program: &mut RawTracePoint = self
-            .ebpf
-            .program_mut(FORKS)
-            .with_context(|| format!("program {FORKS} missing from the eBPF object"))?
-            .try_into()?;
-        program
-            .load()
-            .map_err(|err| program_load_failure(FORKS, &self.options, &err))?;
-        program
-            .attach("task_newtask")
-            .context("cannot attach to the task_newtask tracepoint")?;
-        Ok(())
+        self.attach_tracepoint(FORKS, "task_newtask")
     }
 
     /// Loads and attaches the exec reporter: an exec of a traced process
@@ -643,17 +632,22 @@ impl Probes {
         if self.traced.is_none() {
             anyhow::bail!("the traced processes' map is not set up");
         }
+        self.attach_tracepoint(EXECS, "sched_process_exec")
+    }
+
+    /// Loads raw tracepoint program `name` and attaches it to `tracepoint`.
+    fn attach_tracepoint(&mut self, name: &str, tracepoint: &str) -> anyhow::Result<()> {
         let program: &mut RawTracePoint = self
             .ebpf
-            .program_mut(EXECS)
-            .with_context(|| format!("program {EXECS} missing from the eBPF object"))?
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing from the eBPF object"))?
             .try_into()?;
         program
             .load()
-            .map_err(|err| program_load_failure(EXECS, &self.options, &err))?;
+            .map_err(|err| program_load_failure(name, &self.options, &err))?;
         program
-            .attach("sched_process_exec")
-            .context("cannot attach to the sched_process_exec tracepoint")?;
+            .attach(tracepoint)
+            .with_context(|| format!("cannot attach to the {tracepoint} tracepoint"))?;
         Ok(())
     }
 
