@@ -457,6 +457,7 @@ impl Pipeline {
         self.table.forget_process(pid)
     }
 
+    /// Forgets the mappings of a process that is gone.
     pub fn forget_space(&mut self, pid: u32) {
         self.spaces.remove(&pid);
     }
