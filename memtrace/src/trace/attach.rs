@@ -296,6 +296,7 @@ impl<'a> Trace<'a> {
             notes: exec_reports.into_iter().collect(),
             python: python::PythonWatch::default(),
             leak: Default::default(),
+            exec_drops: Default::default(),
         };
         let mut trace = Trace {
             args,

@@ -276,10 +276,7 @@ impl Trace<'_> {
                 // Without the exec reports (`task_exec`), the stream had no
                 // exec event: dropped here, at the stop.
                 let (blocks, bytes) = session.pipeline.forget_blocks(replaced);
-                if blocks > 0 {
-                    let note = super::session::exec_drop_note(replaced, blocks, bytes);
-                    session.notes.push(note);
-                }
+                session.note_exec_drop(replaced, blocks, bytes);
                 let _ = ack.send(());
             }
             ChildEvent::Mapped { pid: mapped, ack } => {

@@ -5,6 +5,7 @@
 //! birth in launch mode), processes found by `--name`, `exec`s, and the
 //! target's exit. Turning the session into a report is [`super::reporting`].
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use aya::maps::{MapData, RingBuf};
@@ -40,6 +41,50 @@ pub struct Session<'a> {
     pub python: python::PythonWatch,
     /// The latest leak check (`--leak-check`, launch mode's at exit).
     pub leak: crate::report::leak::LeakState,
+    /// What the execs of each process took with its old images.
+    pub exec_drops: ExecNotes,
+}
+
+/// What the execs of one process took with its old images.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct ExecDrops {
+    execs: u32,
+    blocks: u64,
+    bytes: u64,
+    /// Its note's index in the notes.
+    note: usize,
+}
+
+/// The notes on blocks that execs took: one note a process, however many
+/// execs (a shim chain, `bash` to `pyenv` to `python3`, is said once).
+#[derive(Debug, Default)]
+pub struct ExecNotes(HashMap<u32, ExecDrops>);
+
+impl ExecNotes {
+    /// Adds one exec of `pid` that took `blocks` (`bytes`) to its note in
+    /// `notes` (written, or rewritten in place). An exec that took nothing
+    /// (the launcher's) goes unsaid.
+    pub fn add(&mut self, notes: &mut Vec<String>, pid: u32, blocks: u64, bytes: u64) {
+        if blocks == 0 {
+            return;
+        }
+        let fresh = ExecDrops {
+            note: notes.len(),
+            ..ExecDrops::default()
+        };
+        let drops = self.0.entry(pid).or_insert(fresh);
+        drops.execs += 1;
+        drops.blocks += blocks;
+        drops.bytes += bytes;
+        let note = exec_drop_note(pid, *drops);
+        match notes.get_mut(drops.note) {
+            Some(said) => *said = note,
+            None => {
+                drops.note = notes.len();
+                notes.push(note);
+            }
+        }
+    }
 }
 
 impl Session<'_> {
@@ -88,11 +133,13 @@ impl Session<'_> {
     /// image that left nothing, such as the launcher's, goes unsaid).
     pub fn note_exec_drops(&mut self) {
         for drop in self.pipeline.take_execs() {
-            if drop.blocks > 0 {
-                let note = exec_drop_note(drop.pid, drop.blocks, drop.bytes);
-                self.notes.push(note);
-            }
+            self.note_exec_drop(drop.pid, drop.blocks, drop.bytes);
         }
+    }
+
+    /// Adds one exec's dropped blocks to its process's note.
+    pub fn note_exec_drop(&mut self, pid: u32, blocks: u64, bytes: u64) {
+        self.exec_drops.add(&mut self.notes, pid, blocks, bytes);
     }
 
     /// Checks the target itself (attach mode); true when tracing should stop
@@ -292,10 +339,53 @@ pub fn monotonic_ns() -> u64 {
     (ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64
 }
 
-/// The report's note on the blocks an exec of `pid` took with its old
-/// image.
-pub fn exec_drop_note(pid: u32, blocks: u64, bytes: u64) -> String {
-    format!(
-        "pid {pid} ran exec: {blocks} live blocks ({bytes} bytes) of its old image went with it and are not reported"
-    )
+/// The report's note on the blocks the execs of `pid` took with its old
+/// images.
+fn exec_drop_note(pid: u32, drops: ExecDrops) -> String {
+    let ExecDrops {
+        execs,
+        blocks,
+        bytes,
+        ..
+    } = drops;
+    if execs <= 1 {
+        format!(
+            "pid {pid} ran exec: {blocks} live blocks ({bytes} bytes) of its old image went with it and are not reported"
+        )
+    } else {
+        format!(
+            "pid {pid} ran exec {execs} times: {blocks} live blocks ({bytes} bytes) of its old images went with them and are not reported"
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chain_of_execs_is_said_once_a_process() {
+        let mut notes = vec!["before".to_string()];
+        let mut execs = ExecNotes::default();
+        execs.add(&mut notes, 7, 0, 0);
+        assert_eq!(notes.len(), 1, "an exec that took nothing goes unsaid");
+        execs.add(&mut notes, 7, 10, 100);
+        assert_eq!(
+            notes[1],
+            "pid 7 ran exec: 10 live blocks (100 bytes) of its old image went with it and are not reported"
+        );
+        notes.push("between".to_string());
+        execs.add(&mut notes, 8, 1, 16);
+        execs.add(&mut notes, 7, 5, 50);
+        execs.add(&mut notes, 7, 0, 0);
+        assert_eq!(notes.len(), 4, "{notes:?}");
+        assert_eq!(
+            notes[1],
+            "pid 7 ran exec 2 times: 15 live blocks (150 bytes) of its old images went with them and are not reported"
+        );
+        assert!(
+            notes[3].starts_with("pid 8 ran exec: 1 live blocks"),
+            "{notes:?}"
+        );
+    }
 }
