@@ -285,9 +285,8 @@ impl Recorder {
             leak_verdicts: leak_verdicts
                 .map(|verdicts| {
                     verdicts
-                        .entries()
                         .iter()
-                        .map(|&((pid, domain, addr), category)| {
+                        .map(|((pid, domain, addr), category)| {
                             let code = Category::ALL
                                 .iter()
                                 .position(|c| *c == category)

@@ -29,7 +29,7 @@ use crate::probe::SpecEntry;
 use crate::reach::{self, Category, Node};
 use crate::report::leak::{
     Amount, BeforeAttach, CheckMode, CheckPoint, Explanation, LeakCheck, LeakSplit, LeakState,
-    LeakVerdicts,
+    LeakVerdicts, VerdictRun,
 };
 use crate::report::LOST_CAUSES;
 use crate::stacks::StackStore;
@@ -58,7 +58,7 @@ struct Judgement {
     scanned: u64,
     unreadable: u64,
     skipped: u64,
-    verdicts: Vec<((u32, Domain, u64), Category)>,
+    verdicts: Vec<VerdictRun>,
     explanations: Vec<Explanation>,
     before_attach: Option<BeforeAttach>,
     /// The heap walk met an arena locked (a thread stopped inside malloc).
@@ -186,8 +186,10 @@ struct Prepared {
     pid: u32,
     threads: Vec<StoppedThread>,
     mappings: Vec<Mapping>,
+    /// Its blocks in the table, in the table's order: (domain, address).
     nodes: Vec<Node>,
-    keys: Vec<((u32, Domain, u64), u64)>,
+    /// The domain of the nodes from each index on (its first node's).
+    domains: Vec<(usize, Domain)>,
     not_judged: Amount,
     /// File names of the objects defining a device allocator memtrace probes.
     device_modules: Vec<String>,
@@ -215,8 +217,10 @@ fn prepare(
     let runtime_library = |path: &Path| {
         runtime_name(file_name(path)) || device_modules.iter().any(|m| m == file_name(path))
     };
+    let taken = Instant::now();
     let mut nodes = Vec::new();
-    let mut keys = Vec::new();
+    let mut domains: Vec<(usize, Domain)> = Vec::new();
+    let mut runtime_stacks: foldhash::HashMap<u32, bool> = Default::default();
     let mut not_judged = Amount::default();
     for (owner, domain, addr, block) in input.table.blocks() {
         if owner != pid {
@@ -229,19 +233,29 @@ fn prepare(
             not_judged.add(block.size);
             continue;
         };
+        // Per call stack, not per block (10M blocks come from a few sites).
         let runtime_owned = scan
             && match block.stack() {
-                crate::event::StackRef::Id(id) => input
-                    .stacks
-                    .get(id)
-                    .and_then(|frames| frames.first())
-                    .and_then(|frame| frame.file.as_ref())
-                    .is_some_and(|file| runtime_library(&file.module)),
+                crate::event::StackRef::Id(id) => *runtime_stacks.entry(id).or_insert_with(|| {
+                    input
+                        .stacks
+                        .get(id)
+                        .and_then(|frames| frames.first())
+                        .and_then(|frame| frame.file.as_ref())
+                        .is_some_and(|file| runtime_library(&file.module))
+                }),
                 _ => false,
             };
+        if domains.last().is_none_or(|&(_, d)| d != domain) {
+            domains.push((nodes.len(), domain));
+        }
         nodes.push(Node::new(addr, block.size, scan, runtime_owned));
-        keys.push(((pid, domain, addr), block.size));
     }
+    log::debug!(
+        "leak check of pid {pid}: {} blocks taken from the table in {:.1} ms",
+        nodes.len(),
+        taken.elapsed().as_secs_f64() * 1000.0
+    );
     let Ok(mappings) = crate::tracee::maps::read_raw(pid) else {
         return Err(format!(
             "pid {pid} exited during the check: nothing of it is judged"
@@ -252,7 +266,7 @@ fn prepare(
         threads: threads.to_vec(),
         mappings,
         nodes,
-        keys,
+        domains,
         not_judged,
         device_modules,
         complete: input.complete,
@@ -277,10 +291,9 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
         not_judged: prepared.not_judged,
         ..Judgement::default()
     };
-    // Borrowed (10M traced blocks: 160 MB of nodes, 320 MB of keys),
-    // copied only when the walk adds its blocks.
+    // Borrowed (10M traced blocks: 160 MB of nodes), copied only when the
+    // walk adds its blocks.
     let mut nodes: Cow<'_, [Node]> = Cow::Borrowed(&prepared.nodes);
-    let keys = &prepared.keys;
     let memory_pid = memory.pid;
     let gone = || {
         if memory_pid != pid {
@@ -407,7 +420,7 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
     judgement.unreadable = memory.unreadable;
     judgement.skipped = memory.skipped;
     let cut = memory.skipped > 0;
-    let traced = keys.len();
+    let traced = prepared.nodes.len();
     if let Some(walked) = &walked {
         for (node, verdict) in nodes[traced..].iter().zip(&outcome.verdicts[traced..]) {
             if cut && verdict.category != Category::StillReachable {
@@ -449,21 +462,32 @@ fn judge(prepared: &Prepared, mut memory: ProcessMemory) -> Result<Judgement, St
         }
         .explain(&prepared.explain);
     }
-    for (&(key, size), verdict) in keys.iter().zip(outcome.verdicts) {
-        // A scan cut short proves only what it reached.
-        if cut && verdict.category != Category::StillReachable {
-            judgement.not_judged.add(size);
-            continue;
+    // The traced blocks' verdicts, a run per domain (the walked blocks
+    // have none: the table does not hold them).
+    for (k, &(first, domain)) in prepared.domains.iter().enumerate() {
+        let end = prepared
+            .domains
+            .get(k + 1)
+            .map_or(traced, |&(next, _)| next);
+        let mut run = VerdictRun::new(pid, domain, end - first);
+        for (node, verdict) in nodes[first..end].iter().zip(&outcome.verdicts[first..end]) {
+            let size = node.size();
+            // A scan cut short proves only what it reached.
+            if cut && verdict.category != Category::StillReachable {
+                judgement.not_judged.add(size);
+                continue;
+            }
+            judgement.split.add(verdict.category, size);
+            if let Some(heuristic) = verdict.heuristic {
+                judgement
+                    .heuristics
+                    .entry(heuristic.name().to_string())
+                    .or_default()
+                    .add(size);
+            }
+            run.push(node.start, verdict.category);
         }
-        judgement.split.add(verdict.category, size);
-        if let Some(heuristic) = verdict.heuristic {
-            judgement
-                .heuristics
-                .entry(heuristic.name().to_string())
-                .or_default()
-                .add(size);
-        }
-        judgement.verdicts.push((key, verdict.category));
+        judgement.verdicts.push(run);
     }
     phase.done("verdicts");
     Ok(judgement)
@@ -536,7 +560,12 @@ fn add(state: &mut LeakState, judgement: Judgement, threads: usize, judged_at_ns
             None => summary.before_attach = Some(before),
         }
     }
+    let kept = Instant::now();
     state.verdicts.add(judgement.verdicts, pid, judged_at_ns);
+    log::debug!(
+        "leak check of pid {pid}: verdicts kept in {:.1} ms",
+        kept.elapsed().as_secs_f64() * 1000.0
+    );
 }
 
 /// Events lost so far, all causes.
