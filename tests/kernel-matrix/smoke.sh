@@ -194,11 +194,13 @@ check_leakcheck() {
         i=$((i + 1))
     done
     # Not under timeout(1): SIGINT must reach memtrace itself (its final
-    # check); a watchdog bounds it instead.
+    # check); a watchdog bounds it instead. Its sleep holds none of the
+    # suite's output: killed with the watchdog, it would be orphaned still
+    # holding the pipe the host row reads, and the row would wait out $T.
     "$MEMTRACE" --pid "$fixture" --leak-check --format json --top 500 \
         --output "$WORK/leakcheck.json" </dev/null >"$WORK/leakcheck.out" 2>"$WORK/leakcheck.err" &
     tracer=$!
-    (sleep "$T"; kill "$tracer" 2>/dev/null) &
+    (sleep "$T" </dev/null >/dev/null 2>&1; kill "$tracer" 2>/dev/null) &
     watchdog=$!
     i=0
     while ! grep -q "memtrace: tracing" "$WORK/leakcheck.err" 2>/dev/null && kill -0 "$tracer" 2>/dev/null && [ $i -lt "$T" ]; do
